@@ -1,0 +1,103 @@
+"""The r3rdma exception hierarchy.
+
+One root, :class:`R3Error`. Each subclass also inherits the built-in exception a caller
+would naturally catch (``KeyError`` for unknown ids, ``ValueError`` for bad input,
+``TimeoutError`` for waits), so ``except KeyError`` keeps working for code that does not
+know r3rdma. Messages say what was expected and what arrived.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "R3Error",
+    "ConfigError",
+    "InvalidIdError",
+    "ShapeMismatchError",
+    "MissingRowsError",
+    "StaleSlotError",
+    "CaptureStateError",
+    "UnknownRolloutError",
+    "UnknownRequestError",
+    "DuplicateRequestError",
+    "CorruptDataError",
+    "StoreError",
+    "R3TimeoutError",
+    "TransportError",
+    "ProtocolError",
+    "AuthenticationError",
+    "ReplayError",
+]
+
+
+class R3Error(Exception):
+    """Root of every error r3rdma raises on purpose."""
+
+
+class ConfigError(R3Error, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class InvalidIdError(R3Error, ValueError):
+    """A rollout or request id does not match ``[A-Za-z0-9._:-]{1,200}`` (ids become paths)."""
+
+
+class ShapeMismatchError(R3Error, ValueError):
+    """A tensor's shape, dtype, layer count or top-k differs from what was declared."""
+
+
+class MissingRowsError(R3Error, ValueError):
+    """A finished request has positions whose routing row was never computed."""
+
+
+class StaleSlotError(R3Error, ValueError):
+    """A KV slot was rewritten by another token before a request that relies on it gathered it."""
+
+
+class CaptureStateError(R3Error, RuntimeError):
+    """The engine called the capturer out of order (e.g. ``record`` outside a step)."""
+
+
+class UnknownRolloutError(R3Error, KeyError):
+    """No committed request exists for this rollout id."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownRequestError(R3Error, KeyError):
+    """The rollout exists but holds no committed request with this id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequestError(R3Error, ValueError):
+    """A request id was committed before with different bytes."""
+
+
+class CorruptDataError(R3Error, ValueError):
+    """Stored bytes fail their checksum or do not decode."""
+
+
+class StoreError(R3Error, OSError):
+    """The store could not durably write or read (disk full, permissions, I/O error)."""
+
+
+class R3TimeoutError(R3Error, TimeoutError):
+    """A wait ran past its deadline."""
+
+
+class TransportError(R3Error, ConnectionError):
+    """A connection to a peer failed or was closed."""
+
+
+class ProtocolError(R3Error, ValueError):
+    """A peer sent a frame that violates the wire protocol (version, size, order, schema)."""
+
+
+class AuthenticationError(R3Error, PermissionError):
+    """The peer did not prove knowledge of the shared secret."""
+
+
+class ReplayError(R3Error, RuntimeError):
+    """Routing replay was asked for data it does not have or that does not fit."""
