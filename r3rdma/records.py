@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
+import google_crc32c  # a dependency of zarr (its crc32c codec)
 import numpy as np
 
 from .errors import ShapeMismatchError
@@ -29,8 +29,8 @@ def routing_dtype(num_experts: int) -> np.dtype:
 
 
 def checksum(ids_TLK: np.ndarray) -> int:
-    """CRC-32 (zlib) of the C-order bytes of a routing array; stored in the rollout index."""
-    return zlib.crc32(np.ascontiguousarray(ids_TLK).data) & 0xFFFFFFFF
+    """CRC-32C of the C-order bytes of a routing array; stored in the rollout index."""
+    return int(google_crc32c.value(np.ascontiguousarray(ids_TLK).tobytes()))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -47,7 +47,7 @@ class RequestRecord:
     layer_map: tuple[int, ...]
     num_experts: int
     start_row: int = 0
-    crc32: int = field(default=-1)
+    crc32c: int = field(default=-1)
 
     def __post_init__(self) -> None:
         validate_id(self.rollout_id, "rollout_id")
@@ -73,11 +73,11 @@ class RequestRecord:
             object.__setattr__(self, "ids_TLK", np.ascontiguousarray(ids))
         object.__setattr__(self, "layer_map", tuple(int(x) for x in self.layer_map))
         crc = checksum(self.ids_TLK)
-        if self.crc32 not in (-1, crc):
+        if self.crc32c not in (-1, crc):
             raise ShapeMismatchError(
-                f"request {self.request_id}: checksum {self.crc32:#010x} given, bytes hash to {crc:#010x}"
+                f"request {self.request_id}: checksum {self.crc32c:#010x} given, bytes hash to {crc:#010x}"
             )
-        object.__setattr__(self, "crc32", crc)
+        object.__setattr__(self, "crc32c", crc)
 
     @property
     def num_rows(self) -> int:

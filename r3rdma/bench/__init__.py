@@ -1,0 +1,1 @@
+"""Benchmark programs (`r3rdma bench ...`). Each prints one JSON line last."""

@@ -1,0 +1,92 @@
+"""`r3rdma bench store`: local-store ingest vs a raw zarr write of the same arrays, same run.
+
+Ingest is the engine's path: records submitted to a :class:`RoutingWriter`, batched, written
+as Zarr, fsynced, indexed, until ``flush`` returns. The yardstick writes the same batches as
+Zarr arrays with the same codecs, chunks and shards via plain ``zarr.create_array`` (no index,
+no fsync). Rounds alternate between the two; the median of each is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import zarr
+from zarr.storage import LocalStore
+
+from ..local_store import LocalRoutingStore, zarr_codecs
+from ..pipeline import RoutingWriter
+from .synthetic import synthetic_records
+
+__all__ = ["run_store_bench"]
+
+
+def _batches(records, flush_bytes):
+    batch, size = [], 0
+    for r in records:
+        if batch and size + r.nbytes > flush_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += r.nbytes
+    if batch:
+        yield batch
+
+
+def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8 << 20, zstd_level: int = 3,
+                    chunk_rows: int = 1024, root: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+    records = synthetic_records(requests, seed=seed)
+    total = sum(r.nbytes for r in records)
+    base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
+    ingest_s, raw_s = [], []
+    for rnd in range(rounds):
+        d = base / f"ingest-{rnd}"
+        t0 = time.perf_counter()
+        with LocalRoutingStore(d, zstd_level=zstd_level, chunk_rows=chunk_rows) as store:
+            with RoutingWriter(store, flush_bytes=flush_bytes) as writer:
+                for r in records:
+                    writer.submit(r)
+                writer.flush()
+        ingest_s.append(time.perf_counter() - t0)
+        shutil.rmtree(d)
+
+        d = base / f"raw-{rnd}"
+        t0 = time.perf_counter()
+        store = LocalStore(d)
+        for n, batch in enumerate(_batches(records, flush_bytes)):
+            import numpy as np
+
+            data = np.concatenate([r.ids_TLK for r in batch])
+            rows, layers, k = data.shape
+            chunk = min(chunk_rows, rows)
+            zarr.create_array(store, name=f"bench/a{n}", data=data, chunks=(chunk, layers, k),
+                              shards=(-(-rows // chunk) * chunk, layers, k), compressors=zarr_codecs(zstd_level),
+                              fill_value=0)
+        raw_s.append(time.perf_counter() - t0)
+        shutil.rmtree(d)
+        if progress:
+            print(f"round {rnd + 1}/{rounds}: ingest {total / ingest_s[-1] / 1e9:.3f} GB/s, raw zarr {total / raw_s[-1] / 1e9:.3f} GB/s", flush=True)
+    shutil.rmtree(base, ignore_errors=True)
+    ingest = total / statistics.median(ingest_s) / 1e9
+    raw = total / statistics.median(raw_s) / 1e9
+    return {
+        "bench": "store",
+        "requests": requests,
+        "bytes": total,
+        "rounds": rounds,
+        "ingest_gbps": round(ingest, 4),
+        "raw_zarr_gbps": round(raw, 4),
+        "ratio": round(ingest / raw, 3),
+        "zstd_level": zstd_level,
+        "flush_bytes": flush_bytes,
+    }
+
+
+def main(args) -> int:
+    result = run_store_bench(requests=args.requests, rounds=args.rounds, root=args.root)
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,62 @@
+"""Tiny random-init MoE configs for demos, tests and CPU benches (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_olmoe", "build_model"]
+
+
+def tiny_qwen3_moe(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kwargs = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=16, num_experts_per_tok=4, mlp_only_layers=[1], max_position_embeddings=512,
+        norm_topk_prob=True,
+    )
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
+def tiny_deepseek_v3(**overrides):
+    from transformers import DeepseekV3Config
+
+    kwargs = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=4, topk_group=2,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=512,
+    )
+    kwargs.update(overrides)
+    return DeepseekV3Config(**kwargs)
+
+
+def tiny_olmoe(**overrides):
+    from transformers import OlmoeConfig
+
+    kwargs = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
+    kwargs.update(overrides)
+    return OlmoeConfig(**kwargs)
+
+
+def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM with random weights from ``config``, seeded, in eval mode, sdpa attention."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random init gives routers of all-zero weights in some families (weight = zeros in
+    # __init__); draw them so routing is non-trivial.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    return model.eval()

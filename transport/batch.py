@@ -1,0 +1,302 @@
+"""Encoding and validation of a batch message: a request table plus one payload.
+
+The payload is the concatenation of the requests' C-order ``ids_TLK`` bytes, in table
+order, without gaps. Each table entry says where its bytes start and how to view them.
+Encoding and decoding are shared by every transport implementation, so the loopback fake
+and UCXX accept and refuse exactly the same messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3rdma.errors import CorruptDataError, InvalidIdError, ProtocolError, ShapeMismatchError
+from r3rdma.ids import validate_id
+from r3rdma.records import RequestRecord, routing_dtype
+
+from .device import PayloadBuffer, payload_nbytes
+from .limits import TransportLimits
+
+__all__ = ["RecordMeta", "PackedBatch", "encode_records", "decode_batch", "ZERO_COPY_MIN_BYTES"]
+
+#: A request at least this large is sent as its own frame, straight from its array, instead
+#: of being copied into a coalesced frame with its neighbours.
+ZERO_COPY_MIN_BYTES = 1 << 20
+
+_ENTRY_KEYS = frozenset(
+    {
+        "rollout_id",
+        "request_id",
+        "rows",
+        "layers",
+        "top_k",
+        "dtype",
+        "num_experts",
+        "layer_map",
+        "start_row",
+        "crc32",
+        "offset",
+    }
+)
+_BATCH_KEYS = frozenset({"seq", "frames", "records"})
+_DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """Everything about one request except its bytes: one row of a batch's table.
+
+    ``crc32`` may be ``None`` when the sender cannot hash its bytes (device payloads); the
+    receiver then computes it. ``offset`` is the byte offset of the request in the payload.
+    """
+
+    rollout_id: str
+    request_id: str
+    rows: int
+    layers: int
+    top_k: int
+    dtype: str
+    num_experts: int
+    layer_map: tuple[int, ...]
+    start_row: int
+    crc32: int | None
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.layers * self.top_k * _DTYPES[self.dtype].itemsize
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "request_id": self.request_id,
+            "rows": self.rows,
+            "layers": self.layers,
+            "top_k": self.top_k,
+            "dtype": self.dtype,
+            "num_experts": self.num_experts,
+            "layer_map": list(self.layer_map),
+            "start_row": self.start_row,
+            "crc32": self.crc32,
+            "offset": self.offset,
+        }
+
+    @classmethod
+    def of(cls, record: RequestRecord, offset: int) -> RecordMeta:
+        ids = record.ids_TLK
+        return cls(
+            record.rollout_id,
+            record.request_id,
+            int(ids.shape[0]),
+            int(ids.shape[1]),
+            int(ids.shape[2]),
+            ids.dtype.name,
+            record.num_experts,
+            record.layer_map,
+            record.start_row,
+            record.crc32,
+            offset,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """A batch whose payload the caller already packed, possibly in GPU memory.
+
+    ``payload`` is one contiguous buffer: a host object with the buffer protocol (numpy)
+    or a CUDA array (``__cuda_array_interface__``: cupy, torch). ``metas`` describe the
+    requests in payload order (offsets contiguous from 0). The caller must synchronise the
+    stream that produced a device payload before pushing: ucxx ignores CAI streams.
+    """
+
+    metas: tuple[RecordMeta, ...]
+    payload: PayloadBuffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+
+def encode_records(
+    records: Sequence[RequestRecord], *, max_frames: int
+) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """Return the request table and the payload frames of ``records`` (host memory).
+
+    Large requests become their own frame without a copy; runs of small ones are coalesced
+    into one frame each, so a batch of thousands of short requests is still a few messages.
+    If that would exceed ``max_frames``, everything is coalesced into one frame.
+    """
+    table: list[dict[str, Any]] = []
+    offset = 0
+    for record in records:
+        if not isinstance(record, RequestRecord):
+            raise ShapeMismatchError(f"push takes RequestRecord values, got {type(record).__name__}")
+        table.append(RecordMeta.of(record, offset).to_wire())
+        offset += record.nbytes
+
+    views = [r.ids_TLK.reshape(-1).view(np.uint8) for r in records]
+    frames: list[np.ndarray] = []
+    pending: list[np.ndarray] = []
+
+    def flush() -> None:
+        if pending:
+            frames.append(pending[0] if len(pending) == 1 else np.concatenate(pending))
+            pending.clear()
+
+    for view in views:
+        if view.nbytes >= ZERO_COPY_MIN_BYTES:
+            flush()
+            frames.append(view)
+        elif view.nbytes:
+            pending.append(view)
+    flush()
+    if len(frames) > max_frames:
+        frames = [np.concatenate(views)]
+    return table, frames
+
+
+def batch_header(seq: int, table: list[dict[str, Any]], frames: Sequence[int]) -> dict[str, Any]:
+    return {"seq": seq, "frames": list(frames), "records": table}
+
+
+def check_batch_header(header: dict[str, Any], payload_len: int, limits: TransportLimits) -> list[RecordMeta]:
+    """Validate a batch header against the announced payload length; return its table.
+
+    Everything is checked before the payload is received: key sets, types, id syntax,
+    dtype rule, shapes, and that the entries tile the payload exactly, in order.
+    """
+    if set(header) != _BATCH_KEYS:
+        raise ProtocolError(f"batch header keys must be {sorted(_BATCH_KEYS)}, got {sorted(map(str, header))}")
+    _int(header["seq"], "seq", 0)
+    frames = header["frames"]
+    if not isinstance(frames, list) or len(frames) > limits.max_frames:
+        raise ProtocolError(
+            f"batch frames must be a list of at most {limits.max_frames} lengths, got "
+            f"{type(frames).__name__} of {len(frames) if isinstance(frames, list) else '?'}"
+        )
+    for i, n in enumerate(frames):
+        _int(n, f"frames[{i}]", 1)
+    if sum(frames) != payload_len:
+        raise ProtocolError(f"batch frames add up to {sum(frames)} bytes but the preamble announced {payload_len}")
+    entries = header["records"]
+    if not isinstance(entries, list) or not entries or len(entries) > limits.max_records:
+        raise ProtocolError(
+            f"batch records must be a non-empty list of at most {limits.max_records} entries, got "
+            f"{type(entries).__name__} of {len(entries) if isinstance(entries, list) else '?'}"
+        )
+    metas = []
+    offset = 0
+    for i, entry in enumerate(entries):
+        meta = _check_entry(entry, i)
+        if meta.offset != offset:
+            raise ProtocolError(
+                f"records[{i}] ({meta.request_id}) must start at payload byte {offset} "
+                f"(entries tile the payload in order), got offset {meta.offset}"
+            )
+        offset += meta.nbytes
+        if offset > payload_len:
+            raise ProtocolError(
+                f"records[{i}] ({meta.request_id}) ends at byte {offset}, past the {payload_len}-byte payload"
+            )
+        metas.append(meta)
+    if offset != payload_len:
+        raise ProtocolError(f"records describe {offset} payload bytes but the preamble announced {payload_len}")
+    return metas
+
+
+def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray) -> list[RequestRecord]:
+    """Rebuild RequestRecords over ``payload`` (uint8, already received); checksums re-checked.
+
+    Records are views into ``payload`` where alignment allows (no copy). A checksum
+    mismatch raises :class:`CorruptDataError` for the whole batch.
+    """
+    assert payload.dtype == np.uint8 and payload.ndim == 1
+    records = []
+    for meta in metas:
+        dtype = _DTYPES[meta.dtype]
+        raw = payload[meta.offset : meta.offset + meta.nbytes]
+        if meta.offset % dtype.itemsize:
+            raw = raw.copy()  # keep multi-byte ids aligned for downstream kernels
+        ids_TLK = raw.view(dtype).reshape(meta.rows, meta.layers, meta.top_k)
+        try:
+            records.append(
+                RequestRecord(
+                    meta.rollout_id,
+                    meta.request_id,
+                    ids_TLK,
+                    meta.layer_map,
+                    meta.num_experts,
+                    meta.start_row,
+                    -1 if meta.crc32 is None else meta.crc32,
+                )
+            )
+        except ShapeMismatchError as e:
+            # Shapes and dtypes were validated with the header, so what is left is the checksum.
+            raise CorruptDataError(
+                f"rollout {meta.rollout_id} request {meta.request_id}: payload bytes do not match "
+                f"the sender's crc32 ({e})"
+            ) from e
+    return records
+
+
+def _check_entry(entry: object, i: int) -> RecordMeta:
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        got = sorted(map(str, entry)) if isinstance(entry, dict) else type(entry).__name__
+        raise ProtocolError(f"records[{i}] must be a map with keys {sorted(_ENTRY_KEYS)}, got {got}")
+    try:
+        rollout_id = validate_id(entry["rollout_id"], f"records[{i}].rollout_id")
+        request_id = validate_id(entry["request_id"], f"records[{i}].request_id")
+    except InvalidIdError as e:
+        raise ProtocolError(str(e)) from e
+    rows = _int(entry["rows"], f"records[{i}].rows", 0)
+    layers = _int(entry["layers"], f"records[{i}].layers", 1)
+    top_k = _int(entry["top_k"], f"records[{i}].top_k", 1)
+    num_experts = _int(entry["num_experts"], f"records[{i}].num_experts", 1)
+    start_row = _int(entry["start_row"], f"records[{i}].start_row", 0)
+    offset = _int(entry["offset"], f"records[{i}].offset", 0)
+    dtype = entry["dtype"]
+    expected = routing_dtype(num_experts) if num_experts < 1 << 31 else None
+    if expected is None or dtype != expected.name:
+        raise ProtocolError(
+            f"records[{i}].dtype must be {expected.name if expected else 'int32 with < 2**31 experts'} "
+            f"for {num_experts} experts, got {dtype!r}"
+        )
+    layer_map = entry["layer_map"]
+    if not isinstance(layer_map, list) or len(layer_map) != layers:
+        raise ProtocolError(
+            f"records[{i}].layer_map must list {layers} layer indices, got "
+            f"{layer_map if not isinstance(layer_map, list) else f'{len(layer_map)} entries'}"
+        )
+    for j, layer in enumerate(layer_map):
+        _int(layer, f"records[{i}].layer_map[{j}]", 0)
+    crc = entry["crc32"]
+    if crc is not None:
+        _int(crc, f"records[{i}].crc32", 0)
+        if crc > 0xFFFFFFFF:
+            raise ProtocolError(f"records[{i}].crc32 must fit 32 bits, got {crc}")
+    return RecordMeta(
+        rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset
+    )
+
+
+def _int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ProtocolError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def packed_table(batch: PackedBatch) -> list[dict[str, Any]]:
+    """The request table of a caller-packed batch, checked against its payload size."""
+    offset = 0
+    for i, meta in enumerate(batch.metas):
+        if meta.offset != offset:
+            raise ShapeMismatchError(f"PackedBatch.metas[{i}] must start at byte {offset}, got {meta.offset}")
+        offset += meta.nbytes
+    n = payload_nbytes(batch.payload)
+    if n != offset:
+        raise ShapeMismatchError(f"PackedBatch payload holds {n} bytes but its metas describe {offset}")
+    return [m.to_wire() for m in batch.metas]
