@@ -1,43 +1,60 @@
-"""The ``r3rdma`` command line."""
+"""The ``r3rdma`` command line.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args)``;
+modules are imported only when their subcommand runs, so ``r3rdma --help`` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main"]
+
+# (command, subcommand or None, module, help)
+_COMMANDS = [
+    ("demo", None, "r3rdma.demo", "generate with a tiny MoE, capture, store, read back, verify bit-exactly"),
+    ("verify", None, "r3rdma.verify", "measure rollout/trainer routing mismatch with and without replay"),
+    ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="r3rdma", description="Rollout Routing Replay store for MoE RL")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="generate with a tiny MoE, capture, store, read back, verify bit-exactly")
-    demo.add_argument("--root", default=None, help="store root (default: a new temporary directory)")
-    demo.add_argument("--requests", type=int, default=12)
-    demo.add_argument("--batch-size", type=int, default=5)
-    demo.add_argument("--seed", type=int, default=0)
-
-    bench = sub.add_parser("bench", help="benchmarks; each prints one JSON line last")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    store = bench_sub.add_parser("store", help="local-store ingest vs raw zarr write of the same arrays")
-    store.add_argument("--requests", type=int, default=96)
-    store.add_argument("--rounds", type=int, default=3)
-    store.add_argument("--root", default=None, help="scratch directory (default: temporary)")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command, subcommand, module, help_text in _COMMANDS:
+        if subcommand is None:
+            p = sub.add_parser(command, help=help_text)
+        else:
+            if command not in groups:
+                group = sub.add_parser(command, help=f"{command} programs; each prints one JSON line last")
+                groups[command] = group.add_subparsers(dest="subcommand", required=True)
+            p = groups[command].add_parser(subcommand, help=help_text)
+        p.set_defaults(_module=module)
+        _lazy_arguments(p, module)
     return parser
+
+
+def _lazy_arguments(parser: argparse.ArgumentParser, module: str) -> None:
+    # Arguments are declared by the module; importing it is cheap (heavy imports happen in main).
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        parser.set_defaults(_missing=module)
+        return
+    mod.add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(args)
-    if args.command == "bench" and args.bench == "store":
-        from .bench.store_bench import main as store_main
-
-        return store_main(args)
-    raise AssertionError(f"unhandled command {args}")
+    if getattr(args, "_missing", None):
+        print(f"r3rdma: {args._missing} is not available in this build", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).main(args) or 0)
 
 
 if __name__ == "__main__":

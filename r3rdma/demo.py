@@ -102,6 +102,13 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
     )
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--root", default=None, help="store root (default: a new temporary directory)")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def main(args) -> int:
     result = run_demo(root=args.root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed)
     print(f"r3rdma demo: tiny Qwen3-MoE, {result.requests} requests, {result.tokens} routing rows")

@@ -112,12 +112,12 @@ class RoutingReader:
             lo = min(s["offset"] for _, _, s in segs)
             hi = max(s["offset"] + s["rows"] for _, _, s in segs)
             if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                span = array[lo:hi]
+                span = _read(array, lo, hi, rollout_id, name)
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
             else:
                 for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = array[seg["offset"] : seg["offset"] + seg["rows"]]
+                    parts[(rid, seg_no)] = _read(array, seg["offset"], seg["offset"] + seg["rows"], rollout_id, name)
         out: dict[str, np.ndarray] = {}
         for rid in dict.fromkeys(request_ids):
             segments = index["requests"][rid]["segments"]
@@ -180,3 +180,10 @@ class RoutingReader:
             return zarr.open_array(self._store, path=f"{rollout_id}/{name}", mode="r")
         except Exception as e:  # zarr raises several types for missing/garbled metadata
             raise CorruptDataError(f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened: {e}") from e
+
+
+def _read(array: zarr.Array, lo: int, hi: int, rollout_id: str, name: str) -> np.ndarray:
+    try:
+        return array[lo:hi]
+    except Exception as e:  # zarr reports a chunk checksum mismatch as ValueError, decode errors otherwise
+        raise CorruptDataError(f"rollout {rollout_id!r} array {name} rows {lo}..{hi - 1} cannot be read: {e}") from e

@@ -1,0 +1,33 @@
+"""r3rdma.transport: authenticated, batched pushes of routing records to store nodes.
+
+Importing this package imports no ucxx and sets no environment variable; the UCXX
+implementation loads ucxx on first use, after :func:`configure_ucx_env`.
+See docs/PROTOCOL.md for the wire format.
+"""
+
+from .auth import load_secret
+from .base import Handler, PushAck, ServerAddress, TransportClient, TransportServer
+from .batch import PackedBatch, RecordMeta
+from .limits import TransportLimits
+from .loopback import LoopbackClient, LoopbackServer
+from .frames import PROTOCOL_VERSION
+from .ucx_env import configure_ucx_env
+from .ucxx_transport import UcxxClient, UcxxServer
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Handler",
+    "LoopbackClient",
+    "LoopbackServer",
+    "PackedBatch",
+    "PushAck",
+    "RecordMeta",
+    "ServerAddress",
+    "TransportClient",
+    "TransportLimits",
+    "TransportServer",
+    "UcxxClient",
+    "UcxxServer",
+    "configure_ucx_env",
+    "load_secret",
+]

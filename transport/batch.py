@@ -38,7 +38,7 @@ _ENTRY_KEYS = frozenset(
         "num_experts",
         "layer_map",
         "start_row",
-        "crc32",
+        "crc32c",
         "offset",
     }
 )
@@ -50,7 +50,7 @@ _DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": 
 class RecordMeta:
     """Everything about one request except its bytes: one row of a batch's table.
 
-    ``crc32`` may be ``None`` when the sender cannot hash its bytes (device payloads); the
+    ``crc32c`` may be ``None`` when the sender cannot hash its bytes (device payloads); the
     receiver then computes it. ``offset`` is the byte offset of the request in the payload.
     """
 
@@ -63,7 +63,7 @@ class RecordMeta:
     num_experts: int
     layer_map: tuple[int, ...]
     start_row: int
-    crc32: int | None
+    crc32c: int | None
     offset: int
 
     @property
@@ -81,7 +81,7 @@ class RecordMeta:
             "num_experts": self.num_experts,
             "layer_map": list(self.layer_map),
             "start_row": self.start_row,
-            "crc32": self.crc32,
+            "crc32c": self.crc32c,
             "offset": self.offset,
         }
 
@@ -98,7 +98,7 @@ class RecordMeta:
             record.num_experts,
             record.layer_map,
             record.start_row,
-            record.crc32,
+            record.crc32c,
             offset,
         )
 
@@ -231,14 +231,14 @@ def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray) -> list[Reque
                     meta.layer_map,
                     meta.num_experts,
                     meta.start_row,
-                    -1 if meta.crc32 is None else meta.crc32,
+                    -1 if meta.crc32c is None else meta.crc32c,
                 )
             )
         except ShapeMismatchError as e:
             # Shapes and dtypes were validated with the header, so what is left is the checksum.
             raise CorruptDataError(
                 f"rollout {meta.rollout_id} request {meta.request_id}: payload bytes do not match "
-                f"the sender's crc32 ({e})"
+                f"the sender's crc32c ({e})"
             ) from e
     return records
 
@@ -273,11 +273,11 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
         )
     for j, layer in enumerate(layer_map):
         _int(layer, f"records[{i}].layer_map[{j}]", 0)
-    crc = entry["crc32"]
+    crc = entry["crc32c"]
     if crc is not None:
-        _int(crc, f"records[{i}].crc32", 0)
+        _int(crc, f"records[{i}].crc32c", 0)
         if crc > 0xFFFFFFFF:
-            raise ProtocolError(f"records[{i}].crc32 must fit 32 bits, got {crc}")
+            raise ProtocolError(f"records[{i}].crc32c must fit 32 bits, got {crc}")
     return RecordMeta(
         rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset
     )

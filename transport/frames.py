@@ -97,10 +97,8 @@ def pack_header(header: dict[str, Any]) -> bytes:
 def unpack_header(raw: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
     """Decode a msgpack map; anything else (including trailing bytes) is a ProtocolError."""
     try:
-        header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True, max_buffer_size=len(raw) or 1
-        )
-    except Exception as e:  # msgpack raises several unrelated types for bad input
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException) as e:  # ExtraData, FormatError, StackError ...
         raise ProtocolError(f"{what} header is not valid msgpack ({len(raw)} bytes): {e}") from e
     if not isinstance(header, dict):
         raise ProtocolError(f"{what} header must be a msgpack map, got {type(header).__name__}")

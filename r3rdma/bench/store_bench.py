@@ -86,6 +86,12 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
     }
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--root", default=None, help="scratch directory (default: temporary)")
+
+
 def main(args) -> int:
     result = run_store_bench(requests=args.requests, rounds=args.rounds, root=args.root)
     print(json.dumps(result))

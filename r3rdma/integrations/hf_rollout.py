@@ -20,7 +20,7 @@ from ..capture import RoutingCapturer
 from ..errors import ConfigError
 from ..ids import validate_id
 
-__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "BlockAllocator", "HFRolloutDriver"]
+__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,18 @@ class StepInfo:
     start_positions: tuple[int, ...]
     num_tokens: tuple[int, ...]
     router_rows: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleInfo:
+    """Tokens sampled in one step: request ``request_ids[i]`` got ``tokens[i]`` at position
+    ``positions[i]``, with log-probability ``logprobs[i]`` under the sampling distribution
+    (``log_softmax(logits / temperature)``; plain ``log_softmax`` when greedy), in fp32 on CPU."""
+
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
 
 
 class BlockAllocator:
@@ -83,7 +95,8 @@ class HFRolloutDriver:
     """Generates with a HF causal LM, announcing every step to a :class:`RoutingCapturer`.
 
     ``step_listeners`` are called with each step's :class:`StepInfo` before its forward
-    (an independent shadow record uses this in the demo).
+    (an independent shadow record uses this in the demo). ``sample_listeners`` are called with
+    each step's :class:`SampleInfo` (sampled tokens and their log-probabilities).
     """
 
     def __init__(
@@ -97,6 +110,7 @@ class HFRolloutDriver:
         temperature: float = 1.0,
         seed: int = 0,
         step_listeners: Sequence[Callable[[StepInfo], None]] = (),
+        sample_listeners: Sequence[Callable[["SampleInfo"], None]] = (),
     ) -> None:
         if capturer is not None and capturer.num_slots < allocator.num_slots:
             raise ConfigError(f"capturer has {capturer.num_slots} slots, the KV allocator {allocator.num_slots}")
@@ -109,6 +123,7 @@ class HFRolloutDriver:
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.step_listeners = list(step_listeners)
+        self.sample_listeners = list(sample_listeners)
 
     @torch.no_grad()
     def run(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
@@ -152,6 +167,8 @@ class HFRolloutDriver:
         outputs: dict[int, RolloutOutput] = {}
         while True:
             next_tokens = self._sample(logits)
+            if self.sample_listeners:
+                self._announce_samples(wave, lengths, generated, finish, logits, next_tokens)
             for b, request in enumerate(wave):
                 if finish[b] is not None:
                     continue
@@ -197,6 +214,20 @@ class HFRolloutDriver:
         if self.capturer is not None:
             self.capturer.end_step()
         return out.logits[:, -1, :].float().cpu()
+
+    def _announce_samples(self, wave, lengths, generated, finish, logits, next_tokens) -> None:
+        active = [b for b in range(len(wave)) if finish[b] is None]
+        scaled = logits / self.temperature if self.temperature > 0 else logits
+        logprobs = torch.log_softmax(scaled, dim=-1).gather(1, next_tokens.view(-1, 1)).squeeze(1)
+        rows = torch.tensor(active, dtype=torch.long)
+        info = SampleInfo(
+            tuple(wave[b].request_id for b in active),
+            tuple(lengths[b] + len(generated[b]) for b in active),
+            next_tokens[rows],
+            logprobs[rows],
+        )
+        for listener in self.sample_listeners:
+            listener(info)
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature <= 0:

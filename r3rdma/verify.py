@@ -1,0 +1,360 @@
+"""`r3rdma verify`: the R3 paper's measurement on our stack.
+
+1. Roll out with one numeric setting (default: bf16 weights, batched generation with a KV cache,
+   left padding), capturing routing through r3rdma into a local Zarr store and recording the
+   log-probability of every sampled token.
+2. Read the routing back with :class:`RoutingReader` and run the training forward in another
+   setting (default: fp32, full sequences without a cache, a different batch composition:
+   requests reordered and regrouped, right-padded or packed), once without and once with
+   :class:`RouterReplay`.
+3. Compare: routing actually used by the trainer vs recorded (decisions / tokens that differ),
+   and the train-inference mismatch of the sampled tokens' log-probabilities.
+
+KL: the k3 estimator of KL(pi_rollout || pi_train) over the generated tokens (sampled from
+pi_rollout): ``mean(exp(r) - 1 - r)`` with ``r = logp_train - logp_rollout``. A token is
+"extreme" when ``|logp_train - logp_rollout| > log 2``.
+
+Exit status 1 unless replay leaves zero routing differences and lowers the KL.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PRESETS", "resolve_config", "run_verify", "VerifyResult"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _qwen3_16x64():
+    from .models import tiny_qwen3_moe
+
+    # >= 16 layers, >= 64 experts, top-8 like Qwen3-30B-A3B; small widths so a GPU runs it quickly.
+    return tiny_qwen3_moe(
+        vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
+        num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        num_experts=64, num_experts_per_tok=8, mlp_only_layers=[], max_position_embeddings=4096,
+    )
+
+
+def _qwen3_48x128():
+    from .models import tiny_qwen3_moe
+
+    # Qwen3-30B-A3B's routing geometry (48 MoE layers, 128 experts, top-8), narrow widths.
+    return tiny_qwen3_moe(
+        vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=64,
+        num_hidden_layers=48, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        num_experts=128, num_experts_per_tok=8, mlp_only_layers=[], max_position_embeddings=4096,
+    )
+
+
+def _tiny(name: str):
+    from . import models
+
+    return getattr(models, name)()
+
+
+PRESETS = {
+    "tiny-qwen3-moe": lambda: _tiny("tiny_qwen3_moe"),
+    "tiny-deepseek-v3": lambda: _tiny("tiny_deepseek_v3"),
+    "tiny-olmoe": lambda: _tiny("tiny_olmoe"),
+    "qwen3-moe-16x64": _qwen3_16x64,
+    "qwen3-moe-48x128": _qwen3_48x128,
+}
+
+
+def resolve_config(spec: str):
+    """A preset name (see ``PRESETS``) or a JSON file of config fields with ``model_type``."""
+    if spec in PRESETS:
+        return PRESETS[spec]()
+    if os.path.isfile(spec):
+        from transformers import AutoConfig
+
+        with open(spec) as f:
+            fields = json.load(f)
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise SystemExit(f"r3rdma verify: {spec} has no 'model_type' (e.g. \"qwen3_moe\")")
+        for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
+            fields.pop(key, None)
+        return AutoConfig.for_model(model_type, **fields)
+    raise SystemExit(f"r3rdma verify: --model-config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    summary: dict[str, Any]
+    ok: bool
+
+
+class _RoutingTap:
+    """Forward hooks that keep the ids each router actually hands to its experts."""
+
+    def __init__(self, routers) -> None:
+        self.out: dict[int, torch.Tensor] = {}
+        self._handles = [r.module.register_forward_hook(self._hook(r.moe_idx)) for r in routers]
+        self.n = len(routers)
+
+    def _hook(self, i: int):
+        def hook(_m, _a, output):
+            self.out[i] = output[2].detach().to("cpu", torch.int64)
+        return hook
+
+    def take(self) -> torch.Tensor:
+        ids_NLK = torch.stack([self.out[i] for i in range(self.n)], dim=1)
+        self.out.clear()
+        return ids_NLK
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _train_batches(outputs, order, layout: str, train_batch_size: int):
+    """Micro-batches of the training forward: (request outputs, input_ids, extra kwargs, row index of
+    each request's token p in the routers' flattened input)."""
+    for first in range(0, len(order), train_batch_size):
+        group = [outputs[i] for i in order[first : first + train_batch_size]]
+        seqs = [list(o.prompt) + list(o.generated) for o in group]
+        if layout == "packed":
+            input_ids = torch.tensor([[t for s in seqs for t in s]])
+            position_ids = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
+            starts = np.cumsum([0] + [len(s) for s in seqs])[:-1]
+            kwargs = {"position_ids": position_ids}
+            rows = [int(st) + np.arange(len(s)) for st, s in zip(starts, seqs)]
+        else:  # right padding
+            width = max(len(s) for s in seqs)
+            input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for b, s in enumerate(seqs):
+                input_ids[b, : len(s)] = torch.tensor(s)
+                mask[b, : len(s)] = 1
+            kwargs = {"attention_mask": mask}
+            rows = [b * width + np.arange(len(s)) for b, s in enumerate(seqs)]
+        yield group, seqs, input_ids, kwargs, rows
+
+
+def run_verify(
+    *,
+    model_config: str = "tiny-qwen3-moe",
+    num_requests: int = 16,
+    rollout_batch_size: int = 8,
+    train_batch_size: int = 3,
+    layout: str = "packed",
+    rollout_dtype: str = "bfloat16",
+    train_dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+    min_prompt: int = 8,
+    max_prompt: int = 48,
+    min_new: int = 8,
+    max_new: int = 32,
+    root: str | None = None,
+    verbose: bool = True,
+) -> VerifyResult:
+    from .demo import make_requests
+    from .integrations.hf_capture import attach_capturer, capturer_for_model
+    from .integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from .integrations.hf_routers import find_moe_routers
+    from .local_store import LocalRoutingStore
+    from .models import build_model
+    from .pipeline import RoutingWriter
+    from .reader import RoutingReader
+    from .replay import ReplayBatch, RouterReplay, routing_agreement
+
+    started = time.perf_counter()
+    if layout not in ("packed", "padded"):
+        raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {layout!r}")
+    config = resolve_config(model_config)
+    train_model = build_model(config, seed=seed, dtype=torch.float32).to(device)
+    train_model = train_model.to(_DTYPES[train_dtype])
+    rollout_model = copy.deepcopy(train_model).to(_DTYPES[rollout_dtype])
+    routers = find_moe_routers(train_model)
+    requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
+                             max_prompt=max_prompt, min_new=min_new, max_new=max_new)
+    rollout_id = "verify-rollout-0"
+    own_root = root is None
+    root = root or tempfile.mkdtemp(prefix="r3rdma-verify-")
+    try:
+        # -- 1. rollout ------------------------------------------------------------------------
+        logp_rollout: dict[str, dict[int, float]] = {r.request_id: {} for r in requests}
+
+        def on_sample(info) -> None:
+            for rid, pos, lp in zip(info.request_ids, info.positions, info.logprobs.tolist()):
+                logp_rollout[rid][pos] = lp
+
+        block_size = 16
+        max_len = max_prompt + max_new + 1
+        allocator = BlockAllocator(num_blocks=rollout_batch_size * (-(-max_len // block_size)) + 1, block_size=block_size)
+        t0 = time.perf_counter()
+        with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
+            capturer = capturer_for_model(rollout_model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
+            detach = attach_capturer(rollout_model, capturer)
+            driver = HFRolloutDriver(rollout_model, capturer, allocator=allocator, batch_size=rollout_batch_size,
+                                     eos_token_id=None, seed=seed, sample_listeners=[on_sample])
+            outputs = driver.run(requests)
+            detach()
+            writer.flush()
+        rollout_s = time.perf_counter() - t0
+        del rollout_model
+
+        # -- 2. training forwards, without and with replay -------------------------------------
+        reader = RoutingReader(root)
+        info = reader.info(rollout_id)
+        order = list(np.random.default_rng(seed + 1).permutation(len(outputs)))
+        acc = {
+            mode: {"decisions_differ": 0, "tokens_any": 0, "layer": np.zeros(len(routers), np.int64),
+                   "logp_train": [], "logp_rollout": []}
+            for mode in ("no_replay", "replay")
+        }
+        live_vs_replayed = {"decisions_differ": 0, "tokens_any": 0}
+        rows_total = 0
+        t0 = time.perf_counter()
+        replay = RouterReplay(train_model)
+        replay.detach()
+        tap = _RoutingTap(routers)  # registered after replay's hooks: sees what the experts get
+        for group, seqs, input_ids, kwargs, rows in _train_batches(outputs, order, layout, train_batch_size):
+            rids = [o.request_id for o in group]
+            packed = reader.get_packed(rollout_id, rids)
+            cu = packed.cu_seqlens.tolist()
+            n_rows = cu[-1]
+            rows_total += n_rows
+            if layout == "packed":
+                batch = ReplayBatch.packed(packed, [len(s) for s in seqs])
+            else:
+                batch = ReplayBatch.padded(packed, kwargs["attention_mask"])
+            recorded_rows = np.concatenate([r[: cu[i + 1] - cu[i]] for i, r in enumerate(rows)])
+            for mode in ("no_replay", "replay"):
+                if mode == "replay":
+                    replay.attach()
+                    # Re-register the tap so it runs after the replay hook.
+                    tap.close()
+                    tap = _RoutingTap(routers)
+                    replay.set_routing(batch)
+                with torch.no_grad():
+                    logits = train_model(input_ids=input_ids.to(device), **{k: v.to(device) for k, v in kwargs.items()}).logits
+                used_NLK = tap.take()
+                if mode == "replay":
+                    report = replay.last_report
+                    live_vs_replayed["decisions_differ"] += report.decisions_differ
+                    live_vs_replayed["tokens_any"] += report.tokens_any_layer_differ
+                    replay.detach()
+                d, t, per_layer = routing_agreement(used_NLK[torch.from_numpy(recorded_rows)], packed.ids_TLK)
+                a = acc[mode]
+                a["decisions_differ"] += d
+                a["tokens_any"] += t
+                a["layer"] += np.asarray(per_layer)
+                logp_all = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1).cpu()
+                flat_ids = input_ids.reshape(-1)
+                for o, s, r in zip(group, seqs, rows):
+                    for pos in range(len(o.prompt), len(s)):
+                        # logits at row of position pos - 1 predict the token at position pos.
+                        a["logp_train"].append(float(logp_all[r[pos - 1], flat_ids[r[pos]]]))
+                        a["logp_rollout"].append(logp_rollout[o.request_id][pos])
+        tap.close()
+        train_s = time.perf_counter() - t0
+    finally:
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
+
+    decisions = rows_total * len(routers) * info.top_k
+    summary: dict[str, Any] = {
+        "model_config": model_config,
+        "model_type": config.model_type,
+        "moe_layers": len(routers),
+        "num_experts": info.num_experts,
+        "top_k": info.top_k,
+        "rollout": f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)",
+        "train": f"{train_dtype}, full sequence, {layout} (batch {train_batch_size}, reordered)",
+        "device": device,
+        "requests": len(outputs),
+        "routing_rows": rows_total,
+        "generated_tokens": len(acc["replay"]["logp_train"]),
+    }
+    for mode, suffix in (("no_replay", ""), ("replay", "_replay")):
+        a = acc[mode]
+        lt = np.asarray(a["logp_train"], dtype=np.float64)
+        lr = np.asarray(a["logp_rollout"], dtype=np.float64)
+        r = lt - lr
+        summary[f"router_decisions_differ{suffix}"] = a["decisions_differ"] / decisions
+        summary[f"tokens_any_layer_differ{suffix}"] = a["tokens_any"] / rows_total
+        summary[f"kl_k3_{mode}"] = float(np.mean(np.expm1(r) - r))
+        summary[f"extreme_ratio_tokens_{mode}"] = float(np.mean(np.abs(r) > math.log(2)))
+        summary[f"mean_abs_logp_diff_{mode}"] = float(np.mean(np.abs(r)))
+        summary[f"layer_decisions_differ{suffix}"] = [int(x) / (rows_total * info.top_k) for x in a["layer"]]
+    summary["replay_live_vs_replayed_decisions_differ"] = live_vs_replayed["decisions_differ"] / decisions
+    summary["replay_live_vs_replayed_tokens_any_layer_differ"] = live_vs_replayed["tokens_any"] / rows_total
+    summary["rollout_seconds"] = round(rollout_s, 3)
+    summary["train_seconds"] = round(train_s, 3)
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    ok = (
+        acc["replay"]["decisions_differ"] == 0
+        and acc["replay"]["tokens_any"] == 0
+        and summary["kl_k3_replay"] < summary["kl_k3_no_replay"]
+    )
+    summary["ok"] = ok
+    return VerifyResult(summary=summary, ok=ok)
+
+
+def _table(s: dict[str, Any]) -> str:
+    rows = [
+        ("router decisions differing (vs rollout)", f"{s['router_decisions_differ']:.2%}", f"{s['router_decisions_differ_replay']:.2%}", "~10%"),
+        ("tokens differing in >= 1 layer", f"{s['tokens_any_layer_differ']:.2%}", f"{s['tokens_any_layer_differ_replay']:.2%}", "94%"),
+        ("train-inference KL (k3)", f"{s['kl_k3_no_replay']:.3e}", f"{s['kl_k3_replay']:.3e}", "1.5e-3 -> 7.5e-4"),
+        ("tokens with |log ratio| > log 2", f"{s['extreme_ratio_tokens_no_replay']:.3%}", f"{s['extreme_ratio_tokens_replay']:.3%}", "~10x fewer"),
+        ("mean |logp_train - logp_rollout|", f"{s['mean_abs_logp_diff_no_replay']:.3e}", f"{s['mean_abs_logp_diff_replay']:.3e}", ""),
+    ]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'':{w}}  {'no replay':>12}  {'replay':>12}  paper (Qwen3-30B-A3B)"]
+    lines += [f"{a:{w}}  {b:>12}  {c:>12}  {d}" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model-config", default="tiny-qwen3-moe",
+                        help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rollout-batch-size", type=int, default=8)
+    parser.add_argument("--train-batch-size", type=int, default=3)
+    parser.add_argument("--layout", choices=("packed", "padded"), default="packed", help="training batch layout")
+    parser.add_argument("--rollout-dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--train-dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-prompt", type=int, default=8)
+    parser.add_argument("--max-prompt", type=int, default=48)
+    parser.add_argument("--min-new", type=int, default=8)
+    parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--root", default=None, help="store root to keep (default: a temporary directory, removed)")
+
+
+def main(args) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    result = run_verify(
+        model_config=args.model_config, num_requests=args.requests, rollout_batch_size=args.rollout_batch_size,
+        train_batch_size=args.train_batch_size, layout=args.layout, rollout_dtype=args.rollout_dtype,
+        train_dtype=args.train_dtype, device=device, seed=args.seed, min_prompt=args.min_prompt,
+        max_prompt=args.max_prompt, min_new=args.min_new, max_new=args.max_new, root=args.root,
+    )
+    s = result.summary
+    print(f"r3rdma verify: {s['model_type']} ({s['model_config']}), {s['moe_layers']} MoE layers x {s['num_experts']} "
+          f"experts, top-{s['top_k']}, on {s['device']}")
+    print(f"  rollout: {s['rollout']}; train: {s['train']}")
+    print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
+    print(_table(s))
+    print("  " + ("OK: replay removes every routing difference and lowers the KL" if result.ok else
+                  "FAIL: replay left routing differences or did not lower the KL"))
+    print(json.dumps(s))
+    return 0 if result.ok else 1

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Shared set-up for scripts/demo.sh and scripts/test.sh: create .venv if absent and install
+# r3rdma (editable) with the extras the demo and the tests use. Sourced, not run.
+set -euo pipefail
+R3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$R3_ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "r3rdma needs Python >= 3.11, found " + sys.version)'
+  "$PY" -m venv .venv
+fi
+VPY="$R3_ROOT/.venv/bin/python"
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# torch first, pinned: an open range would pull the newest build with several GB of CUDA
+# packages on a CPU machine; with torch present, nothing is reinstalled.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  pip_q torch==2.13.0
+fi
+pip_q setuptools wheel
+pip_q -e ".[test,hf,plot]"
+"$VPY" -c "import r3rdma, torch, zarr, ucxx, transformers" || { echo "set-up failed: r3rdma or a dependency does not import" >&2; exit 1; }

@@ -1,0 +1,139 @@
+"""LocalRoutingStore: commit protocol, idempotence, conflicts, visibility, crash leftovers."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import zarr
+
+from r3rdma import (
+    DuplicateRequestError,
+    InvalidIdError,
+    LocalRoutingStore,
+    RequestRecord,
+    RoutingReader,
+    ShapeMismatchError,
+    StoreError,
+    UnknownRequestError,
+    UnknownRolloutError,
+)
+
+
+def test_commit_and_read_back_many_requests(tmp_path, make_record):
+    recs = [make_record(f"r{i}", rows=1 + 37 * i) for i in range(20)]
+    with LocalRoutingStore(tmp_path, chunk_rows=64) as store:
+        result = store.commit(recs[:12])
+        store.commit(recs[12:])
+    assert result.committed == 12 and result.bytes_written == sum(r.nbytes for r in recs[:12])
+    got = RoutingReader(tmp_path).get_numpy("roll-0", [r.request_id for r in recs])
+    for r in recs:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+    # Few files: one shard per committed batch, not one per request or layer.
+    shard_files = [f for d, _, fs in os.walk(tmp_path / "roll-0") for f in fs if f != "zarr.json"]
+    assert len(shard_files) == 2
+
+
+def test_resubmit_same_bytes_is_idempotent(tmp_path, make_record):
+    rec = make_record("a")
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([rec])
+        again = store.commit([rec, rec])
+    assert again.committed == 0 and again.duplicates == 2
+    assert RoutingReader(tmp_path).info("roll-0").request_ids == ("a",)
+
+
+def test_same_id_different_bytes_refused(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a", seed=1)])
+        with pytest.raises(DuplicateRequestError, match="already stored"):
+            store.commit([make_record("a", seed=2)])
+        with pytest.raises(DuplicateRequestError, match="twice in one batch"):
+            store.commit([make_record("b", seed=1), make_record("b", seed=2)])
+    np.testing.assert_array_equal(RoutingReader(tmp_path).get_numpy("roll-0", ["a"])["a"], make_record("a", seed=1).ids_TLK)
+
+
+def test_geometry_mismatch_refused(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a", layers=3)])
+        with pytest.raises(ShapeMismatchError, match="stores routing with"):
+            store.commit([make_record("b", layers=4)])
+
+
+def test_continuation_appends_a_segment(tmp_path, make_record):
+    first = make_record("conv", rows=5, seed=1)
+    second = make_record("conv", rows=4, seed=2, start_row=5)
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([first])
+        store.commit([second])
+        with pytest.raises(DuplicateRequestError, match="only start_row 9 would extend it"):
+            store.commit([make_record("conv", rows=2, seed=3, start_row=7)])
+    got = RoutingReader(tmp_path).get_numpy("roll-0", ["conv"])["conv"]
+    np.testing.assert_array_equal(got, np.concatenate([first.ids_TLK, second.ids_TLK]))
+
+
+def test_second_writer_refused(tmp_path):
+    with LocalRoutingStore(tmp_path):
+        with pytest.raises(StoreError, match="owned by another writer"):
+            LocalRoutingStore(tmp_path)
+    LocalRoutingStore(tmp_path).close()  # released on close
+
+
+def test_crash_leftover_array_invisible_and_removed(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+    # Simulate a crash after the array was written but before the index was renamed.
+    orphan = zarr.create_array(str(tmp_path / "roll-0"), name="b00000002", shape=(4, 3, 2), dtype="uint8")
+    orphan[:] = 1
+    reader = RoutingReader(tmp_path)
+    assert reader.info("roll-0").request_ids == ("a",)
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("b")])
+    assert (tmp_path / "roll-0" / "b00000002").exists()  # reused name, now referenced
+    idx = json.loads((tmp_path / "roll-0" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    assert idx["requests"]["b"]["segments"][0]["array"] == "b00000002"
+    np.testing.assert_array_equal(RoutingReader(tmp_path).get_numpy("roll-0", ["b"])["b"], make_record("b").ids_TLK)
+
+
+def test_delete_rollout(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        store.delete_rollout("roll-0")
+        with pytest.raises(UnknownRolloutError):
+            store.delete_rollout("roll-0")
+    with pytest.raises(UnknownRolloutError, match="roll-0"):
+        RoutingReader(tmp_path).get("roll-0", ["a"])
+
+
+def test_invalid_ids_touch_no_file(tmp_path, make_record):
+    rec = make_record("a")
+    with pytest.raises(InvalidIdError):
+        RequestRecord("../escape", "a", rec.ids_TLK, rec.layer_map, rec.num_experts)
+    with pytest.raises(InvalidIdError):
+        RequestRecord("roll", "a/b", rec.ids_TLK, rec.layer_map, rec.num_experts)
+    reader = RoutingReader(tmp_path)
+    for bad in ["..", "x/../../etc", "", "a" * 201]:
+        with pytest.raises(InvalidIdError):
+            reader.get(bad, ["a"])
+        with pytest.raises(InvalidIdError):
+            reader.get("roll", [bad])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_error_leaves_no_partial_data(tmp_path, make_record, monkeypatch):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        import r3rdma.local_store as ls
+
+        def boom(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ls, "fsync_tree", boom)
+        with pytest.raises(StoreError, match="No space left"):
+            store.commit([make_record("b")])
+        monkeypatch.undo()
+        store.commit([make_record("c")])  # recovers once the fault is gone
+    reader = RoutingReader(tmp_path)
+    assert reader.info("roll-0").request_ids == ("a", "c")
+    with pytest.raises(UnknownRequestError, match="'b'"):
+        reader.get("roll-0", ["b"])

@@ -1,0 +1,95 @@
+"""RoutingReader: per-request and packed reads, errors, corruption detection."""
+
+import numpy as np
+import pytest
+import torch
+
+from r3rdma import CorruptDataError, LocalRoutingStore, RoutingReader, UnknownRequestError, UnknownRolloutError
+
+
+@pytest.fixture
+def populated(tmp_path, make_record):
+    recs = [make_record(f"r{i}", rows=3 + 11 * i) for i in range(6)]
+    wide = [make_record(f"w{i}", rows=7, rollout_id="wide", num_experts=1000) for i in range(2)]
+    with LocalRoutingStore(tmp_path, chunk_rows=16) as store:
+        store.commit(recs[:3])
+        store.commit(recs[3:])
+        store.commit(wide)
+    return tmp_path, recs, wide
+
+
+def test_get_returns_tensors(populated):
+    root, recs, wide = populated
+    got = RoutingReader(root).get("roll-0", ["r4", "r1"])
+    assert list(got) == ["r4", "r1"]
+    assert got["r1"].dtype == torch.uint8 and got["r1"].shape == (14, 3, 2)
+    np.testing.assert_array_equal(got["r4"].numpy(), recs[4].ids_TLK)
+    w = RoutingReader(root).get("wide", ["w1"])["w1"]
+    assert w.dtype == torch.int32  # uint16 widened: torch's uint16 lacks indexing ops
+    np.testing.assert_array_equal(w.numpy(), wide[1].ids_TLK.astype(np.int32))
+
+
+def test_packed_form(populated):
+    root, recs, _ = populated
+    order = ["r5", "r0", "r3"]
+    packed = RoutingReader(root).get_packed("roll-0", order)
+    assert packed.request_ids == tuple(order)
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.cu_seqlens.tolist() == [0, 58, 61, 97]
+    by_id = {r.request_id: r for r in recs}
+    for i, rid in enumerate(order):
+        lo, hi = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
+        np.testing.assert_array_equal(packed.ids_TLK[lo:hi].numpy(), by_id[rid].ids_TLK)
+    assert packed.layer_map == (0, 1, 2) and packed.num_experts == 16 and packed.start_rows == (0, 0, 0)
+
+
+def test_info(populated):
+    root, recs, _ = populated
+    info = RoutingReader(root).info("roll-0")
+    assert info.request_ids == tuple(r.request_id for r in recs)
+    assert (info.num_layers, info.top_k, info.dtype, info.total_rows) == (3, 2, "uint8", sum(r.num_rows for r in recs))
+
+
+def test_unknown_rollout_and_request(populated):
+    root, _, _ = populated
+    reader = RoutingReader(root)
+    with pytest.raises(UnknownRolloutError, match="'nope'") as info:
+        reader.get("nope", ["r0"])
+    assert isinstance(info.value, KeyError)
+    with pytest.raises(UnknownRequestError, match=r"no committed request 'zz' \(6 requests committed\)"):
+        reader.get("roll-0", ["r0", "zz"])
+
+
+def test_sees_requests_committed_after_first_read(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        reader = RoutingReader(tmp_path)
+        reader.get("roll-0", ["a"])
+        store.commit([make_record("b")])
+        assert "b" in reader.get("roll-0", ["b"])
+
+
+def test_corrupted_chunk_detected(tmp_path, make_record):
+    rec = make_record("a", rows=50)
+    with LocalRoutingStore(tmp_path, zstd_level=0) as store:
+        store.commit([rec])
+    shard = tmp_path / "roll-0" / "b00000001" / "c" / "0" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError, match="checksum do not match"):  # zarr's chunk crc32c
+        RoutingReader(tmp_path).get("roll-0", ["a"])
+
+
+def test_index_checksum_catches_what_zarr_cannot(tmp_path, make_record, monkeypatch):
+    rec = make_record("a")
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([rec])
+    import json
+
+    path = tmp_path / "roll-0" / "zarr.json"
+    doc = json.loads(path.read_text())
+    doc["attributes"]["r3rdma"]["requests"]["a"]["segments"][0]["crc32c"] ^= 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptDataError, match="index says"):
+        RoutingReader(tmp_path).get("roll-0", ["a"])

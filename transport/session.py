@@ -1,0 +1,452 @@
+"""The protocol engine shared by every implementation: hello, batches, acks, errors.
+
+Written against :class:`~.conn.Conn` only, so the loopback fake and UCXX run the same code.
+Every wait goes through :func:`timed`, so nothing here can block past a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import abstractmethod
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from r3rdma.errors import (
+    AuthenticationError,
+    ProtocolError,
+    R3Error,
+    R3TimeoutError,
+    TransportError,
+)
+from r3rdma.records import RequestRecord
+
+from . import auth
+from .base import Handler, PushAck, ServerAddress, TransportClient, TransportServer
+from .batch import PackedBatch, batch_header, check_batch_header, decode_batch, encode_records, packed_table
+from .conn import Conn
+from .device import PayloadBuffer, payload_nbytes
+from .frames import (
+    HANDSHAKE_MAX_HEADER_BYTES,
+    PREAMBLE_BYTES,
+    PROTOCOL_VERSION,
+    REPLY_MAX_HEADER_BYTES,
+    SUPPORTED_VERSIONS,
+    Kind,
+    Preamble,
+    error_from_header,
+    error_header,
+    pack_header,
+    unpack_header,
+)
+from .limits import TransportLimits
+
+__all__ = ["timed", "ConnServer", "ConnClient"]
+
+log = logging.getLogger("r3rdma.transport")
+T = TypeVar("T")
+
+
+async def timed(aw: Awaitable[T], timeout: float, what: str) -> T:
+    """Await ``aw`` for at most ``timeout`` seconds, else raise R3TimeoutError naming ``what``."""
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except TimeoutError as e:
+        if isinstance(e, R3Error):  # a deadline deeper down already named itself
+            raise
+        raise R3TimeoutError(f"{what}: nothing happened within {timeout:g} s") from e
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+async def send_message(
+    conn: Conn,
+    version: int,
+    kind: Kind,
+    header: dict[str, Any],
+    frames: Sequence[PayloadBuffer] = (),
+    *,
+    timeout: float,
+) -> None:
+    raw = pack_header(header)
+    sizes = [payload_nbytes(f) for f in frames]
+    pre = Preamble(version, kind, len(raw), sum(sizes))
+    what = f"sending {kind.name} to {conn.peer}"
+    await timed(conn.send(pre.pack()), timeout, what)
+    await timed(conn.send(raw), timeout, what)
+    for frame, size in zip(frames, sizes):
+        if size:  # zero-byte frames are never listed, so never sent
+            await timed(conn.send(frame), timeout, what)
+
+
+async def recv_preamble(conn: Conn, timeout: float, what: str) -> Preamble:
+    buf = np.zeros(PREAMBLE_BYTES, dtype=np.uint8)
+    await timed(conn.recv_into(buf), timeout, what)
+    return Preamble.unpack(buf.tobytes())
+
+
+async def recv_header(conn: Conn, pre: Preamble, limit: int, timeout: float, what: str) -> dict[str, Any]:
+    if not 1 <= pre.header_len <= limit:
+        raise ProtocolError(
+            f"{pre.kind.name} header must be 1..{limit} bytes, the preamble announced {pre.header_len}"
+        )
+    buf = np.zeros(pre.header_len, dtype=np.uint8)
+    await timed(conn.recv_into(buf), timeout, what)
+    return unpack_header(buf.data, pre.kind.name)
+
+
+def expect(pre: Preamble, kinds: tuple[Kind, ...], version: int | None, max_payload: int = 0) -> None:
+    if pre.kind not in kinds:
+        raise ProtocolError(f"expected a {'/'.join(k.name for k in kinds)} message, got {pre.kind.name}")
+    if version is not None and pre.version != version:
+        raise ProtocolError(f"expected protocol version {version} (negotiated), got {pre.version}")
+    if pre.payload_len > max_payload:
+        raise ProtocolError(
+            f"{pre.kind.name} payload must be at most {max_payload} bytes, the preamble announced {pre.payload_len}"
+        )
+
+
+def _bytes_field(header: dict[str, Any], key: str, size: int, what: str) -> bytes:
+    value = header.get(key)
+    if not isinstance(value, bytes) or len(value) != size:
+        shown = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        raise ProtocolError(f"{what} field {key!r} must be {size} bytes, got {shown}")
+    return value
+
+
+# -- server side ---------------------------------------------------------------------------
+
+
+async def server_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -> int:
+    """Run the server half of the hello; return the negotiated version."""
+    t = limits.timeout_s
+    pre = await recv_preamble(conn, t, f"waiting for HELLO from {conn.peer}")
+    expect(pre, (Kind.HELLO,), None)
+    hello = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving HELLO")
+    offered = hello.get("versions")
+    if not isinstance(offered, list) or not all(isinstance(v, int) for v in offered):
+        raise ProtocolError(f"HELLO must list the client's protocol versions, got {offered!r}")
+    common = set(offered) & set(SUPPORTED_VERSIONS)
+    if not common:
+        raise ProtocolError(
+            f"no common protocol version: server speaks {list(SUPPORTED_VERSIONS)}, client offers {offered}"
+        )
+    version = max(common)
+    client_nonce = _bytes_field(hello, "nonce", auth.NONCE_BYTES, "HELLO")
+    server_nonce = auth.new_nonce()
+    await send_message(conn, version, Kind.CHALLENGE, {"version": version, "nonce": server_nonce}, timeout=t)
+
+    pre = await recv_preamble(conn, t, f"waiting for AUTH from {conn.peer}")
+    expect(pre, (Kind.AUTH,), version)
+    answer = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving AUTH")
+    expected = auth.client_proof(secret, version, client_nonce, server_nonce)
+    if not auth.proofs_match(expected, answer.get("proof")):
+        raise AuthenticationError(
+            "client proof does not match the shared secret (check R3_STORE_TOKEN on both sides)"
+        )
+    proof = auth.server_proof(secret, version, client_nonce, server_nonce)
+    await send_message(conn, version, Kind.AUTH_OK, {"proof": proof}, timeout=t)
+    return version
+
+
+class _Session:
+    __slots__ = ("task", "busy")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.busy = False
+
+
+class ConnServer(TransportServer):
+    """Server logic over :class:`Conn`; subclasses only listen and produce connections."""
+
+    def __init__(self, handler: Handler, secret: bytes | str, limits: TransportLimits | None = None) -> None:
+        self._handler = handler
+        self._secret = auth.coerce_secret(secret)
+        self.limits = limits or TransportLimits()
+        self._sessions: set[_Session] = set()
+        self._stopping = False
+        self._address: ServerAddress | None = None
+
+    @property
+    def address(self) -> ServerAddress:
+        if self._address is None:
+            raise TransportError("server not started: call start() first")
+        return self._address
+
+    @abstractmethod
+    async def _listen(self) -> ServerAddress: ...
+
+    @abstractmethod
+    async def _unlisten(self) -> None:
+        """Stop accepting new connections."""
+
+    async def _release(self) -> None:
+        """Free listening resources once every session has ended."""
+
+    async def start(self) -> ServerAddress:
+        if self._address is None:
+            self._stopping = False
+            self._address = await self._listen()
+        return self._address
+
+    async def stop(self, drain: bool = True) -> None:
+        self._stopping = True
+        await self._unlisten()
+        sessions = list(self._sessions)
+        for s in sessions:
+            # An idle session is blocked waiting for a preamble: nothing is in flight.
+            if (not drain or not s.busy) and s.task is not None:
+                s.task.cancel()
+        tasks = [s.task for s in sessions if s.task is not None]
+        if tasks:
+            deadline = self.limits.handler_timeout_s + 2 * self.limits.timeout_s
+            done, pending = await asyncio.wait(tasks, timeout=deadline)
+            for task in pending:  # pragma: no cover - a handler ignored its deadline
+                task.cancel()
+        await self._release()
+        self._address = None
+
+    async def serve(self, conn: Conn) -> None:
+        """Run one connection to completion (called by subclasses for each accepted conn)."""
+        session = _Session(asyncio.current_task())
+        self._sessions.add(session)
+        try:
+            await self._serve(conn, session)
+        except asyncio.CancelledError:
+            pass  # stop(): the connection is closed below; the client sees TransportError
+        finally:
+            self._sessions.discard(session)
+            await conn.close()
+
+    async def _serve(self, conn: Conn, session: _Session) -> None:
+        limits = self.limits
+        version = PROTOCOL_VERSION
+        try:
+            version = await server_handshake(conn, self._secret, limits)
+        except (TransportError, R3TimeoutError) as e:
+            log.info("hello with %s failed: %s", conn.peer, e)
+            return
+        except R3Error as e:
+            log.warning("refusing %s: %s", conn.peer, e)
+            await self._send_error(conn, version, e, seq=None, fatal=True)
+            return
+        while not self._stopping:
+            try:
+                pre = await recv_preamble(conn, limits.idle_timeout_s, f"idle connection from {conn.peer}")
+            except (TransportError, R3TimeoutError, ProtocolError) as e:
+                # Peer gone, idle too long, or garbage where a preamble belongs.
+                if isinstance(e, ProtocolError):
+                    await self._send_error(conn, version, e, seq=None, fatal=True)
+                log.debug("closing %s: %s", conn.peer, e)
+                return
+            session.busy = True
+            try:
+                if not await self._one_batch(conn, version, pre):
+                    return
+            finally:
+                session.busy = False
+
+    async def _one_batch(self, conn: Conn, version: int, pre: Preamble) -> bool:
+        """Receive, hand over and ack one batch; False when the connection must close."""
+        limits = self.limits
+        t = limits.timeout_s
+        seq: int | None = None
+        try:
+            expect(pre, (Kind.BATCH,), version, limits.max_payload_bytes)
+            header = await recv_header(conn, pre, limits.max_header_bytes, t, "receiving a batch header")
+            metas = check_batch_header(header, pre.payload_len, limits)
+            seq = header["seq"]
+            payload = np.empty(pre.payload_len, dtype=np.uint8)
+            start = 0
+            for size in header["frames"]:
+                await timed(conn.recv_into(payload[start : start + size]), t, "receiving a payload frame")
+                start += size
+        except (TransportError, R3TimeoutError) as e:
+            log.info("batch from %s aborted: %s", conn.peer, e)
+            return False
+        except R3Error as e:  # ProtocolError: the stream can no longer be trusted
+            log.warning("protocol violation by %s: %s", conn.peer, e)
+            await self._send_error(conn, version, e, seq=seq, fatal=True)
+            return False
+
+        # The message was consumed entirely: errors from here on leave the stream in sync.
+        try:
+            records = decode_batch(metas, payload)
+            await timed(self._handler(records), limits.handler_timeout_s, "handler (durable write)")
+        except R3Error as e:
+            return await self._send_error(conn, version, e, seq=seq, fatal=False)
+        except Exception as e:  # a bug in the handler: report it typed, keep serving
+            log.exception("handler failed on a batch from %s", conn.peer)
+            return await self._send_error(conn, version, e, seq=seq, fatal=False)
+        ack = {"seq": seq, "requests": len(metas), "bytes": pre.payload_len}
+        try:
+            await send_message(conn, version, Kind.ACK, ack, timeout=t)
+        except (TransportError, R3TimeoutError) as e:
+            log.info("ack to %s lost: %s", conn.peer, e)
+            return False
+        return True
+
+    async def _send_error(
+        self, conn: Conn, version: int, exc: BaseException, *, seq: int | None, fatal: bool
+    ) -> bool:
+        """Best-effort ERROR frame; returns whether the connection is still usable."""
+        try:
+            await send_message(
+                conn, version, Kind.ERROR, error_header(exc, seq=seq, fatal=fatal), timeout=self.limits.timeout_s
+            )
+        except (TransportError, R3TimeoutError):
+            return False
+        return not fatal
+
+
+# -- client side ---------------------------------------------------------------------------
+
+
+async def client_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -> int:
+    """Run the client half of the hello; return the negotiated version."""
+    t = limits.timeout_s
+    client_nonce = auth.new_nonce()
+    hello = {"versions": list(SUPPORTED_VERSIONS), "nonce": client_nonce}
+    await send_message(conn, PROTOCOL_VERSION, Kind.HELLO, hello, timeout=t)
+    pre = await recv_preamble(conn, t, f"waiting for CHALLENGE from {conn.peer}")
+    expect(pre, (Kind.CHALLENGE, Kind.ERROR), None)
+    challenge = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving CHALLENGE")
+    if pre.kind is Kind.ERROR:
+        raise error_from_header(challenge)
+    version = challenge.get("version")
+    if version not in SUPPORTED_VERSIONS or pre.version != version:
+        raise ProtocolError(f"server chose protocol version {version!r}; this client speaks {list(SUPPORTED_VERSIONS)}")
+    server_nonce = _bytes_field(challenge, "nonce", auth.NONCE_BYTES, "CHALLENGE")
+    proof = auth.client_proof(secret, version, client_nonce, server_nonce)
+    await send_message(conn, version, Kind.AUTH, {"proof": proof}, timeout=t)
+    pre = await recv_preamble(conn, t, f"waiting for AUTH_OK from {conn.peer}")
+    expect(pre, (Kind.AUTH_OK, Kind.ERROR), version)
+    answer = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving AUTH_OK")
+    if pre.kind is Kind.ERROR:
+        raise error_from_header(answer)
+    expected = auth.server_proof(secret, version, client_nonce, server_nonce)
+    if not auth.proofs_match(expected, answer.get("proof")):
+        raise AuthenticationError("server proof does not match the shared secret: not the server we expected")
+    return version
+
+
+async def recv_reply(conn: Conn, version: int, seq: int, limits: TransportLimits) -> PushAck:
+    """Wait for the ACK (or typed ERROR) of batch ``seq``; no deadline on the first byte."""
+    pre = await recv_preamble(conn, limits.ack_timeout_s, f"waiting for the ack from {conn.peer}")
+    expect(pre, (Kind.ACK, Kind.ERROR), version)
+    header = await recv_header(conn, pre, REPLY_MAX_HEADER_BYTES, limits.timeout_s, "receiving the ack")
+    if pre.kind is Kind.ERROR:
+        exc = error_from_header(header)
+        exc.fatal = bool(header.get("fatal", True))  # type: ignore[attr-defined]
+        raise exc
+    got = header.get("seq")
+    requests, nbytes = header.get("requests"), header.get("bytes")
+    if got != seq or not isinstance(requests, int) or not isinstance(nbytes, int):
+        raise ProtocolError(f"expected an ack of batch {seq} with request and byte counts, got {header!r}")
+    return PushAck(seq=seq, requests=requests, bytes=nbytes)
+
+
+class ConnClient(TransportClient):
+    """Client logic over :class:`Conn`; subclasses only open connections."""
+
+    def __init__(self, secret: bytes | str, limits: TransportLimits | None = None) -> None:
+        self._secret = auth.coerce_secret(secret)
+        self.limits = limits or TransportLimits()
+        self._conn: Conn | None = None
+        self._version = PROTOCOL_VERSION
+        self._seq = 0
+        self._lock = asyncio.Lock()
+
+    @abstractmethod
+    async def _open(self) -> Conn:
+        """Open a raw connection (no hello yet); bounded by ``limits.timeout_s``."""
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        await self._drop()
+        conn = await self._open()
+        try:
+            self._version = await client_handshake(conn, self._secret, self.limits)
+        except BaseException:
+            await conn.close()
+            raise
+        self._conn = conn
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def push(self, records: Sequence[RequestRecord]) -> PushAck:
+        if not records:
+            raise ProtocolError("push needs at least one record, got an empty batch")
+        if len(records) > self.limits.max_records:
+            raise ProtocolError(f"a batch holds at most {self.limits.max_records} records, got {len(records)}")
+        table, frames = encode_records(records, max_frames=self.limits.max_frames)
+        return await self._push(table, frames)
+
+    async def push_packed(self, batch: PackedBatch) -> PushAck:
+        if not batch.metas:
+            raise ProtocolError("push needs at least one record, got an empty batch")
+        table = packed_table(batch)
+        return await self._push(table, [batch.payload] if batch.nbytes else [])
+
+    async def _push(self, table: list[dict[str, Any]], frames: list[PayloadBuffer]) -> PushAck:
+        async with self._lock:
+            if not self.connected:  # first push, or the previous connection failed / idled out
+                await self.connect()
+            conn = self._conn
+            assert conn is not None
+            self._seq += 1
+            seq = self._seq
+            try:
+                return await self._exchange(conn, seq, table, frames)
+            except R3Error as e:
+                if getattr(e, "fatal", True):
+                    # Transport failure, timeout, protocol error, or a fatal error frame: the
+                    # stream state is unknown, so never reuse it.
+                    await self._drop()
+                raise
+            except BaseException:
+                await self._drop()
+                raise
+
+    async def _exchange(
+        self, conn: Conn, seq: int, table: list[dict[str, Any]], frames: list[PayloadBuffer]
+    ) -> PushAck:
+        limits = self.limits
+        header = batch_header(seq, table, [payload_nbytes(f) for f in frames])
+        # Post the reply receive first: if the server refuses the message part-way (limits)
+        # it answers with an error frame and closes, which fails our remaining sends. The
+        # error frame, not the broken pipe, is what the caller must see.
+        reply = asyncio.ensure_future(recv_reply(conn, self._version, seq, limits))
+        try:
+            try:
+                await send_message(conn, self._version, Kind.BATCH, header, frames, timeout=limits.timeout_s)
+            except (TransportError, R3TimeoutError) as send_error:
+                try:
+                    await asyncio.wait_for(asyncio.shield(reply), min(limits.timeout_s, 2.0))
+                except R3Error as typed:
+                    if not isinstance(typed, (TransportError, R3TimeoutError)):
+                        raise typed from send_error
+                except (TimeoutError, Exception):
+                    pass
+                raise
+            return await reply
+        finally:
+            if not reply.done():
+                reply.cancel()
+                await asyncio.gather(reply, return_exceptions=True)
