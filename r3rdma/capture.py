@@ -15,11 +15,23 @@ Host-side bookkeeping knows, for every request position, which slot holds its ro
 *write generation* of that slot it relies on; a slot rewritten by another token before the
 request gathered it is detected (:class:`StaleSlotError`) instead of returning someone else's
 row, and a position never computed is an error (:class:`MissingRowsError`), never zeros.
+
+Engine features (the contract in full: docs/ENGINE_SEMANTICS.md): chunked prefill (steps with
+``start_positions > 0``), chunked MoE (``record(..., token_offset=)``), speculative decoding
+(``end_step(accepted_T)``), draft models (their own capturer; :meth:`RoutingCapturer.suspended`
+for shared hooks), preemption (:meth:`RoutingCapturer.preempt_request`), n > 1 samples
+(:meth:`RoutingCapturer.fork_request` or prefix hits), overlap scheduling (a request may finish
+or abort while a step that includes it is open), evicted KV blocks
+(:meth:`RoutingCapturer.release_slots`), EPLB replicas (``expert_map``), multi-turn and
+prefill/decode disaggregation (``finish_request(..., store_as=, start_row=, final=, total_rows=)``).
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
+
+import contextlib
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -77,6 +89,11 @@ class RoutingCapturer:
             caller (``finish_request`` returns the record either way).
         rollout_id: rollout of finished requests unless ``finish_request`` names one.
         device: where the slot table and step buffer live.
+        expert_map: EPLB / redundant experts: ``expert_map[physical_id]`` is the logical expert
+            of each physical replica the router may emit (1-D integer tensor, values in
+            ``0 .. num_experts - 1``). ``record`` maps ids through it on the device, without a
+            host sync, so the stored ids are always logical. ``num_experts`` counts logical
+            experts. Change it between steps with :meth:`set_expert_map`.
     """
 
     def __init__(
@@ -90,6 +107,7 @@ class RoutingCapturer:
         rollout_id: str = "default",
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
+        expert_map: torch.Tensor | Sequence[int] | None = None,
     ) -> None:
         self.layer_map = tuple(int(x) for x in layer_map)
         if not self.layer_map:
@@ -116,12 +134,54 @@ class RoutingCapturer:
         self._slot_gen = np.zeros(self.num_slots, dtype=np.int64)  # writes so far, per slot
         self._requests: dict[str, _RequestState] = {}
         self._step: _Step | None = None
+        self._slot_valid = np.zeros(self.num_slots, dtype=bool)  # written and not released since
+        self._suspended = 0
+        self._expert_map: torch.Tensor | None = None
+        if expert_map is not None:
+            self.set_expert_map(expert_map)
         self.rows_captured = 0
         self.requests_finished = 0
+        self.requests_aborted = 0
+        self.requests_preempted = 0
+        self.records_suppressed = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_map)
+
+    def set_expert_map(self, expert_map: torch.Tensor | Sequence[int] | None) -> None:
+        """Install (or with None remove) the physical -> logical expert map used by ``record``.
+
+        Validated here once (one host read of the map); ``record`` then only indexes it on the
+        device. Call between steps, e.g. after an EPLB rebalance: rows already captured are
+        logical ids and are unaffected.
+        """
+        if expert_map is None:
+            self._expert_map = None
+            return
+        emap = expert_map if isinstance(expert_map, torch.Tensor) else torch.as_tensor(list(expert_map))
+        if emap.dim() != 1 or emap.numel() == 0 or emap.dtype.is_floating_point or emap.dtype == torch.bool:
+            raise ShapeMismatchError(f"expert_map must be a non-empty 1-D integer tensor, got {emap.dtype} {tuple(emap.shape)}")
+        lo, hi = int(emap.min()), int(emap.max())
+        if lo < 0 or hi >= self.num_experts:
+            raise ShapeMismatchError(
+                f"expert_map maps physical experts to logical ids {lo}..{hi}, expected 0..{self.num_experts - 1}"
+            )
+        self._expert_map = emap.to(device=self.device, dtype=torch.int64)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within this block ``record`` is a no-op (counted in ``records_suppressed``).
+
+        For forwards whose routers share hooks with the target model but must not be captured
+        into it: a draft / MTP model's forward, warm-up, CUDA-graph capture. Steps must not be
+        begun or ended inside.
+        """
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
 
     # -- the step path ----------------------------------------------------------------------
 
@@ -170,8 +230,17 @@ class RoutingCapturer:
             )
         self._step = _Step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, self.num_layers)
 
-    def record(self, layer_idx: int, topk_ids_TK: torch.Tensor) -> None:
-        """Record one MoE layer's top-k ids for the current step (called from the router)."""
+    def record(self, layer_idx: int, topk_ids_TK: torch.Tensor, *, token_offset: int | None = None) -> None:
+        """Record one MoE layer's top-k ids for the current step (called from the router).
+
+        ``token_offset`` is for chunked MoE, where a layer routes the step's tokens in several
+        calls: each call passes the rows of tokens ``token_offset .. token_offset + n - 1`` of
+        the step, in order (the first at 0, each next one where the previous ended); the step
+        must end with every token covered. Without it, one call carries every token.
+        """
+        if self._suspended:
+            self.records_suppressed += 1
+            return
         step = self._step
         if step is None:
             raise CaptureStateError(f"record(layer {layer_idx}) called outside begin_step/end_step")
@@ -181,16 +250,38 @@ class RoutingCapturer:
         if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != self.top_k:
             raise ShapeMismatchError(f"layer {layer_idx}: expected top-k ids [T, {self.top_k}], got {tuple(topk_ids_TK.shape)}")
         total = step.total
+        if token_offset is not None:
+            if step.router_rows is not None:
+                raise CaptureStateError("record(token_offset=...) cannot be combined with begin_step(router_rows=...)")
+            done = step.covered[moe]
+            n = int(topk_ids_TK.shape[0])
+            if step.recorded[moe] or token_offset != done or done + n > total:
+                raise CaptureStateError(
+                    f"layer {layer_idx}: chunk of {n} rows at token_offset {token_offset}, but {done} of the "
+                    f"step's {total} tokens were recorded so far (chunks must be in order and cover the step once)"
+                )
+            rows = self._to_logical(topk_ids_TK)
+            self._step_buf[done : done + n, moe].copy_(rows, non_blocking=True)
+            step.covered[moe] = done + n
+            step.recorded[moe] = step.covered[moe] == total
+            return
         rows = topk_ids_TK if step.router_rows is None else topk_ids_TK.index_select(0, step.router_rows)
         if rows.shape[0] != total:
             raise ShapeMismatchError(
                 f"layer {layer_idx}: the step announced {total} tokens but the router produced {topk_ids_TK.shape[0]} rows"
                 + ("" if step.router_rows is None else " (after router_rows selection)")
             )
-        if step.recorded[moe]:
-            raise CaptureStateError(f"layer {layer_idx} recorded twice in one step (chunked MoE? record whole steps)")
+        if step.recorded[moe] or step.covered[moe]:
+            raise CaptureStateError(f"layer {layer_idx} recorded twice in one step (chunked MoE? pass token_offset)")
         step.recorded[moe] = True
-        self._step_buf[:total, moe].copy_(rows, non_blocking=True)
+        step.covered[moe] = total
+        self._step_buf[:total, moe].copy_(self._to_logical(rows), non_blocking=True)
+
+    def _to_logical(self, ids: torch.Tensor) -> torch.Tensor:
+        # EPLB: physical replica ids -> logical expert ids, on the device (no host sync).
+        if self._expert_map is None:
+            return ids
+        return torch.take(self._expert_map, ids.to(torch.int64))
 
     def end_step(self, accepted_T: Sequence[bool] | np.ndarray | None = None) -> None:
         """Commit the step's rows to the slot table.
@@ -204,7 +295,10 @@ class RoutingCapturer:
         self._step = None
         if step.total and not all(step.recorded):
             missing = [self.layer_map[i] for i, done in enumerate(step.recorded) if not done]
-            raise CaptureStateError(f"step ended without routing for MoE layers {missing} (a router skipped its hook?)")
+            raise CaptureStateError(
+                f"step ended without routing for MoE layers {missing} (a router skipped its hook, or a chunked "
+                "MoE layer did not cover every token?)"
+            )
         keep = None
         if accepted_T is not None:
             keep = np.asarray(accepted_T, dtype=bool)
@@ -220,6 +314,7 @@ class RoutingCapturer:
             rows = rows.index_select(0, torch.from_numpy(token_idx).to(self.device, non_blocking=True))
         write_step_rows(self.table_SLK, slots_dev, rows)
         self._slot_gen[slots] += 1
+        self._slot_valid[slots] = True
         gens = self._slot_gen[slots]
         # Host bookkeeping: position -> (slot, generation) for each request's kept tokens.
         positions = np.repeat(step.starts, step.counts) + (np.arange(step.total) - np.repeat(np.cumsum(step.counts) - step.counts, step.counts))
@@ -228,6 +323,10 @@ class RoutingCapturer:
         bounds = np.flatnonzero(np.diff(owner)) + 1
         for chunk in np.split(np.arange(token_idx.size), bounds):
             rid = step.request_ids[owner[chunk[0]]]
+            if rid in step.retired:
+                # Finished, aborted or preempted while this step was in flight (overlap
+                # scheduling): the slot was written above, but the request keeps no state.
+                continue
             state = self._requests.get(rid)
             if state is None:
                 state = self._requests[rid] = _RequestState()
@@ -256,6 +355,12 @@ class RoutingCapturer:
         never = slt[self._slot_gen[slt] == 0]
         if never.size:
             raise StaleSlotError(f"request {request_id!r} attaches to slots never written: {never[:8].tolist()}")
+        released = slt[~self._slot_valid[slt]]
+        if released.size:
+            raise StaleSlotError(
+                f"request {request_id!r} attaches to slots released (evicted) and not rewritten since: "
+                f"{released[:8].tolist()} (a prefix-cache hit on a block that no longer holds its prefix?)"
+            )
         state = self._requests.get(request_id)
         if state is None:
             state = self._requests[request_id] = _RequestState()
@@ -271,14 +376,30 @@ class RoutingCapturer:
         generated_len: int,
         rollout_id: str | None = None,
         start_row: int = 0,
+        store_as: str | None = None,
+        final: bool = True,
+        total_rows: int | None = None,
     ) -> RequestRecord:
         """Gather the request's rows ``start_row .. prompt_len + generated_len - 2`` and hand them to the sink.
 
+        ``prompt_len + generated_len`` is the request's whole sequence, with ``generated_len``
+        counted up to and including EOS (tokens a speculative step accepted after EOS are not
+        part of it). The last token is never an input, so it has no row, whether the request
+        ended by EOS or by length.
+
+        ``store_as`` names the stored request when it differs from the engine's request id (a
+        later turn of a conversation stored under the conversation's id). ``start_row``,
+        ``final`` and ``total_rows`` go into the record (see :class:`RequestRecord`): a later
+        turn passes the rows already stored as ``start_row``; a prefill engine in a
+        disaggregated deployment passes ``final=False``; a decode engine passes
+        ``start_row=prompt_len`` and ``total_rows``.
+
         Raises :class:`MissingRowsError` if a position was never computed and
-        :class:`StaleSlotError` if a slot was rewritten by another token since.
+        :class:`StaleSlotError` if a slot was rewritten by another token or released since.
         The request's bookkeeping is released either way; the engine may then free its slots.
         """
         state = self._requests.pop(request_id, None)
+        self._retire_in_open_step(request_id)
         rows = num_routing_rows(prompt_len, generated_len)
         if not 0 <= start_row <= rows:
             raise ShapeMismatchError(f"start_row must be in 0..{rows}, got {start_row}")
@@ -307,11 +428,13 @@ class RoutingCapturer:
             ids = ids.view(np.uint16)
         record = RequestRecord(
             rollout_id=rollout_id or self.rollout_id,
-            request_id=request_id,
+            request_id=store_as or request_id,
             ids_TLK=ids,
             layer_map=self.layer_map,
             num_experts=self.num_experts,
             start_row=start_row,
+            final=final,
+            total_rows=total_rows,
         )
         self.requests_finished += 1
         if self.sink is not None:
@@ -319,25 +442,120 @@ class RoutingCapturer:
         return record
 
     def abort_request(self, request_id: str) -> None:
-        """Forget an aborted request; nothing is stored."""
-        self._requests.pop(request_id, None)
+        """Forget an aborted request; nothing is stored. Safe to call for unknown ids."""
+        if self._requests.pop(request_id, None) is not None:
+            self.requests_aborted += 1
+        self._retire_in_open_step(request_id)
+
+    def preempt_request(self, request_id: str) -> None:
+        """The engine preempted ``request_id`` and freed its KV: forget every position.
+
+        When it is rescheduled (recompute), its steps and prefix-cache hits announce the
+        positions again; positions it never recomputes are then missing, not stale.
+        """
+        if self._requests.pop(request_id, None) is not None:
+            self.requests_preempted += 1
+        self._retire_in_open_step(request_id)
+
+    def fork_request(
+        self,
+        parent_id: str,
+        child_id: str,
+        num_positions: int,
+        *,
+        slots: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    ) -> None:
+        """n > 1 samples: ``child_id`` starts with positions ``0 .. num_positions - 1`` of ``parent_id``.
+
+        For engines that prefill a prompt once and fork it into several samples. ``slots``
+        (optional, one per position) are the child's own KV slots for those positions: where
+        a slot equals the parent's, the block is shared; where it differs, the engine copied
+        the block (copy-on-write of the partly filled last block), and the rows are copied
+        into the child's slots too, on the device, so the child no longer depends on the
+        parent's copy. Without ``slots`` every position is shared.
+        """
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise MissingRowsError(f"fork_request: parent {parent_id!r} has no computed positions")
+        if child_id in self._requests:
+            raise CaptureStateError(f"fork_request: {child_id!r} already has positions")
+        parent.ensure(num_positions)
+        missing = np.flatnonzero(parent.gens[:num_positions] < 0)
+        if missing.size:
+            raise MissingRowsError(
+                f"fork_request: positions {missing[:8].tolist()} of {parent_id!r} were never computed"
+            )
+        src = parent.slots[:num_positions]
+        stale = np.flatnonzero(self._slot_gen[src] != parent.gens[:num_positions])
+        if stale.size:
+            raise StaleSlotError(f"fork_request: slots of positions {stale[:8].tolist()} of {parent_id!r} were rewritten")
+        dst = src.copy() if slots is None else _host_int64(slots)
+        if dst.shape != (num_positions,):
+            raise ShapeMismatchError(f"fork_request: need {num_positions} slots, got {dst.shape[0]}")
+        if num_positions and (dst.min() < 0 or dst.max() >= self.num_slots):
+            raise ShapeMismatchError(f"slots must be in 0..{self.num_slots - 1}, got {dst.min()}..{dst.max()}")
+        child = _RequestState()
+        child.ensure(num_positions)
+        child.slots[:num_positions] = dst
+        child.gens[:num_positions] = parent.gens[:num_positions]
+        copied = np.flatnonzero(dst != src)
+        if copied.size:
+            if np.unique(dst[copied]).size != copied.size:
+                raise ShapeMismatchError("fork_request: a copy-on-write slot appears twice")
+            rows = gather_rows(self.table_SLK, torch.from_numpy(src[copied]).to(self.device))
+            write_step_rows(self.table_SLK, torch.from_numpy(dst[copied]).to(self.device), rows)
+            self._slot_gen[dst[copied]] += 1
+            self._slot_valid[dst[copied]] = True
+            child.gens[copied] = self._slot_gen[dst[copied]]
+        self._requests[child_id] = child
+
+    def release_slots(self, slots: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """The engine evicted or reassigned these KV slots: their rows stop being valid.
+
+        Call it when a block's *content* is discarded (prefix-cache eviction, reassignment to
+        another request), not when a request merely stops referencing a block that stays in
+        the prefix cache. Afterwards a request that still relies on such a slot fails with
+        :class:`StaleSlotError` at finish, and a prefix hit on it is refused, until the slot
+        is written again. Optional: without it, a rewrite is still detected.
+        """
+        slt = _host_int64(slots)
+        if slt.size and (slt.min() < 0 or slt.max() >= self.num_slots):
+            raise ShapeMismatchError(f"slots must be in 0..{self.num_slots - 1}, got {slt.min()}..{slt.max()}")
+        self._slot_gen[slt] += 1
+        self._slot_valid[slt] = False
+
+    def _retire_in_open_step(self, request_id: str) -> None:
+        # Overlap scheduling: the engine may launch step N+1 (with this request in it) before it
+        # learns the request finished at step N. Its tokens in the open step keep no state.
+        step = self._step
+        if step is not None and request_id in step.members:
+            step.retired.add(request_id)
 
     @property
     def active_requests(self) -> int:
+        """Requests with host state (computed positions); 0 once every request finished or aborted."""
         return len(self._requests)
+
+    @property
+    def tracked_positions(self) -> int:
+        """Host bookkeeping entries held for active requests (leak check)."""
+        return int(sum(state.slots.shape[0] for state in self._requests.values()))
 
 
 class _Step:
-    __slots__ = ("request_ids", "starts", "counts", "slots", "router_rows", "total", "recorded")
+    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "slots", "router_rows", "total", "recorded", "covered")
 
     def __init__(self, request_ids, starts, counts, slots, router_rows, num_layers) -> None:
         self.request_ids = request_ids
+        self.members = frozenset(request_ids)
+        self.retired: set[str] = set()
         self.starts = starts
         self.counts = counts
         self.slots = slots
         self.router_rows = router_rows
         self.total = int(slots.shape[0])
         self.recorded = [False] * num_layers
+        self.covered = [0] * num_layers  # tokens recorded so far per layer (chunked MoE)
 
 
 def _host_int64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

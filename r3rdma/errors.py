@@ -19,6 +19,9 @@ __all__ = [
     "UnknownRolloutError",
     "UnknownRequestError",
     "DuplicateRequestError",
+    "SegmentError",
+    "SegmentOverlapError",
+    "SegmentGapError",
     "CorruptDataError",
     "StoreError",
     "R3TimeoutError",
@@ -73,6 +76,18 @@ class UnknownRequestError(R3Error, KeyError):
 
 class DuplicateRequestError(R3Error, ValueError):
     """A request id was committed before with different bytes."""
+
+
+class SegmentError(DuplicateRequestError):
+    """Segments of one request conflict: they overlap, leave a gap, or disagree on its extent."""
+
+
+class SegmentOverlapError(SegmentError):
+    """A segment covers rows another segment of the same request already covers, with other bytes."""
+
+
+class SegmentGapError(SegmentError):
+    """A request's segments leave rows uncovered (a request stays invisible until none are)."""
 
 
 class CorruptDataError(R3Error, ValueError):

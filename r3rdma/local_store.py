@@ -3,6 +3,12 @@
 One writer owns a root (an exclusive ``flock`` on ``<root>/.r3rdma.lock`` refuses a second);
 any number of readers may read it concurrently, and see a request only once its batch is
 committed (see :mod:`r3rdma.zarr_layout` for the format and the commit protocol).
+
+Segments: a request may arrive in several records (later turns of a conversation, the prefill
+and decode engines of a disaggregated deployment). Records that do not yet complete their
+request are stored durably but listed under the index's ``pending`` key, which readers
+ignore; the request becomes visible, in one atomic index replace, once its segments cover
+every row of its span exactly once (docs/ENGINE_SEMANTICS.md states the rules).
 """
 
 from __future__ import annotations
@@ -20,7 +26,17 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
-from .errors import DuplicateRequestError, R3Error, ShapeMismatchError, StoreError, UnknownRolloutError
+from .errors import (
+    DuplicateRequestError,
+    R3Error,
+    SegmentError,
+    SegmentGapError,
+    SegmentOverlapError,
+    ShapeMismatchError,
+    StoreError,
+    UnknownRequestError,
+    UnknownRolloutError,
+)
 from .ids import validate_id
 from .records import RequestRecord
 from .zarr_layout import (
@@ -40,11 +56,16 @@ __all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs"]
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
-    """What a commit did: requests newly stored, requests already stored with the same bytes."""
+    """What a commit did: records newly stored, records already stored with the same bytes.
+
+    ``pending``: requests of this batch still incomplete after it (parts held invisible until
+    their other segments arrive).
+    """
 
     committed: int
     duplicates: int
     bytes_written: int
+    pending: int = 0
 
 
 def zarr_codecs(zstd_level: int) -> list[Any]:
@@ -56,8 +77,19 @@ def zarr_codecs(zstd_level: int) -> list[Any]:
 class LocalRoutingStore:
     """Writer of one store root. Thread-safe; ``commit`` returns once the data is durable."""
 
-    def __init__(self, root: str | os.PathLike[str], *, zstd_level: int = 3, chunk_rows: int = 1024) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        zstd_level: int = 3,
+        chunk_rows: int = 1024,
+        only_last_turn: bool = False,
+    ) -> None:
+        """``only_last_turn`` (FastDeploy's key): a request keeps only the rows of its latest
+        turn's full view; a complete record set that starts where the stored request starts and
+        ends beyond it *replaces* it (without it, such a record is a conflict and refused)."""
         self.root = Path(root)
+        self.only_last_turn = only_last_turn
         self.zstd_level = zstd_level
         self.chunk_rows = chunk_rows
         self._lock = threading.Lock()
@@ -91,12 +123,56 @@ class LocalRoutingStore:
         by_rollout: dict[str, list[RequestRecord]] = {}
         for record in records:
             by_rollout.setdefault(record.rollout_id, []).append(record)
-        committed = duplicates = written = 0
+        committed = duplicates = written = pending = 0
         with self._lock:
             for rollout_id, group in by_rollout.items():
-                c, d, w = self._commit_rollout(rollout_id, group)
-                committed, duplicates, written = committed + c, duplicates + d, written + w
-        return CommitResult(committed, duplicates, written)
+                c, d, w, p = self._commit_rollout(rollout_id, group)
+                committed, duplicates, written, pending = committed + c, duplicates + d, written + w, pending + p
+        return CommitResult(committed, duplicates, written, pending)
+
+    def pending(self, rollout_id: str) -> dict[str, tuple[tuple[int, int, bool], ...]]:
+        """Incomplete requests of a rollout: ``(start_row, end_row, final)`` of each stored part."""
+        validate_id(rollout_id, "rollout_id")
+        with self._lock:
+            index = self._index(rollout_id)
+            return {
+                rid: tuple((seg["start_row"], seg["start_row"] + seg["rows"], seg["final"]) for seg in segs)
+                for rid, segs in index.get("pending", {}).items()
+            }
+
+    def require_complete(self, rollout_id: str) -> None:
+        """Raise :class:`SegmentGapError` if any request of the rollout is still incomplete.
+
+        Call when no more segments can arrive (the rollout's engines are done): a request
+        whose prefill part was stored but whose decode never pushed is an error then.
+        """
+        pending = self.pending(rollout_id)
+        if pending:
+            shown = "; ".join(
+                f"{rid!r} has rows " + ", ".join(f"{a}..{b - 1}" + (" (final)" if f else "") for a, b, f in parts)
+                for rid, parts in list(pending.items())[:5]
+            )
+            raise SegmentGapError(
+                f"rollout {rollout_id!r}: {len(pending)} requests are incomplete (segments do not cover every row): {shown}"
+            )
+
+    def discard_pending(self, rollout_id: str, request_id: str) -> None:
+        """Forget the stored parts of an incomplete request (e.g. its decode was aborted)."""
+        validate_id(rollout_id, "rollout_id")
+        validate_id(request_id, "request_id")
+        with self._lock:
+            index = self._index(rollout_id)
+            pending = dict(index.get("pending", {}))
+            if request_id not in pending:
+                raise UnknownRequestError(f"rollout {rollout_id!r} has no pending request {request_id!r}")
+            del pending[request_id]
+            updated = dict(index)
+            if pending:
+                updated["pending"] = pending
+            else:
+                updated.pop("pending", None)
+            write_json_atomic(self.root / rollout_id / "zarr.json", group_document({INDEX_KEY: updated}))
+            self._indexes[rollout_id] = updated
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout: its index first (readers stop seeing it at once), then its arrays."""
@@ -142,7 +218,7 @@ class LocalRoutingStore:
             if parse_array_name(child.name) is not None and child.name not in referenced:
                 shutil.rmtree(child, ignore_errors=True)
 
-    def _commit_rollout(self, rollout_id: str, records: list[RequestRecord]) -> tuple[int, int, int]:
+    def _commit_rollout(self, rollout_id: str, records: list[RequestRecord]) -> tuple[int, int, int, int]:
         index = self._index(rollout_id)
         geometry = _geometry(records[0])
         if "num_layers" in index:
@@ -152,45 +228,30 @@ class LocalRoutingStore:
                     f"rollout {rollout_id!r} stores routing with {stored}; request "
                     f"{records[0].request_id!r} arrived with {geometry}"
                 )
+        seq = max((parse_array_name(a) or 0 for a in index["arrays"]), default=0) + 1
+        name = array_name(seq)
+        # Records are applied in order to a working copy of the index (a batch may hold several
+        # segments of one request: a prefill part and its decode, two turns); nothing is
+        # written unless every record of the batch is accepted.
+        state = _Assembly(rollout_id, dict(index["requests"]), {k: list(v) for k, v in index.get("pending", {}).items()},
+                          self.only_last_turn)
         new: list[RequestRecord] = []
-        seen: dict[str, RequestRecord] = {}
         duplicates = 0
+        offset = 0
         for record in records:
             if _geometry(record) != geometry:
                 raise ShapeMismatchError(
                     f"request {record.request_id!r} has geometry {_geometry(record)}, "
                     f"but {records[0].request_id!r} in the same batch has {geometry}"
                 )
-            if record.request_id in seen:
-                prior = seen[record.request_id]
-                if prior.crc32c == record.crc32c and prior.start_row == record.start_row and prior.num_rows == record.num_rows:
-                    duplicates += 1
-                    continue
-                raise DuplicateRequestError(f"request {record.request_id!r} appears twice in one batch with different rows")
-            seen[record.request_id] = record
-            entry = index["requests"].get(record.request_id)
-            if entry is None:
+            if state.add(record, name, offset):
                 new.append(record)
-            elif any(
-                s["start_row"] == record.start_row and s["rows"] == record.num_rows and s["crc32c"] == record.crc32c
-                for s in entry["segments"]
-            ):
-                duplicates += 1
-            elif record.start_row == entry["start_row"] + entry["rows"]:
-                new.append(record)  # continuation: a later turn's rows
+                offset += record.num_rows
             else:
-                end = entry["start_row"] + entry["rows"]
-                raise DuplicateRequestError(
-                    f"request {record.request_id!r} of rollout {rollout_id!r} is already stored "
-                    f"(rows {entry['start_row']}..{end - 1}, crc32c {entry['segments'][-1]['crc32c']:#010x}); "
-                    f"a record with different bytes arrived (start_row {record.start_row}, "
-                    f"{record.num_rows} rows, crc32c {record.crc32c:#010x}); only start_row {end} would extend it"
-                )
+                duplicates += 1
         if not new:
-            return 0, duplicates, 0
+            return 0, duplicates, 0, 0
         data = np.concatenate([r.ids_TLK for r in new]) if len(new) > 1 else new[0].ids_TLK
-        seq = max((parse_array_name(a) or 0 for a in index["arrays"]), default=0) + 1
-        name = array_name(seq)
         rollout_path = self.root / rollout_id
         try:
             self._write_array(rollout_path, name, data)
@@ -201,28 +262,19 @@ class LocalRoutingStore:
             raise StoreError(f"writing {len(new)} requests ({data.nbytes} bytes) to {rollout_path / name} failed: {e}") from e
         updated = dict(index, **geometry)
         updated["arrays"] = index["arrays"] + [name]
-        requests = dict(index["requests"])
-        offset = 0
-        for record in new:
-            segment = {"array": name, "offset": offset, "rows": record.num_rows, "start_row": record.start_row, "crc32c": record.crc32c}
-            offset += record.num_rows
-            prior = requests.get(record.request_id)
-            if prior is None:
-                requests[record.request_id] = {"rows": record.num_rows, "start_row": record.start_row, "segments": [segment]}
-            else:
-                requests[record.request_id] = {
-                    "rows": prior["rows"] + record.num_rows,
-                    "start_row": prior["start_row"],
-                    "segments": prior["segments"] + [segment],
-                }
-        updated["requests"] = requests
+        updated["requests"] = state.requests
+        if state.pending:
+            updated["pending"] = state.pending
+        else:
+            updated.pop("pending", None)
         try:
             write_json_atomic(rollout_path / "zarr.json", group_document({INDEX_KEY: updated}))
         except OSError as e:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
             raise StoreError(f"committing the index of rollout {rollout_id!r} failed: {e}") from e
         self._indexes[rollout_id] = updated
-        return len(new), duplicates, int(data.nbytes)
+        still_pending = len({r.request_id for r in new} & set(state.pending))
+        return len(new), duplicates, int(data.nbytes), still_pending
 
     def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> None:
         rows, layers, top_k = data.shape
@@ -250,3 +302,142 @@ def _geometry(record: RequestRecord) -> dict[str, Any]:
         "dtype": record.ids_TLK.dtype.name,
         "layer_map": list(record.layer_map),
     }
+
+
+class _Assembly:
+    """Applies records to a rollout's ``requests`` (visible) and ``pending`` (incomplete) maps.
+
+    Rules (docs/ENGINE_SEMANTICS.md): a record identical to a stored segment is a duplicate;
+    rows a record shares with another segment of its request are a conflict
+    (:class:`SegmentOverlapError`); a request becomes visible once a final segment exists and
+    its segments tile the span ``[start, end)`` exactly, where ``end`` is the final segment's
+    end and ``start`` is ``end - total_rows`` when declared, else the end of the rows already
+    visible (a continuation), else the lowest start among its segments.
+    """
+
+    def __init__(self, rollout_id: str, requests: dict[str, Any], pending: dict[str, list[dict[str, Any]]],
+                 only_last_turn: bool) -> None:
+        self.rollout_id = rollout_id
+        self.requests = requests
+        self.pending = pending
+        self.only_last_turn = only_last_turn
+        self._in_batch: set[str] = set()
+
+    def add(self, record: RequestRecord, array: str, offset: int) -> bool:
+        """Apply one record; False if it duplicates a stored segment. Raises on conflicts."""
+        rid = record.request_id
+        entry = self.requests.get(rid)
+        parts = self.pending.get(rid, [])
+        known = (entry["segments"] if entry else []) + parts
+        if any(_same(seg, record) for seg in known):
+            return False
+        where = f"request {rid!r} of rollout {self.rollout_id!r}"
+        desc = f"start_row {record.start_row}, {record.num_rows} rows, crc32c {record.crc32c:#010x}"
+        in_batch = rid in self._in_batch
+        self._in_batch.add(rid)
+        start, end = record.start_row, record.end_row
+        if entry is not None:
+            cs = entry["start_row"]
+            ce = cs + entry["rows"]
+            if start < ce and end > cs and not self.only_last_turn:
+                raise SegmentOverlapError(
+                    f"{where} " + ("appears twice in one batch with different rows" if in_batch else "is already stored")
+                    + f" (rows {cs}..{ce - 1}, crc32c {entry['segments'][-1]['crc32c']:#010x}); a record with different "
+                    f"bytes arrived ({desc}); only start_row {ce} would extend it"
+                )
+            if end <= cs and not self.only_last_turn:
+                raise SegmentError(
+                    f"{where} is visible from row {cs}; rows before it cannot be added ({desc}): push a request's "
+                    "earlier segments first, or declare total_rows on its final segment"
+                )
+        for seg in parts:
+            a, b = seg["start_row"], seg["start_row"] + seg["rows"]
+            if start < b and end > a:
+                raise SegmentOverlapError(
+                    f"{where}: a record ({desc}) overlaps its pending segment rows {a}..{b - 1} with different bytes"
+                )
+        finals = [seg for seg in parts if seg["final"]]
+        if record.final and finals:
+            f = finals[0]
+            raise SegmentOverlapError(
+                f"{where}: two final segments, rows ending at {f['start_row'] + f['rows'] - 1} (pending) and at "
+                f"{end - 1} ({desc})"
+            )
+        seg = {
+            "array": array,
+            "offset": offset,
+            "rows": record.num_rows,
+            "start_row": start,
+            "crc32c": record.crc32c,
+            "final": record.final,
+            "total_rows": record.total_rows,
+        }
+        group = sorted(parts + [seg], key=lambda x: x["start_row"])
+        final = next((x for x in group if x["final"]), None)
+        if final is None:
+            self.pending[rid] = group
+            return True
+        last = final["start_row"] + final["rows"]
+        beyond = [x for x in group if x["start_row"] + x["rows"] > last]
+        if beyond:
+            x = beyond[0]
+            raise SegmentOverlapError(
+                f"{where}: segment rows {x['start_row']}..{x['start_row'] + x['rows'] - 1} extend past the request's "
+                f"last row {last - 1} (declared by its final segment)"
+            )
+        lowest = group[0]["start_row"]
+        if final["total_rows"] is not None:
+            first = last - final["total_rows"]
+        elif entry is not None and lowest >= entry["start_row"] + entry["rows"]:
+            first = entry["start_row"] + entry["rows"]
+        else:
+            first = lowest
+        if lowest < first:
+            raise SegmentOverlapError(
+                f"{where}: segment rows from {lowest} lie before row {first}, where its final segment "
+                f"(total_rows {final['total_rows']}) says the request starts"
+            )
+        mode = "new"
+        if entry is not None:
+            cs = entry["start_row"]
+            ce = cs + entry["rows"]
+            if first == ce:
+                mode = "extend"
+            elif self.only_last_turn and first == cs and last > ce:
+                mode = "replace"
+            elif first < ce:
+                raise SegmentOverlapError(
+                    f"{where} is already stored (rows {cs}..{ce - 1}); segments ending at row {last - 1} would cover "
+                    f"rows {first}..{ce - 1} again; only start_row {ce} would extend it"
+                    + ("" if not self.only_last_turn else f", or a later turn's full view starting at row {cs}")
+                )
+            else:
+                raise SegmentGapError(
+                    f"{where}: rows {ce}..{first - 1} are missing between the stored rows (ending at {ce - 1}) and "
+                    f"the new segments starting at {first} ({desc}); only start_row {ce} would extend it"
+                )
+        covered = first
+        for x in group:
+            if x["start_row"] != covered:
+                break
+            covered += x["rows"]
+        if covered != last:
+            if len(group) == 1 and final["total_rows"] is None:
+                raise SegmentGapError(
+                    f"{where}: rows {first}..{start - 1} are missing before a final record ({desc}); only start_row "
+                    f"{first} would extend it (or declare total_rows and push the missing part)"
+                )
+            self.pending[rid] = group  # a gap another part may still fill
+            return True
+        segments = [{k: x[k] for k in ("array", "offset", "rows", "start_row", "crc32c")} for x in group]
+        if mode == "extend":
+            self.requests[rid] = {"rows": entry["rows"] + last - first, "start_row": entry["start_row"],
+                                  "segments": entry["segments"] + segments}
+        else:
+            self.requests[rid] = {"rows": last - first, "start_row": first, "segments": segments}
+        self.pending.pop(rid, None)
+        return True
+
+
+def _same(seg: dict[str, Any], record: RequestRecord) -> bool:
+    return seg["start_row"] == record.start_row and seg["rows"] == record.num_rows and seg["crc32c"] == record.crc32c

@@ -39,7 +39,10 @@ class PackedRouting:
     """Routing of several requests packed along tokens, as trainers batch packed sequences.
 
     Rows of request ``i`` are ``ids_TLK[cu_seqlens[i]:cu_seqlens[i + 1]]``; their first row is
-    position ``start_rows[i]`` of that request (0 unless only later turns were stored).
+    position ``start_rows[i]`` of that request (0 unless only later turns were stored). A request
+    stored in segments (turns of a conversation, prefill and decode parts) comes back whole:
+    its segments concatenated in row order. Requests whose segments do not yet cover every row
+    are invisible (pending).
     """
 
     request_ids: tuple[str, ...]
@@ -97,8 +100,14 @@ class RoutingReader:
         missing = [rid for rid in request_ids if rid not in index["requests"]]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            pending = [rid for rid in missing if rid in index.get("pending", {})]
+            note = (
+                f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
+                if pending
+                else ""
+            )
             raise UnknownRequestError(
-                f"rollout {rollout_id!r} has no committed request {shown} ({len(index['requests'])} requests committed)"
+                f"rollout {rollout_id!r} has no committed request {shown} ({len(index['requests'])} requests committed){note}"
             )
         # Read each array once over the span its wanted segments cover when that span is dense,
         # so a batch of requests costs a few ranged reads instead of one per request.

@@ -39,6 +39,18 @@ class RequestRecord:
 
     ``ids_TLK[t]`` is the routing row of position ``start_row + t``: the experts chosen when
     that token was the *input* of a forward, for each MoE layer in ``layer_map`` order.
+
+    Segments (multi-turn, prefill/decode disaggregation; docs/ENGINE_SEMANTICS.md):
+
+    - ``final`` (default True): this record holds the request's last rows, so the request ends
+      at row ``start_row + num_rows - 1``. A prefill engine whose decode engine pushes the
+      rest sends ``final=False``: the store holds such a part invisible until the final
+      record arrives and the parts cover every row exactly once.
+    - ``total_rows`` (final records only): rows of the whole stored request, i.e. its rows
+      span ``start_row + num_rows - total_rows .. start_row + num_rows - 1``. A decode engine
+      sets it so the store waits for the prefill part even when the decode's record arrives
+      first. None: the request spans this record plus, when ``start_row > 0``, the rows
+      already stored for it (a later turn appending to a conversation) or its pending parts.
     """
 
     rollout_id: str
@@ -48,6 +60,8 @@ class RequestRecord:
     num_experts: int
     start_row: int = 0
     crc32c: int = field(default=-1)
+    final: bool = True
+    total_rows: int | None = None
 
     def __post_init__(self) -> None:
         validate_id(self.rollout_id, "rollout_id")
@@ -69,6 +83,18 @@ class RequestRecord:
             )
         if self.start_row < 0:
             raise ShapeMismatchError(f"start_row must be >= 0, got {self.start_row}")
+        object.__setattr__(self, "final", bool(self.final))
+        if self.total_rows is not None:
+            if not self.final:
+                raise ShapeMismatchError(
+                    f"request {self.request_id}: total_rows is declared by the final record only, got "
+                    f"total_rows={self.total_rows} on a part (final=False)"
+                )
+            if not ids.shape[0] <= self.total_rows <= self.start_row + ids.shape[0]:
+                raise ShapeMismatchError(
+                    f"request {self.request_id}: total_rows must be in {ids.shape[0]}..{self.start_row + ids.shape[0]} "
+                    f"(this record's rows .. every row up to its end), got {self.total_rows}"
+                )
         if not ids.flags.c_contiguous:
             object.__setattr__(self, "ids_TLK", np.ascontiguousarray(ids))
         object.__setattr__(self, "layer_map", tuple(int(x) for x in self.layer_map))
@@ -82,6 +108,11 @@ class RequestRecord:
     @property
     def num_rows(self) -> int:
         return int(self.ids_TLK.shape[0])
+
+    @property
+    def end_row(self) -> int:
+        """One past this record's last row."""
+        return self.start_row + int(self.ids_TLK.shape[0])
 
     @property
     def top_k(self) -> int:

@@ -480,7 +480,10 @@ class RouterReplay:
             if live_TK.shape[1] != batch.top_k:
                 raise ShapeMismatchError(f"router {router.name} returns top_k={live_TK.shape[1]}, routing has {batch.top_k}")
             if not self._checked[moe_idx]:
-                own = fn(module, logits_TE, live_TK)
+                # Under no_grad: the check must save no tensors for autograd, or activation
+                # recomputation (which skips it) would save a different set than the forward.
+                with torch.no_grad():
+                    own = fn(module, logits_TE, live_TK)
                 if own.dtype != scores_TK.dtype or not torch.equal(own, scores_TK):
                     raise ReplayError(
                         f"the replay gate-weight function for {type(module).__name__} does not reproduce the "

@@ -93,6 +93,26 @@ def resolve_config(spec: str):
     raise SystemExit(f"r3rdma verify: --model-config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
 
 
+def fan_in_init(model: torch.nn.Module, *, seed: int, logit_gain: float) -> None:
+    """Redraw a random model's weights so that every sublayer matters (a sketch of a trained
+    model's scale): weights N(0, 1/fan_in), embeddings N(0, 1), lm_head N(0, logit_gain^2/hidden);
+    routers keep ``build_model``'s draw. HF's default init (std 0.02 everywhere) leaves the MoE
+    output so small next to the residual stream that routing barely changes the logits, and the
+    next-token distribution nearly uniform: the routing mismatch would not show in the KL."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 12345)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or name.endswith("mlp.gate.weight"):
+                continue
+            if "embed_tokens" in name:
+                std = 1.0
+            elif name.startswith("lm_head"):
+                std = logit_gain / math.sqrt(param.shape[-1])
+            else:
+                std = 1.0 / math.sqrt(param.shape[-1])
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     summary: dict[str, Any]
@@ -132,7 +152,7 @@ def _train_batches(outputs, order, layout: str, train_batch_size: int):
             input_ids = torch.tensor([[t for s in seqs for t in s]])
             position_ids = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
             starts = np.cumsum([0] + [len(s) for s in seqs])[:-1]
-            kwargs = {"position_ids": position_ids}
+            kwargs = {"position_ids": position_ids}  # packed: no attention_mask, no cache
             rows = [int(st) + np.arange(len(s)) for st, s in zip(starts, seqs)]
         else:  # right padding
             width = max(len(s) for s in seqs)
@@ -162,7 +182,8 @@ def run_verify(
     min_new: int = 8,
     max_new: int = 32,
     root: str | None = None,
-    verbose: bool = True,
+    init: str = "fan-in",
+    logit_gain: float = 4.0,
 ) -> VerifyResult:
     from .demo import make_requests
     from .integrations.hf_capture import attach_capturer, capturer_for_model
@@ -178,7 +199,17 @@ def run_verify(
     if layout not in ("packed", "padded"):
         raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {layout!r}")
     config = resolve_config(model_config)
-    train_model = build_model(config, seed=seed, dtype=torch.float32).to(device)
+    train_model = build_model(config, seed=seed, dtype=torch.float32)
+    if init == "fan-in":
+        fan_in_init(train_model, seed=seed, logit_gain=logit_gain)
+    elif init != "hf":
+        raise SystemExit(f"r3rdma verify: --init must be fan-in or hf, got {init!r}")
+    # Both sides hold the same weights (rounded to the rollout dtype once): only the arithmetic
+    # differs, as between an inference engine and a trainer loading one checkpoint.
+    with torch.no_grad():
+        for param in train_model.parameters():
+            param.copy_(param.to(_DTYPES[rollout_dtype]).to(param.dtype))
+    train_model = train_model.to(device)
     train_model = train_model.to(_DTYPES[train_dtype])
     rollout_model = copy.deepcopy(train_model).to(_DTYPES[rollout_dtype])
     routers = find_moe_routers(train_model)
@@ -244,7 +275,8 @@ def run_verify(
                     tap = _RoutingTap(routers)
                     replay.set_routing(batch)
                 with torch.no_grad():
-                    logits = train_model(input_ids=input_ids.to(device), **{k: v.to(device) for k, v in kwargs.items()}).logits
+                    logits = train_model(input_ids=input_ids.to(device), use_cache=False,
+                                         **{k: v.to(device) for k, v in kwargs.items()}).logits
                 used_NLK = tap.take()
                 if mode == "replay":
                     report = replay.last_report
@@ -279,6 +311,7 @@ def run_verify(
         "rollout": f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)",
         "train": f"{train_dtype}, full sequence, {layout} (batch {train_batch_size}, reordered)",
         "device": device,
+        "init": init if init == "hf" else f"fan-in (logit gain {logit_gain})",
         "requests": len(outputs),
         "routing_rows": rows_total,
         "generated_tokens": len(acc["replay"]["logp_train"]),
@@ -337,6 +370,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-prompt", type=int, default=48)
     parser.add_argument("--min-new", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--init", choices=("fan-in", "hf"), default="fan-in",
+                        help="random weights: fan-in scaled (default; routing matters) or transformers' default")
+    parser.add_argument("--logit-gain", type=float, default=4.0, help="lm_head scale under --init fan-in")
     parser.add_argument("--root", default=None, help="store root to keep (default: a temporary directory, removed)")
 
 
@@ -347,6 +383,7 @@ def main(args) -> int:
         train_batch_size=args.train_batch_size, layout=args.layout, rollout_dtype=args.rollout_dtype,
         train_dtype=args.train_dtype, device=device, seed=args.seed, min_prompt=args.min_prompt,
         max_prompt=args.max_prompt, min_new=args.min_new, max_new=args.max_new, root=args.root,
+        init=args.init, logit_gain=args.logit_gain,
     )
     s = result.summary
     print(f"r3rdma verify: {s['model_type']} ({s['model_config']}), {s['moe_layers']} MoE layers x {s['num_experts']} "

@@ -14,7 +14,15 @@ request or layer). The rollout index, in the group's attributes, lists committed
      "layer_map": [...], "arrays": ["b00000001", ...],
      "requests": {request_id: {"rows": n, "start_row": s,
                                "segments": [{"array": "b00000001", "offset": o, "rows": n,
-                                             "start_row": s, "crc32c": c}]}}}
+                                             "start_row": s, "crc32c": c}]}},
+     "pending": {request_id: [{"array": ..., "offset": o, "rows": n, "start_row": s, "crc32c": c,
+                               "final": bool, "total_rows": t or null}]}}
+
+``pending`` (absent when empty) lists segments of requests that are stored durably but not yet
+complete (a prefill engine's part whose decode part has not arrived, or parts with a gap);
+readers ignore it. Once a request's segments cover its span, its segments move to
+``requests`` (without the ``final`` / ``total_rows`` keys) in the same atomic index replace.
+A visible request's segments are in row order; their concatenation is the request's rows.
 
 Commit protocol (why requests appear only when complete): a batch array is written and
 fsynced first; the group's ``zarr.json`` is then replaced atomically (write temp, fsync,

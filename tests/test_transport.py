@@ -65,6 +65,7 @@ def assert_same(sent: list[RequestRecord], got) -> None:
         assert g.ids_TLK.tobytes() == s.ids_TLK.tobytes()
         assert (g.rollout_id, g.layer_map, g.num_experts, g.start_row, g.crc32c) == (
             s.rollout_id, s.layer_map, s.num_experts, s.start_row, s.crc32c)
+        assert (g.final, g.total_rows) == (getattr(s, "final", True), getattr(s, "total_rows", None))
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +119,12 @@ def test_roundtrip_bit_exact_all_dtypes(harness):
                 make(rid, "d.empty", 0, num_experts=16),
                 make(rid, "e:u8", 1, num_experts=8, seed=4),
             ]
+            if "final" in RequestRecord.__dataclass_fields__:  # request segments (prefill part, decode tail)
+                part = make(rid, "f.part", 4, seed=5)
+                sent.append(RequestRecord(rid, "f.part", part.ids_TLK, part.layer_map, 128, final=False))
+                sent.append(RequestRecord(rid, "g.tail", part.ids_TLK, part.layer_map, 128, start_row=6, total_rows=10))
             ack = await c.push(sent)
-            assert (ack.requests, ack.bytes) == (5, sum(r.nbytes for r in sent))
+            assert (ack.requests, ack.bytes) == (len(sent), sum(r.nbytes for r in sent))
             kind, _, got = await harness.next_event(rid)
             assert kind == "batch"
             assert_same(sent, got)
@@ -289,7 +294,7 @@ def test_connect_timeout_or_refusal_is_typed():
         from r3rdma.transport import UcxxClient
 
         # Nothing listens on port 1: a typed error, not a hang or a raw UCX exception.
-        c = UcxxClient("127.0.0.1", 1, secret=SECRET, limits=TransportLimits(timeout_s=2.0))
+        c = UcxxClient("127.0.0.1", 1, secret=SECRET, limits=TransportLimits(timeout_s=1.0))
         with pytest.raises((TransportError, R3TimeoutError)):
             await c.connect()
 

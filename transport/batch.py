@@ -40,8 +40,12 @@ _ENTRY_KEYS = frozenset(
         "start_row",
         "crc32c",
         "offset",
+        "final",
+        "total_rows",
     }
 )
+# Segment fields arrived in RequestRecord later; stay compatible with a records.py without them.
+_HAS_SEGMENTS = "final" in getattr(RequestRecord, "__dataclass_fields__", {})
 _BATCH_KEYS = frozenset({"seq", "frames", "records"})
 _DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
 
@@ -65,6 +69,8 @@ class RecordMeta:
     start_row: int
     crc32c: int | None
     offset: int
+    final: bool = True
+    total_rows: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +89,8 @@ class RecordMeta:
             "start_row": self.start_row,
             "crc32c": self.crc32c,
             "offset": self.offset,
+            "final": self.final,
+            "total_rows": self.total_rows,
         }
 
     @classmethod
@@ -100,6 +108,8 @@ class RecordMeta:
             record.start_row,
             record.crc32c,
             offset,
+            bool(getattr(record, "final", True)),
+            getattr(record, "total_rows", None),
         )
 
 
@@ -222,6 +232,7 @@ def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray) -> list[Reque
         if meta.offset % dtype.itemsize:
             raw = raw.copy()  # keep multi-byte ids aligned for downstream kernels
         ids_TLK = raw.view(dtype).reshape(meta.rows, meta.layers, meta.top_k)
+        segment = {"final": meta.final, "total_rows": meta.total_rows} if _HAS_SEGMENTS else {}
         try:
             records.append(
                 RequestRecord(
@@ -232,6 +243,7 @@ def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray) -> list[Reque
                     meta.num_experts,
                     meta.start_row,
                     -1 if meta.crc32c is None else meta.crc32c,
+                    **segment,
                 )
             )
         except ShapeMismatchError as e:
@@ -278,8 +290,22 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
         _int(crc, f"records[{i}].crc32c", 0)
         if crc > 0xFFFFFFFF:
             raise ProtocolError(f"records[{i}].crc32c must fit 32 bits, got {crc}")
+    final = entry["final"]
+    if not isinstance(final, bool):
+        raise ProtocolError(f"records[{i}].final must be a bool, got {final!r}")
+    total_rows = entry["total_rows"]
+    if total_rows is not None:
+        _int(total_rows, f"records[{i}].total_rows", 0)
+        if not final or not rows <= total_rows <= start_row + rows:
+            raise ProtocolError(
+                f"records[{i}].total_rows must be null on a part (final=false) and in "
+                f"{rows}..{start_row + rows} on a final record, got {total_rows} (final={final})"
+            )
+    if not _HAS_SEGMENTS and (not final or total_rows is not None):
+        raise ProtocolError(f"records[{i}]: this receiver does not support request segments")
     return RecordMeta(
-        rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset
+        rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset,
+        final, total_rows,
     )
 
 

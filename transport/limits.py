@@ -31,7 +31,7 @@ class TransportLimits:
     timeout_s: float = 30.0
     #: Server: deadline of the handler (validation + durable write) for one batch.
     handler_timeout_s: float = 120.0
-    #: Client: deadline from the last frame sent to the ack (covers the server's handler).
+    #: Client: deadline from the start of a push to its ack (covers the server's handler).
     ack_timeout_s: float = 180.0
     #: Server: an authenticated connection that sends nothing for this long is closed.
     idle_timeout_s: float = 3600.0

@@ -43,10 +43,15 @@ class RecordCopy:
     num_experts: int
     start_row: int
     crc32c: int
+    final: bool = True
+    total_rows: int | None = None
 
     @classmethod
     def of(cls, r: RequestRecord) -> RecordCopy:
-        return cls(r.rollout_id, r.request_id, r.ids_TLK.copy(), r.layer_map, r.num_experts, r.start_row, r.crc32c)
+        return cls(
+            r.rollout_id, r.request_id, r.ids_TLK.copy(), r.layer_map, r.num_experts, r.start_row, r.crc32c,
+            getattr(r, "final", True), getattr(r, "total_rows", None),
+        )
 
 
 class ScriptedHandler:
@@ -87,12 +92,18 @@ class Harness:
         raise NotImplementedError
 
     async def next_event(self, rollout_id: str, timeout: float = 10.0) -> tuple[Any, ...]:
-        """The next handler report about ``rollout_id`` (reports about others are dropped)."""
+        """The next handler report about ``rollout_id``; reports about other rollouts are
+        kept for their own callers (concurrent tests interleave)."""
+        pending: dict[str, list[tuple[Any, ...]]] = self.__dict__.setdefault("_pending", {})
+
         async def wait() -> tuple[Any, ...]:
+            if pending.get(rollout_id):
+                return pending[rollout_id].pop(0)
             while True:
                 event = await self._get()
                 if event[1] == rollout_id:
                     return event
+                pending.setdefault(event[1], []).append(event)
 
         return await asyncio.wait_for(wait(), timeout)
 
@@ -207,9 +218,15 @@ async def _server_async(
     from .raw_baseline import RawSinkServer
     from .ucxx_transport import UcxxServer
 
+    from concurrent.futures import ThreadPoolExecutor
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    handler = ScriptedHandler(pipe.send)
+    # Reports can be MBs of pickled records: a blocking pipe.send on the event loop would
+    # deadlock against a parent that is itself waiting for our ack. One writer thread keeps
+    # them ordered and off the loop.
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3-report")
+    handler = ScriptedHandler(lambda event: writer.submit(pipe.send, event))
     server: Any
     if what == "raw":
         server = RawSinkServer()
@@ -236,3 +253,4 @@ async def _server_async(
         await server.stop()
     else:
         await server.stop(drain=False)
+    writer.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ Notes on ucxx (0.52) that shape this file:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -107,8 +108,13 @@ class UcxxServer(ConnServer):
 
     async def _release(self) -> None:
         # ucxx warns when a Listener object is collected while its connection handlers
-        # still run, so it is dropped only after every session ended.
-        self._listener = None
+        # still run, so it is dropped only after every session ended. ucxx retires a handler
+        # one loop turn after its coroutine returns, hence the few bounded yields.
+        listener, self._listener = self._listener, None
+        for _ in range(100):
+            if listener is None or not listener.active_clients:
+                break
+            await asyncio.sleep(0)
 
     async def _on_connect(self, ep: Any) -> None:
         # Runs as its own task in our event loop (ucxx schedules it from its progress thread).

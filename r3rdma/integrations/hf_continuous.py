@@ -47,7 +47,6 @@ full-attention allocator only), a persistent (cached) manager on the model.
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -299,7 +298,6 @@ class _Run:
         self.failed: dict[str, str] = {}
         self.seen: set[str] = set()
         self.max_pos: dict[str, int] = {}
-        self.done = threading.Event()
         self._restore: list[Callable[[], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Start N r3rdma store nodes on this machine, in the background, and print how to reach them.
+#
+#   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read]
+#
+# Node i keeps its Zarr root in DIR/node<i> (default DIR: ./r3rdma_nodes) and listens on
+# UCX port PORT+i and HTTP port PORT+i (default 0: free ports picked by the OS). The shared
+# secret is DIR/token (created, mode 600, if absent; or set R3_STORE_TOKEN_FILE to use another).
+# One node per machine on a cluster: run `scripts/start_store_nodes.sh 1 --host 0.0.0.0
+# --ucx-port 13337 --http-port 8337` on each, with the same token file.
+# Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env.
+# Stop them with scripts/stop_store_nodes.sh DIR.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read]}"
+shift
+dir="./r3rdma_nodes"; host="127.0.0.1"; ucx_base=0; http_base=0; extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dir) dir="$2"; shift 2;;
+    --host) host="$2"; shift 2;;
+    --ucx-port) ucx_base="$2"; shift 2;;
+    --http-port) http_base="$2"; shift 2;;
+    --public-read) extra+=(--public-read); shift;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+done
+case "$n" in ''|*[!0-9]*) echo "N must be a positive integer, got '$n'" >&2; exit 2;; esac
+store_bin="${R3_STORE_BIN:-$root/.venv/bin/r3rdma-store}"
+[ -x "$store_bin" ] || store_bin="$(command -v r3rdma-store || true)"
+[ -n "$store_bin" ] || { echo "r3rdma-store not found: run scripts/demo.sh or pip install r3rdma first" >&2; exit 1; }
+mkdir -p "$dir"
+dir="$(cd "$dir" && pwd)"
+token_file="${R3_STORE_TOKEN_FILE:-$dir/token}"
+if [ ! -s "$token_file" ]; then
+  (umask 077; python3 -c 'import secrets; print(secrets.token_hex(32))' > "$token_file")
+fi
+advertise="$host"; [ "$host" = "0.0.0.0" ] && advertise="$(hostname -f 2>/dev/null || hostname)"
+for ((i = 0; i < n; i++)); do
+  ucx=$(( ucx_base ? ucx_base + i : 0 )); http=$(( http_base ? http_base + i : 0 ))
+  rm -f "$dir/node$i.ready"
+  setsid nohup "$store_bin" --root "$dir/node$i" --host "$host" --ucx-port "$ucx" --http-port "$http" \
+    --token-file "$token_file" --ready-file "$dir/node$i.ready" "${extra[@]}" \
+    > "$dir/node$i.log" 2>&1 < /dev/null &
+  echo $! > "$dir/node$i.pid"
+done
+push=(); http=()
+for ((i = 0; i < n; i++)); do
+  for _ in $(seq 1 600); do   # up to 60 s for each node to report ready
+    [ -s "$dir/node$i.ready" ] && break
+    kill -0 "$(cat "$dir/node$i.pid")" 2>/dev/null || { echo "node $i exited; log:" >&2; cat "$dir/node$i.log" >&2; exit 1; }
+    sleep 0.1
+  done
+  [ -s "$dir/node$i.ready" ] || { echo "node $i did not become ready; log: $dir/node$i.log" >&2; exit 1; }
+  read -r ucx http_port < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["ucx_port"], d["http_port"])' "$dir/node$i.ready")
+  push+=("$advertise:$ucx"); http+=("http://$advertise:$http_port")
+done
+urls=$(IFS=,; echo "${push[*]}"); http_urls=$(IFS=,; echo "${http[*]}")
+cat > "$dir/env" <<ENV
+export R3_STORE_URLS=$urls
+export R3_STORE_HTTP_URLS=$http_urls
+export R3_STORE_TOKEN_FILE=$token_file
+ENV
+echo "started $n store node(s) in $dir (logs: $dir/node*.log)"
+echo "R3_STORE_URLS=$urls"
+echo "R3_STORE_HTTP_URLS=$http_urls"
+echo "token file: $token_file   (source $dir/env to use them; stop: scripts/stop_store_nodes.sh $dir)"

@@ -1,0 +1,78 @@
+"""``r3rdma-store``: run one store node until SIGTERM/SIGINT (then drain and exit 0).
+
+When ready it prints one JSON line: {"event": "ready", "host", "ucx_port", "http_port", "root", "pid"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from r3rdma.errors import R3Error
+from r3rdma.transport import TransportLimits, load_secret
+
+from .node import StoreNode
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="r3rdma-store", description="r3rdma store node: UCX ingest, Zarr on disk, HTTP reads")
+    p.add_argument("--root", required=True, help="directory of this node's Zarr root (created if absent)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on and to advertise (default 127.0.0.1)")
+    p.add_argument("--ucx-port", type=int, default=0, help="UCX listen port (0: pick a free one)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP port (0: pick a free one)")
+    p.add_argument("--token-file", default=None, help="file holding the shared secret (else R3_STORE_TOKEN)")
+    p.add_argument("--public-read", action="store_true", help="serve reads without the token (pushes still need it)")
+    p.add_argument("--max-payload-mb", type=int, default=256, help="largest payload of one pushed batch")
+    p.add_argument("--max-header-kb", type=int, default=4096, help="largest header of one pushed batch")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each network step")
+    p.add_argument("--zstd-level", type=int, default=3)
+    p.add_argument("--ready-file", default=None, help="also write the ready JSON line to this file (atomically)")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    secret = load_secret(args.token_file)
+    limits = TransportLimits(
+        max_payload_bytes=args.max_payload_mb << 20, max_header_bytes=args.max_header_kb << 10, timeout_s=args.timeout_s
+    )
+    node = StoreNode(args.root, secret=secret, host=args.host, ucx_port=args.ucx_port, http_port=args.http_port,
+                     public_read=args.public_read, limits=limits, zstd_level=args.zstd_level)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    address = await node.start()
+    ready = json.dumps({"event": "ready", "host": address.host, "ucx_port": address.ucx_port,
+                        "http_port": address.http_port, "root": os.path.abspath(args.root), "pid": os.getpid()})
+    print(ready, flush=True)
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(ready + "\n")
+        os.replace(tmp, args.ready_file)
+    await stop.wait()
+    logging.getLogger("r3rdma.store").info("draining")
+    await node.stop(drain=True)
+    print(json.dumps({"event": "stopped", "pid": os.getpid()}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s r3rdma-store %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return asyncio.run(_serve(args))
+    except R3Error as e:
+        print(f"r3rdma-store: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The store node's read service (aiohttp).
+
+Routes:
+  GET  /healthz                    liveness; no token needed
+  GET  /metrics                    Prometheus text format
+  GET  /v1/rollouts                committed rollout ids
+  GET  /v1/rollouts/{rollout_id}   the rollout index (JSON)
+  GET|HEAD /zarr/{path}            the Zarr files, with Range (a-b, a-, and suffix -n), so
+                                   zarr-python (FsspecStore) and tensorstore open the root over HTTP
+
+Everything but /healthz needs ``Authorization: Bearer <token>`` unless the node runs with
+``public_read``. Paths are checked component by component before the filesystem is touched:
+only Zarr names (ids, array names, ``zarr.json``, ``c``, chunk indices); never hidden or
+temporary files, never ``..``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from r3rdma.errors import InvalidIdError, UnknownRolloutError
+from r3rdma.ids import validate_id
+from r3rdma.zarr_layout import INDEX_KEY, read_group_attrs
+
+from .metrics import NodeMetrics
+
+__all__ = ["make_http_app"]
+
+_COMPONENT = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,199}")  # no leading dot: hides .lock/.tmp
+_MAX_DEPTH = 8
+
+
+def make_http_app(root: Path, *, token: str | None, public_read: bool, metrics: NodeMetrics) -> web.Application:
+    if token is None and not public_read:
+        raise ValueError("the read service needs a token unless public_read is set")
+    root = root.resolve()
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        try:
+            if request.path != "/healthz" and not public_read:
+                given = request.headers.get("Authorization", "").encode()
+                if expected is None or not hmac.compare_digest(given, expected):
+                    raise web.HTTPUnauthorized(text="missing or wrong bearer token\n", headers={"WWW-Authenticate": "Bearer"})
+            response = await handler(request)
+        except web.HTTPException as e:
+            metrics.http_requests.labels(route, str(e.status)).inc()
+            raise
+        metrics.http_requests.labels(route, str(response.status)).inc()
+        return response
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics_view(_request: web.Request) -> web.Response:
+        usage = shutil.disk_usage(root)
+        metrics.disk_used.set(usage.used)
+        metrics.disk_free.set(usage.free)
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def rollouts(_request: web.Request) -> web.Response:
+        names = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "zarr.json").exists() and _COMPONENT.fullmatch(p.name))
+        return web.json_response({"rollouts": names})
+
+    async def rollout_index(request: web.Request) -> web.Response:
+        rollout_id = request.match_info["rollout_id"]
+        try:
+            validate_id(rollout_id, "rollout_id")
+        except InvalidIdError as e:
+            raise web.HTTPBadRequest(text=f"{e}\n") from e
+        attrs = read_group_attrs(root / rollout_id / "zarr.json")
+        if not attrs or INDEX_KEY not in attrs:
+            raise web.HTTPNotFound(text=f"{UnknownRolloutError(f'rollout {rollout_id!r} not found')}\n")
+        return web.json_response(attrs[INDEX_KEY], dumps=lambda o: json.dumps(o, separators=(",", ":")))
+
+    async def zarr_file(request: web.Request) -> web.StreamResponse:
+        rel = request.match_info["path"]
+        parts = rel.split("/")
+        if not rel or len(parts) > _MAX_DEPTH or any(".." in p or not _COMPONENT.fullmatch(p.lstrip(".") or "-") for p in parts):
+            raise web.HTTPBadRequest(text=f"not a store path: {rel[:200]!r}\n")
+        if any(p.startswith(".") for p in parts):
+            # Hidden names (.r3rdma.lock, index temp files, zarr v2's .zgroup probes) are not served.
+            raise web.HTTPNotFound(text=f"no such file: {rel}\n")
+        path = root.joinpath(*parts)
+        # Belt and braces: the resolved path must stay under the root (symlinks included).
+        try:
+            real = path.resolve(strict=True)
+        except (FileNotFoundError, NotADirectoryError):
+            raise web.HTTPNotFound(text=f"no such file: {rel}\n") from None
+        if root not in real.parents or not real.is_file():
+            raise web.HTTPNotFound(text=f"no such file: {rel}\n")
+        size = os.path.getsize(real)
+        try:
+            rng = request.http_range  # slice; a suffix range "-n" arrives as slice(-n, None)
+        except ValueError:
+            rng = slice(None)  # FileResponse answers the malformed header itself
+        start, stop, _ = rng.indices(size)
+        metrics.http_bytes.inc(max(0, stop - start) if request.method == "GET" else 0)
+        return web.FileResponse(real, chunk_size=1 << 20)
+
+    app = web.Application(middlewares=[guard], client_max_size=1024)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/v1/rollouts", rollouts)
+    app.router.add_get("/v1/rollouts/{rollout_id}", rollout_index)
+    app.router.add_get("/zarr/{path:.*}", zarr_file)  # add_get also answers HEAD
+    return app

@@ -1,0 +1,31 @@
+"""Prometheus metrics of one store node (own registry: several nodes may share a process in tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["NodeMetrics"]
+
+
+@dataclass
+class NodeMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests_ingested = Counter("r3rdma_store_requests_ingested", "Requests made durable", registry=r)
+        self.bytes_ingested = Counter("r3rdma_store_bytes_ingested", "Routing payload bytes made durable", registry=r)
+        self.duplicates = Counter("r3rdma_store_duplicate_requests", "Re-pushed requests with identical bytes", registry=r)
+        self.batches = Counter("r3rdma_store_batches", "Batches committed", registry=r)
+        self.errors = Counter("r3rdma_store_errors", "Errors answered to clients, by type", ["type"], registry=r)
+        self.ack_latency = Histogram(
+            "r3rdma_store_commit_seconds", "Time from a batch's arrival to its durable commit", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.http_requests = Counter("r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"], registry=r)
+        self.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=r)
+        self.disk_used = Gauge("r3rdma_store_disk_used_bytes", "Bytes used by the filesystem holding the root", registry=r)
+        self.disk_free = Gauge("r3rdma_store_disk_free_bytes", "Bytes free on the filesystem holding the root", registry=r)
+        self.connected_clients = Gauge("r3rdma_store_connected_clients", "Pushing clients connected now", registry=r)

@@ -1,0 +1,149 @@
+"""Store nodes in separate processes: UCX ingest over TCP loopback, HTTP reads, failover, drain."""
+
+import signal
+
+import aiohttp
+import numpy as np
+import pytest
+import zarr
+from zarr.storage import FsspecStore
+
+from r3rdma import AuthenticationError, DuplicateRequestError, RoutingReader, RoutingWriter
+from r3rdma.store_client import StoreNodesClient, rendezvous_order
+
+from .store_nodes import new_token, start_node
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    token = new_token()
+    nodes = [start_node(tmp_path / f"node{i}", token) for i in range(2)]
+    yield nodes
+    for node in nodes:
+        node.stop(signal.SIGKILL)
+
+
+def http_store(node, token=None):
+    headers = {"Authorization": f"Bearer {token or node.token}"}
+    return FsspecStore.from_url(f"{node.http_url}/zarr", storage_options={"headers": headers}, read_only=True)
+
+
+def test_push_spreads_by_rendezvous_and_reads_back_over_http(two_nodes, make_record):
+    recs = [make_record(f"q{i}", rows=20 + i) for i in range(40)]
+    urls = [n.push_url for n in two_nodes]
+    with StoreNodesClient(urls, secret=two_nodes[0].token) as client:
+        with RoutingWriter(client, flush_bytes=4096) as writer:
+            for r in recs:
+                writer.submit(r)
+            writer.flush(timeout=60)
+        owners = {r.request_id: client.owner(r) for r in recs}
+    assert len(set(owners.values())) == 2  # both nodes got requests
+    for node in two_nodes:
+        mine = [r for r in recs if owners[r.request_id] == node.push_url]
+        got = RoutingReader(http_store(node)).get_numpy("roll-0", [r.request_id for r in mine])
+        for r in mine:
+            np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
+def test_plain_zarr_python_reads_over_http(two_nodes, make_record):
+    rec = make_record("plain", rows=77)
+    with StoreNodesClient([two_nodes[0].push_url], secret=two_nodes[0].token) as client:
+        client.commit([rec])
+    group = zarr.open_group(http_store(two_nodes[0]), path="roll-0", mode="r", zarr_format=3)
+    seg = group.attrs["r3rdma"]["requests"]["plain"]["segments"][0]
+    np.testing.assert_array_equal(group[seg["array"]][seg["offset"] : seg["offset"] + seg["rows"]], rec.ids_TLK)
+
+
+def test_typed_store_errors_cross_the_wire(two_nodes, make_record):
+    with StoreNodesClient([two_nodes[0].push_url], secret=two_nodes[0].token) as client:
+        client.commit([make_record("a", seed=1)])
+        client.commit([make_record("a", seed=1)])  # identical re-push: accepted once
+        with pytest.raises(DuplicateRequestError, match="already stored"):
+            client.commit([make_record("a", seed=2)])
+
+
+def test_wrong_secret_refused(two_nodes, make_record):
+    with StoreNodesClient([two_nodes[0].push_url], secret=new_token()) as client:
+        with pytest.raises(AuthenticationError):
+            client.commit([make_record("a")])
+
+
+def test_failover_when_a_node_dies(two_nodes, make_record):
+    a, b = two_nodes
+    recs = [make_record(f"f{i}", rows=10) for i in range(30)]
+    with StoreNodesClient([a.push_url, b.push_url], secret=a.token, down_cooldown_s=60) as client:
+        client.commit(recs[:10])
+        a.stop(signal.SIGKILL)
+        stats = client.commit(recs[10:])
+        assert stats.failovers >= 1 or all(client.owner(r) == b.push_url for r in recs[10:])
+    first_wave_on_a = [r.request_id for r in recs[:10] if rendezvous_order([a.push_url, b.push_url], f"roll-0/{r.request_id}")[0] == a.push_url]
+    on_b = RoutingReader(http_store(b)).info("roll-0").request_ids
+    # everything pushed after the kill is on b; what a acked before the kill stays on a's disk
+    assert set(r.request_id for r in recs[10:]) <= set(on_b)
+    restarted = start_node(a.root, a.token)
+    try:
+        got = RoutingReader(http_store(restarted)).info("roll-0").request_ids
+        assert set(first_wave_on_a) <= set(got)
+    finally:
+        restarted.stop(signal.SIGKILL)
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path, make_record):
+    node = start_node(tmp_path / "n", new_token())
+    with StoreNodesClient([node.push_url], secret=node.token) as client:
+        client.commit([make_record("d")])
+    assert node.stop(signal.SIGTERM) == 0
+    np.testing.assert_array_equal(RoutingReader(tmp_path / "n").get_numpy("roll-0", ["d"])["d"], make_record("d").ids_TLK)
+
+
+async def _get(url, headers=None):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, headers=headers or {}) as response:
+            return response.status, await response.read(), response.headers
+
+
+@pytest.mark.timeout(120)
+async def _http_checks(node, rec):
+    auth = {"Authorization": f"Bearer {node.token}"}
+    assert (await _get(f"{node.http_url}/healthz"))[0] == 200
+    assert (await _get(f"{node.http_url}/v1/rollouts"))[0] == 401
+    assert (await _get(f"{node.http_url}/v1/rollouts", {"Authorization": "Bearer nope"}))[0] == 401
+    status, body, _ = await _get(f"{node.http_url}/v1/rollouts", auth)
+    assert status == 200 and b"roll-0" in body
+    status, body, _ = await _get(f"{node.http_url}/v1/rollouts/roll-0", auth)
+    assert status == 200 and b'"h0"' in body
+    assert (await _get(f"{node.http_url}/v1/rollouts/nope", auth))[0] == 404
+    shard = f"{node.http_url}/zarr/roll-0/b00000001/c/0/0/0"
+    full = (await _get(shard, auth))[1]
+    status, tail, headers = await _get(shard, {**auth, "Range": "bytes=-20"})
+    assert status == 206 and tail == full[-20:]
+    status, mid, _ = await _get(shard, {**auth, "Range": "bytes=5-9"})
+    assert status == 206 and mid == full[5:10]
+    status, rest, _ = await _get(shard, {**auth, "Range": "bytes=7-"})
+    assert status == 206 and rest == full[7:]
+    assert (await _get(shard, {**auth, "Range": f"bytes={len(full) + 10}-"}))[0] == 416
+    for bad in ["/zarr/..%2F..%2Fetc%2Fpasswd", "/zarr/roll-0/..%2F..%2F.r3rdma.lock", "/zarr/.r3rdma.lock", "/zarr/roll-0/a..b", "/zarr/"]:
+        assert (await _get(node.http_url + bad, auth))[0] in (400, 404), bad
+    status, body, _ = await _get(f"{node.http_url}/metrics", auth)
+    assert status == 200 and b"r3rdma_store_requests_ingested_total 1.0" in body
+
+
+def test_http_service_auth_ranges_traversal_metrics(two_nodes, make_record):
+    import asyncio
+
+    node = two_nodes[0]
+    rec = make_record("h0", rows=300)
+    with StoreNodesClient([node.push_url], secret=node.token) as client:
+        client.commit([rec])
+    asyncio.run(asyncio.wait_for(_http_checks(node, rec), 60))
+
+
+def test_public_read(tmp_path, make_record):
+    node = start_node(tmp_path / "pub", new_token(), "--public-read")
+    try:
+        with StoreNodesClient([node.push_url], secret=node.token) as client:
+            client.commit([make_record("p")])
+        reader = RoutingReader(FsspecStore.from_url(f"{node.http_url}/zarr", read_only=True))
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["p"])["p"], make_record("p").ids_TLK)
+    finally:
+        node.stop(signal.SIGKILL)
