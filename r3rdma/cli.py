@@ -15,8 +15,12 @@ __all__ = ["main"]
 # (command, subcommand or None, module, help)
 _COMMANDS = [
     ("demo", None, "r3rdma.demo", "generate with a tiny MoE, capture, store, read back, verify bit-exactly"),
+    ("rollout", None, "r3rdma.rollout", "torchrun worker: generate, capture with TP all-gather, push to store nodes"),
+    ("check", None, "r3rdma.check", "trainer side: read a rollout from store nodes over HTTP, compare with shadow records"),
     ("verify", None, "r3rdma.verify", "measure rollout/trainer routing mismatch with and without replay"),
     ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
+    ("bench", "transport", "r3rdma.bench.transport_bench", "r3rdma push vs raw ucxx send of the same bytes"),
+    ("bench", "read", "r3rdma.bench.read_bench", "reader over HTTP vs raw HTTP GETs of the same files"),
 ]
 
 

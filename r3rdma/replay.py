@@ -440,7 +440,8 @@ class RouterReplay:
         if self._depth:
             return
         acc, self._acc = self._acc, None
-        if acc is None or self._batch is None or all(x is None for x in acc["layers"]):
+        if acc is None or self._batch is None or any(x is None for x in acc["layers"]):
+            # No router ran, or the forward failed part-way: no report for it.
             return
         batch = self._batch
         per_layer = [int(x) if x is not None else 0 for x in acc["layers"]]

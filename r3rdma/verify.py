@@ -49,6 +49,14 @@ def _qwen3_16x64():
     )
 
 
+def _small_qwen3():
+    from .models import tiny_qwen3_moe
+
+    # The CPU default: 5 MoE layers of 32 experts, top-4. Enough routing flips under bf16 vs
+    # fp32 that the KL drop from replay stands out from bf16 noise on a few hundred tokens.
+    return tiny_qwen3_moe(num_hidden_layers=6, num_experts=32, num_experts_per_tok=4)
+
+
 def _qwen3_48x128():
     from .models import tiny_qwen3_moe
 
@@ -67,6 +75,7 @@ def _tiny(name: str):
 
 
 PRESETS = {
+    "small-qwen3-moe": _small_qwen3,
     "tiny-qwen3-moe": lambda: _tiny("tiny_qwen3_moe"),
     "tiny-deepseek-v3": lambda: _tiny("tiny_deepseek_v3"),
     "tiny-olmoe": lambda: _tiny("tiny_olmoe"),
@@ -168,7 +177,7 @@ def _train_batches(outputs, order, layout: str, train_batch_size: int):
 
 def run_verify(
     *,
-    model_config: str = "tiny-qwen3-moe",
+    model_config: str = "small-qwen3-moe",
     num_requests: int = 16,
     rollout_batch_size: int = 8,
     train_batch_size: int = 3,
@@ -288,13 +297,16 @@ def run_verify(
                 a["decisions_differ"] += d
                 a["tokens_any"] += t
                 a["layer"] += np.asarray(per_layer)
-                logp_all = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1).cpu()
-                flat_ids = input_ids.reshape(-1)
-                for o, s, r in zip(group, seqs, rows):
-                    for pos in range(len(o.prompt), len(s)):
-                        # logits at row of position pos - 1 predict the token at position pos.
-                        a["logp_train"].append(float(logp_all[r[pos - 1], flat_ids[r[pos]]]))
-                        a["logp_rollout"].append(logp_rollout[o.request_id][pos])
+                # Logits at the row of position p - 1 predict the token at position p (generated
+                # positions only: those have a rollout log-prob).
+                pred_rows = np.concatenate([r[len(o.prompt) - 1 : len(s) - 1] for o, s, r in zip(group, seqs, rows)])
+                target_rows = pred_rows + 1
+                flat_logits = logits.reshape(-1, logits.shape[-1])[torch.from_numpy(pred_rows).to(logits.device)]
+                targets = input_ids.reshape(-1)[torch.from_numpy(target_rows)].to(logits.device)
+                logp = torch.log_softmax(flat_logits.float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+                a["logp_train"].extend(logp.cpu().tolist())
+                for o, s in zip(group, seqs):
+                    a["logp_rollout"].extend(logp_rollout[o.request_id][pos] for pos in range(len(o.prompt), len(s)))
         tap.close()
         train_s = time.perf_counter() - t0
     finally:
@@ -356,7 +368,7 @@ def _table(s: dict[str, Any]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model-config", default="tiny-qwen3-moe",
+    parser.add_argument("--model-config", default="small-qwen3-moe",
                         help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rollout-batch-size", type=int, default=8)

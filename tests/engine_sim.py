@@ -362,6 +362,15 @@ class Engine:
                         plan.append((req, count, drafts))
                         budget -= count + len(drafts)
                         continue
+                holders = [r for r in self.waiting if r.blocks]
+                if holders:
+                    # KV held by a waiting request (a P/D handover): drop it, it will recompute.
+                    self.cap.preempt_request(holders[-1].rid)
+                    self._drop_kv(holders[-1])
+                    if self.kv.ensure(req, req.num_computed + count + len(drafts)):
+                        plan.append((req, count, drafts))
+                        budget -= count + len(drafts)
+                        continue
                 self.preempt(req)
                 continue
             plan.append((req, count, drafts))

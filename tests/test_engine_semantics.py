@@ -111,7 +111,7 @@ def _with_blocks(cfg: SimConfig, factor: int) -> SimConfig:
     return cfg
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=sim_configs, factor=st.integers(1, 3))
 def test_simulated_engine_matches_ground_truth(cfg, factor):
     with tempfile.TemporaryDirectory() as root:
@@ -134,8 +134,12 @@ def test_soak_many_seeds():
             chunked_moe=bool(rng.integers(2)), padded_router=bool(rng.integers(2)), draft_capture=bool(rng.integers(2)),
             num_experts=int(rng.choice([16, 64, 300])), max_new=int(rng.integers(1, 24)),
         )
+        cfg = _with_blocks(cfg, int(rng.integers(1, 4)))
         with tempfile.TemporaryDirectory() as root:
-            stats = run_sim(_with_blocks(cfg, int(rng.integers(1, 4))), root)
+            try:
+                stats = run_sim(cfg, root)
+            except Exception as e:
+                raise AssertionError(f"soak failed for {cfg}") from e
         for key, value in stats.items():
             totals[key] = totals.get(key, 0) + value
     print("soak totals:", totals)
@@ -282,9 +286,9 @@ def test_preempted_request_recomputed_in_other_slots():
 def test_preemption_not_announced_and_partial_recompute_is_detected():
     cap, _ = make()
     step(cap, ["a"], [0], [4], [0, 1, 2, 3])
-    step(cap, ["b"], [0], [2], [0, 1])  # engine gave a's slots away without telling
+    step(cap, ["b"], [0], [2], [2, 3])  # engine gave a's slots away without telling
     step(cap, ["a"], [0], [2], [8, 9])  # ... and a recomputes only part of it
-    with pytest.raises(StaleSlotError):
+    with pytest.raises(StaleSlotError, match=r"positions \[2, 3\]"):
         cap.finish_request("a", prompt_len=4, generated_len=1)
 
 
@@ -412,7 +416,8 @@ def test_only_last_turn_keeps_the_latest_turns_full_view(tmp_path):
     with LocalRoutingStore(tmp_path / "olt", only_last_turn=True) as store:
         store.commit([t0])
         store.commit([t1_full])
-        store.commit([t0])  # a late retry of the older turn is refused, never silently applied
+        with pytest.raises(SegmentOverlapError):
+            store.commit([t0])  # the older, shorter view arriving late is refused, never applied
     reader = RoutingReader(tmp_path / "olt")
     np.testing.assert_array_equal(reader.get_numpy("r", ["c"])["c"], truth("conv", 0, 7))
 
@@ -469,7 +474,7 @@ def test_pd_gaps_overlaps_and_conflicting_ends(tmp_path, make_record):
         overlapping = RequestRecord("roll-0", "q", whole[3:6] ^ 1, (0, 1, 2), 16, start_row=3, final=False)
         with pytest.raises(SegmentOverlapError, match="overlaps its pending segment rows 0..3"):
             store.commit([overlapping])
-        other_end = RequestRecord("roll-0", "q", whole[6:9], (0, 1, 2), 16, start_row=6, total_rows=9)
+        other_end = RequestRecord("roll-0", "q", whole[4:5], (0, 1, 2), 16, start_row=4, total_rows=5)
         with pytest.raises(SegmentOverlapError, match="two final segments"):
             store.commit([other_end])
         store.commit([RequestRecord("roll-0", "q", whole[4:6], (0, 1, 2), 16, start_row=4, final=False)])
@@ -477,9 +482,9 @@ def test_pd_gaps_overlaps_and_conflicting_ends(tmp_path, make_record):
         with pytest.raises(SegmentOverlapError, match="already stored"):
             store.commit([RequestRecord("roll-0", "q", whole[8:10] ^ 1, (0, 1, 2), 16, start_row=8)])
         beyond = RequestRecord("roll-0", "z", whole[:3], (0, 1, 2), 16, start_row=0, total_rows=3)
-        store.commit([RequestRecord("roll-0", "z2", whole[:2], (0, 1, 2), 16, final=False)])
-        with pytest.raises(SegmentOverlapError, match="past the request's last row"):
-            store.commit([RequestRecord("roll-0", "z2", whole[:1] ^ 1, (0, 1, 2), 16, start_row=1, total_rows=2)])
+        store.commit([RequestRecord("roll-0", "z2", whole[:1], (0, 1, 2), 16, start_row=2, total_rows=3)])
+        with pytest.raises(SegmentOverlapError, match="past the request's last row 2"):
+            store.commit([RequestRecord("roll-0", "z2", whole[:2], (0, 1, 2), 16, start_row=3, final=False)])
         store.commit([beyond])
         with pytest.raises(SegmentError, match="rows before it cannot be added"):
             store.commit([RequestRecord("roll-0", "late", whole[5:8], (0, 1, 2), 16, start_row=5),

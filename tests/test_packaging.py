@@ -21,6 +21,12 @@ def test_wheel_installs_into_clean_venv(tmp_path):
     assert top == {"r3rdma"}, f"the wheel must add exactly one top-level name, got {top}"
     for sub in ("transport", "kernels", "store"):
         assert f"r3rdma/{sub}/__init__.py" in names
+    # Every package of the source tree is in the wheel (a subpackage missing from
+    # pyproject's list would only show up in a non-editable install).
+    for folder, prefix in (("r3rdma", "r3rdma"), ("transport", "r3rdma/transport"), ("kernels", "r3rdma/kernels"), ("store", "r3rdma/store")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / folder).as_posix()
+            assert f"{prefix}/{rel}" in names, f"{folder}/{rel} is missing from the wheel"
 
     venv = tmp_path / "clean"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -33,6 +39,7 @@ def test_wheel_installs_into_clean_venv(tmp_path):
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
     check = (
         "import r3rdma, r3rdma.transport, r3rdma.kernels, r3rdma.store, importlib.util, sys\n"
+        "import r3rdma.cli, r3rdma.integrations.hf_routers, r3rdma.bench.store_bench, r3rdma.store.cli\n"
         f"assert r3rdma.__file__.startswith({str(venv)!r}), r3rdma.__file__\n"
         "assert importlib.util.find_spec('kernels') is None or 'r3rdma' not in (importlib.util.find_spec('kernels').origin or '')\n"
         "from importlib.metadata import entry_points\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -334,12 +332,10 @@ def test_left_padding_maps_rows_to_real_tokens():
 # -- activation recomputation -----------------------------------------------------------------------
 
 
-def _train_step(model, batch, input_ids, mask, checkpointing: bool):
+def _train_step(model, batch, input_ids, mask, checkpointing: bool, reentrant: bool = False):
     model.zero_grad(set_to_none=True)
     if checkpointing:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable({"use_reentrant": reentrant})
     model.train()
     with RouterReplay(model) as replay:
         replay.set_routing(batch)
@@ -348,17 +344,18 @@ def _train_step(model, batch, input_ids, mask, checkpointing: bool):
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if checkpointing:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     return logits.detach(), grads, replay
 
 
-def test_gradient_checkpointing_recompute_replays_the_same_ids(family):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recompute_replays_the_same_ids(family, reentrant):
     model = make_model(family)
     input_ids, mask = right_padded(SEQS)
     pieces = [random_ids(len(s) - 1, model, 20 + i) for i, s in enumerate(SEQS)]
     batch = ReplayBatch.padded(pieces, mask)  # includes unrecorded (pad, last) rows: pinned live ids
     ref_logits, ref_grads, ref_replay = _train_step(model, batch, input_ids, mask, checkpointing=False)
-    logits, grads, replay = _train_step(model, batch, input_ids, mask, checkpointing=True)
+    logits, grads, replay = _train_step(model, batch, input_ids, mask, checkpointing=True, reentrant=reentrant)
     assert ref_replay.recomputes == 0
     assert replay.recomputes == len(replay.routers)  # every MoE layer recomputed once in the backward
     assert replay.forwards == 1  # recomputation is not counted as a forward
@@ -374,9 +371,7 @@ def test_recompute_after_set_routing_for_another_batch_is_detected():
     # The ids stay in force until the next set_routing: a trainer that sets the next micro-batch
     # before the previous backward gets a token-count error, not silently wrong ids.
     model = make_model("qwen3_moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     with RouterReplay(model) as replay:
         replay.set_routing(ReplayBatch.from_ids(random_ids(4, model, 0)))

@@ -75,11 +75,12 @@ async def send_message(
     sizes = [payload_nbytes(f) for f in frames]
     pre = Preamble(version, kind, len(raw), sum(sizes))
     what = f"sending {kind.name} to {conn.peer}"
-    await timed(conn.send(pre.pack()), timeout, what)
-    await timed(conn.send(raw), timeout, what)
-    for frame, size in zip(frames, sizes):
-        if size:  # zero-byte frames are never listed, so never sent
-            await timed(conn.send(frame), timeout, what)
+    # All sends are posted at once: UCX matches same-tag messages from one sender in posting
+    # order, and waiting for each send before posting the next costs a progress-thread round
+    # trip per frame (~1.5 ms here), which halved throughput for batches of many requests.
+    # Zero-byte frames are never listed, so never sent.
+    buffers = [pre.pack(), raw, *(f for f, size in zip(frames, sizes) if size)]
+    await timed(asyncio.gather(*(conn.send(b) for b in buffers)), timeout, what)
 
 
 async def recv_preamble(conn: Conn, timeout: float, what: str) -> Preamble:
@@ -261,10 +262,12 @@ class ConnServer(TransportServer):
             metas = check_batch_header(header, pre.payload_len, limits)
             seq = header["seq"]
             payload = np.empty(pre.payload_len, dtype=np.uint8)
-            start = 0
+            views, start = [], 0
             for size in header["frames"]:
-                await timed(conn.recv_into(payload[start : start + size]), t, "receiving a payload frame")
+                views.append(payload[start : start + size])
                 start += size
+            # Posted at once, in order (see send_message).
+            await timed(asyncio.gather(*(conn.recv_into(v) for v in views)), t, "receiving payload frames")
         except (TransportError, R3TimeoutError) as e:
             log.info("batch from %s aborted: %s", conn.peer, e)
             return False

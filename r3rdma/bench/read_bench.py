@@ -1,0 +1,114 @@
+"""`r3rdma bench read`: RoutingReader over a store node's HTTP service vs raw HTTP GETs.
+
+A store node (separate process) serves a root populated with synthetic routing (several
+committed batches). Rounds alternate between (a) ``RoutingReader.get_numpy`` of every request
+of the rollout, through zarr's HTTP store (shard index + ranged chunk reads, decompression,
+CRC checks), and (b) plain aiohttp GETs, with the same concurrency, of the same shard files
+in full. Throughput counts the bytes of those files (what crosses the wire) per second; the
+ratio is the reader's cost over moving the same files. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .synthetic import synthetic_records
+
+__all__ = ["run_read_bench", "add_arguments", "main"]
+
+
+def _start_node(root: Path, token_file: Path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "r3rdma.store.cli", "--root", str(root), "--token-file", str(token_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    if not ready:
+        proc.kill()
+        raise TimeoutError("store node did not start in 120 s")
+    return proc, json.loads(proc.stdout.readline())["http_port"]
+
+
+async def _raw_get_all(base: str, token: str, paths: list[str], concurrency: int) -> int:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    total = 0
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session:
+        async def one(path: str) -> None:
+            nonlocal total
+            async with sem, session.get(f"{base}/zarr/{path}") as response:
+                response.raise_for_status()
+                total += len(await response.read())
+
+        await asyncio.gather(*(one(p) for p in paths))
+    return total
+
+
+def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = None, progress: bool = True) -> dict:
+    from zarr.storage import FsspecStore
+
+    from ..local_store import LocalRoutingStore
+    from ..reader import RoutingReader
+
+    base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-read-"))
+    store_root = base / "node"
+    records = synthetic_records(requests, rollout_id="bench", seed=1)
+    with LocalRoutingStore(store_root) as store:
+        for i in range(0, len(records), 16):  # a few MB-sized batches, as a writer commits them
+            store.commit(records[i : i + 16])
+    token = secrets.token_hex(32)
+    token_file = base / "token"
+    token_file.write_text(token)
+    files = sorted(str(p.relative_to(store_root)) for p in (store_root / "bench").rglob("*") if p.is_file())
+    shard_bytes = sum((store_root / f).stat().st_size for f in files)
+    proc, port = _start_node(store_root, token_file)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ids = [r.request_id for r in records]
+        reader_s, raw_s = [], []
+        for rnd in range(rounds):
+            http = FsspecStore.from_url(f"{url}/zarr", storage_options={"headers": {"Authorization": f"Bearer {token}"}}, read_only=True)
+            t0 = time.perf_counter()
+            got = RoutingReader(http).get_numpy("bench", ids)
+            reader_s.append(time.perf_counter() - t0)
+            assert sum(a.nbytes for a in got.values()) == sum(r.nbytes for r in records)
+            t0 = time.perf_counter()
+            asyncio.run(_raw_get_all(url, token, files, concurrency=10))
+            raw_s.append(time.perf_counter() - t0)
+            if progress:
+                print(f"round {rnd + 1}/{rounds}: reader {shard_bytes / reader_s[-1] / 1e9:.3f} GB/s, raw GET {shard_bytes / raw_s[-1] / 1e9:.3f} GB/s",
+                      file=sys.stderr, flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    reader_gbps = shard_bytes / statistics.median(reader_s) / 1e9
+    raw_gbps = shard_bytes / statistics.median(raw_s) / 1e9
+    return {
+        "bench": "read", "requests": requests, "files": len(files), "file_bytes": shard_bytes,
+        "routing_bytes": sum(r.nbytes for r in records),
+        "reader_gbps": round(reader_gbps, 4), "raw_http_gbps": round(raw_gbps, 4), "ratio": round(reader_gbps / raw_gbps, 3),
+        "reader_routing_gbps": round(sum(r.nbytes for r in records) / statistics.median(reader_s) / 1e9, 4),
+    }
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--root", default=None, help="scratch directory (default: temporary)")
+
+
+def main(args) -> int:
+    print(json.dumps(run_read_bench(requests=args.requests, rounds=args.rounds, root=args.root)))
+    return 0

@@ -1,0 +1,131 @@
+"""`r3rdma bench transport`: r3rdma push throughput vs a raw ucxx send of the same bytes.
+
+A server process (``python -m r3rdma.bench.transport_bench --serve``) listens with both a
+:class:`UcxxServer` whose handler accepts and discards batches, and a raw ucxx sink. The client
+process alternates rounds: ``UcxxClient.push`` of a batch of records of a given total size
+(header, auth'd connection, per-request validation and CRC-32C check on the server, ack), and
+``raw_push`` of a payload of the same size (one send + 8-byte ack). Same two processes, same
+path, same bytes. The median round of each is reported; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import secrets
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+from .synthetic import synthetic_records
+
+__all__ = ["run_transport_bench", "add_arguments", "main"]
+
+
+async def _serve(secret: str) -> None:
+    from r3rdma.transport import TransportLimits, UcxxServer
+    from r3rdma.transport.raw_baseline import RawSinkServer
+
+    async def discard(_records) -> None:
+        return None
+
+    limits = TransportLimits(max_payload_bytes=1 << 30, timeout_s=120)
+    server = UcxxServer(discard, secret=secret, limits=limits)
+    address = await server.start()
+    raw = RawSinkServer(max_bytes=1 << 30, timeout_s=120)
+    raw_port = await raw.start()
+    print(json.dumps({"push_port": address.port, "raw_port": raw_port}), flush=True)
+    # Run until the parent closes our stdin.
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await raw.stop()
+    await server.stop(drain=False)
+
+
+def _records_of_size(total: int, seed: int):
+    # Requests of ~1-4k rows x 48 layers x 8 (Qwen3-30B geometry, uint8), cut to ``total`` bytes.
+    records, size = [], 0
+    pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
+    i = 0
+    from r3rdma.records import RequestRecord
+
+    while size < total:
+        base = pool[i % len(pool)]
+        rows = min(base.num_rows, max(1, (total - size) // (base.nbytes // base.num_rows)))
+        ids = base.ids_TLK[:rows]
+        records.append(RequestRecord("bench", f"r{i}", ids, base.layer_map, base.num_experts))
+        size += ids.nbytes
+        i += 1
+    return records
+
+
+async def _client(push_port: int, raw_port: int, secret: str, sizes: list[int], rounds: int, iterations: int, progress: bool):
+    from r3rdma.transport import TransportLimits, UcxxClient
+    from r3rdma.transport.raw_baseline import raw_push
+
+    limits = TransportLimits(max_payload_bytes=1 << 30, timeout_s=120)
+    results = []
+    async with UcxxClient("127.0.0.1", push_port, secret=secret, limits=limits) as client:
+        for size in sizes:
+            records = _records_of_size(size, seed=size)
+            nbytes = sum(r.nbytes for r in records)
+            payload = np.concatenate([r.ids_TLK.reshape(-1) for r in records])
+            push_s, raw_s = [], []
+            for _ in range(2):  # warm-up both paths
+                await client.push(records)
+            for rnd in range(rounds):
+                t0 = asyncio.get_running_loop().time()
+                for _ in range(iterations):
+                    await client.push(records)
+                push_s.append(asyncio.get_running_loop().time() - t0)
+                raw = await raw_push("127.0.0.1", raw_port, payload, iterations, warmup=1)
+                raw_s.append(raw.seconds)
+            push = nbytes * iterations / statistics.median(push_s) / 1e9
+            rawg = nbytes * iterations / statistics.median(raw_s) / 1e9
+            row = {"bytes": nbytes, "requests": len(records), "push_gbps": round(push, 4), "raw_ucxx_gbps": round(rawg, 4), "ratio": round(push / rawg, 3)}
+            if progress:
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            results.append(row)
+    return results
+
+
+def run_transport_bench(*, sizes_mb=(1, 8, 64), rounds: int = 3, iterations: int = 4, progress: bool = True) -> dict:
+    secret = secrets.token_hex(32)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    server = subprocess.Popen([sys.executable, "-m", "r3rdma.bench.transport_bench", "--serve", secret],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([server.stdout], [], [], 120)
+        if not ready:
+            raise TimeoutError("bench server did not start in 120 s")
+        ports = json.loads(server.stdout.readline())
+        sizes = [int(mb * (1 << 20)) for mb in sizes_mb]
+        rows = asyncio.run(_client(ports["push_port"], ports["raw_port"], secret, sizes, rounds, iterations, progress))
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    main_row = rows[-1]  # the largest message: MB-sized batches are how pushes are made
+    return {"bench": "transport", "path": "ucxx tcp loopback, host memory, 2 processes",
+            "push_gbps": main_row["push_gbps"], "raw_ucxx_gbps": main_row["raw_ucxx_gbps"], "ratio": main_row["ratio"],
+            "message_bytes": main_row["bytes"], "by_size": rows}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 8, 64], help="batch sizes to measure; the last is headlined")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=4, help="pushes per round")
+
+
+def main(args) -> int:
+    print(json.dumps(run_transport_bench(sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations)))
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":
+    asyncio.run(_serve(sys.argv[2]))
