@@ -1,8 +1,111 @@
-"""Capture kernels: writing a step's routing into the slot table, gathering a request's rows.
+"""Capture kernels: recording a layer's routing, writing a step into the slot table, gathering
+a request's rows.
 
-``reference`` holds the torch implementations that define the semantics.
+``reference`` holds the torch implementations that define the semantics; ``triton_kernels``
+holds custom CUDA kernels with the same semantics. The functions exported here dispatch: a
+custom kernel runs only for CUDA tensors, only when triton is importable, and only for the
+operations where it measured faster than the reference (``CUSTOM_WINS``, from
+``r3rdma bench kernels`` on an H100; numbers in BENCHMARKS.md). Everything else, and every
+CPU tensor, runs the reference.
+
+``R3_KERNELS`` (or :func:`set_kernel_backend`) overrides the choice: ``auto`` (default, the
+table), ``torch`` (reference everywhere), ``triton`` (custom kernels for every CUDA call).
 """
 
-from .reference import gather_rows, table_dtype, write_step_rows
+from __future__ import annotations
 
-__all__ = ["gather_rows", "table_dtype", "write_step_rows"]
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from r3rdma.errors import ConfigError
+
+from . import reference
+from .reference import table_dtype
+
+__all__ = [
+    "CUSTOM_WINS",
+    "gather_rows",
+    "kernel_backend",
+    "record_layer",
+    "set_kernel_backend",
+    "table_dtype",
+    "write_step_rows",
+]
+
+#: Operations for which the custom kernel beat the torch reference on the GPU (``auto`` mode).
+#: See :mod:`r3rdma.bench.kernel_bench` and BENCHMARKS.md for the measurements behind it.
+CUSTOM_WINS: dict[str, bool] = {
+    "record_layer": False,
+    "write_step_rows": False,
+    "gather_rows": False,
+}
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend: str | None = None  # None: read R3_KERNELS on first use
+_triton: ModuleType | None | bool = None  # False: tried and unavailable
+
+
+def set_kernel_backend(backend: str | None) -> None:
+    """Choose ``auto`` / ``torch`` / ``triton`` for this process (None: back to ``R3_KERNELS``)."""
+    global _backend
+    if backend is not None and backend not in _BACKENDS:
+        raise ConfigError(f"kernel backend must be one of {_BACKENDS}, got {backend!r}")
+    _backend = backend
+
+
+def kernel_backend() -> str:
+    """The backend in force: argument of :func:`set_kernel_backend`, then ``R3_KERNELS``, then ``auto``."""
+    if _backend is not None:
+        return _backend
+    env = os.environ.get("R3_KERNELS", "auto").strip().lower() or "auto"
+    if env not in _BACKENDS:
+        raise ConfigError(f"R3_KERNELS must be one of {_BACKENDS}, got {env!r}")
+    return env
+
+
+def _custom_module() -> ModuleType | None:
+    global _triton
+    if _triton is None:
+        try:
+            _triton = importlib.import_module(".triton_kernels", __name__)
+        except ImportError:  # no triton on this machine: the reference serves every call
+            _triton = False
+    return _triton or None
+
+
+def _impl(op: str, tensor: torch.Tensor) -> ModuleType:
+    if tensor.device.type != "cuda":
+        return reference
+    backend = kernel_backend()
+    if backend == "torch" or (backend == "auto" and not CUSTOM_WINS.get(op, False)):
+        return reference
+    return _custom_module() or reference
+
+
+def record_layer(
+    buf_TLK: torch.Tensor,
+    layer: int,
+    topk_ids_TK: torch.Tensor,
+    rows_T: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> None:
+    """``buf[t, layer] = expert_map[topk_ids[rows[t]]]``, narrowed (see :func:`reference.record_layer`)."""
+    _impl("record_layer", buf_TLK).record_layer(buf_TLK, layer, topk_ids_TK, rows_T, expert_map)
+
+
+def write_step_rows(
+    table_SLK: torch.Tensor,
+    slots_T: torch.Tensor,
+    rows_TLK: torch.Tensor,
+    token_idx_T: torch.Tensor | None = None,
+) -> None:
+    """``table[slots[i]] = rows[token_idx[i]]`` (see :func:`reference.write_step_rows`)."""
+    _impl("write_step_rows", table_SLK).write_step_rows(table_SLK, slots_T, rows_TLK, token_idx_T)
+
+
+def gather_rows(table_SLK: torch.Tensor, slots_T: torch.Tensor, out_TLK: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of ``slots`` in order, packed ``[T, L, K]`` (see :func:`reference.gather_rows`)."""
+    return _impl("gather_rows", table_SLK).gather_rows(table_SLK, slots_T, out_TLK)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import contextlib
+import zlib
 from typing import Iterator
 
 import numpy as np
@@ -89,6 +90,12 @@ class RoutingCapturer:
             caller (``finish_request`` returns the record either way).
         rollout_id: rollout of finished requests unless ``finish_request`` names one.
         device: where the slot table and step buffer live.
+        tp_group: a tensor-parallel process group whose ranks split each step's MoE tokens
+            (sequence-parallel MoE): rank ``r`` of ``P`` routes tokens ``[r*c, min((r+1)*c, T))``
+            with ``c = ceil(T/P)``, and ``end_step`` all-gathers the step's rows of all layers in
+            one ``all_gather_into_tensor`` so every rank's slot table holds every row. Every rank
+            announces the whole step. The rank ``crc32(request_id) % P`` gathers and pushes a
+            finished request; ``finish_request`` returns None on the others.
         expert_map: EPLB / redundant experts: ``expert_map[physical_id]`` is the logical expert
             of each physical replica the router may emit (1-D integer tensor, values in
             ``0 .. num_experts - 1``). ``record`` maps ids through it on the device, without a
@@ -108,6 +115,7 @@ class RoutingCapturer:
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
         expert_map: torch.Tensor | Sequence[int] | None = None,
+        tp_group: "torch.distributed.ProcessGroup | None" = None,
     ) -> None:
         self.layer_map = tuple(int(x) for x in layer_map)
         if not self.layer_map:
@@ -139,6 +147,15 @@ class RoutingCapturer:
         self._expert_map: torch.Tensor | None = None
         if expert_map is not None:
             self.set_expert_map(expert_map)
+        self._tp_group = tp_group
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            self._tp_rank, self._tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        else:
+            self._tp_rank, self._tp_size = 0, 1
+        self.steps = 0  # steps ended with at least one token
+        self.collectives = 0  # all-gathers issued (one per step under TP)
         self.rows_captured = 0
         self.requests_finished = 0
         self.requests_aborted = 0
@@ -222,13 +239,22 @@ class RoutingCapturer:
             raise ShapeMismatchError("a slot appears twice in one step: each token writes its own KV slot")
         if router_rows is not None and tuple(router_rows.shape) != (total,):
             raise ShapeMismatchError(f"router_rows must have shape ({total},), got {tuple(router_rows.shape)}")
-        if self._step_buf.shape[0] < total:
+        chunk = -(-total // self._tp_size)  # tokens per TP rank (the last may have fewer)
+        need = chunk * self._tp_size
+        if self._step_buf.shape[0] < need:
             self._step_buf = torch.zeros(
-                (max(total, 2 * self._step_buf.shape[0]), self.num_layers, self.top_k),
+                (max(need, 2 * self._step_buf.shape[0]), self.num_layers, self.top_k),
                 dtype=self._step_buf.dtype,
                 device=self.device,
             )
-        self._step = _Step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, self.num_layers)
+        step = _Step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, self.num_layers)
+        # This rank's share of the step's tokens: all of them without TP.
+        step.chunk = chunk
+        step.base = self._tp_rank * chunk
+        step.local = max(0, min(chunk, total - step.base))
+        if router_rows is not None and self._tp_size > 1:
+            step.router_rows = router_rows[step.base : step.base + step.local]
+        self._step = step
 
     def record(self, layer_idx: int, topk_ids_TK: torch.Tensor, *, token_offset: int | None = None) -> None:
         """Record one MoE layer's top-k ids for the current step (called from the router).
@@ -249,7 +275,7 @@ class RoutingCapturer:
             raise ShapeMismatchError(f"layer {layer_idx} is not a captured MoE layer; layer_map is {self.layer_map}")
         if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != self.top_k:
             raise ShapeMismatchError(f"layer {layer_idx}: expected top-k ids [T, {self.top_k}], got {tuple(topk_ids_TK.shape)}")
-        total = step.total
+        total, base = step.local, step.base
         if token_offset is not None:
             if step.router_rows is not None:
                 raise CaptureStateError("record(token_offset=...) cannot be combined with begin_step(router_rows=...)")
@@ -258,24 +284,25 @@ class RoutingCapturer:
             if step.recorded[moe] or token_offset != done or done + n > total:
                 raise CaptureStateError(
                     f"layer {layer_idx}: chunk of {n} rows at token_offset {token_offset}, but {done} of the "
-                    f"step's {total} tokens were recorded so far (chunks must be in order and cover the step once)"
+                    f"{total} tokens this rank routes were recorded so far (chunks must be in order and cover them once)"
                 )
             rows = self._to_logical(topk_ids_TK)
-            self._step_buf[done : done + n, moe].copy_(rows, non_blocking=True)
+            self._step_buf[base + done : base + done + n, moe].copy_(rows, non_blocking=True)
             step.covered[moe] = done + n
             step.recorded[moe] = step.covered[moe] == total
             return
         rows = topk_ids_TK if step.router_rows is None else topk_ids_TK.index_select(0, step.router_rows)
         if rows.shape[0] != total:
             raise ShapeMismatchError(
-                f"layer {layer_idx}: the step announced {total} tokens but the router produced {topk_ids_TK.shape[0]} rows"
+                f"layer {layer_idx}: the step announced {total} tokens{'' if self._tp_size == 1 else ' for this TP rank'} "
+                f"but the router produced {topk_ids_TK.shape[0]} rows"
                 + ("" if step.router_rows is None else " (after router_rows selection)")
             )
         if step.recorded[moe] or step.covered[moe]:
             raise CaptureStateError(f"layer {layer_idx} recorded twice in one step (chunked MoE? pass token_offset)")
         step.recorded[moe] = True
         step.covered[moe] = total
-        self._step_buf[:total, moe].copy_(self._to_logical(rows), non_blocking=True)
+        self._step_buf[base : base + total, moe].copy_(self._to_logical(rows), non_blocking=True)
 
     def _to_logical(self, ids: torch.Tensor) -> torch.Tensor:
         # EPLB: physical replica ids -> logical expert ids, on the device (no host sync).
@@ -293,12 +320,16 @@ class RoutingCapturer:
         if step is None:
             raise CaptureStateError("end_step called without begin_step")
         self._step = None
-        if step.total and not all(step.recorded):
+        if step.local and not all(step.recorded):
             missing = [self.layer_map[i] for i, done in enumerate(step.recorded) if not done]
             raise CaptureStateError(
                 f"step ended without routing for MoE layers {missing} (a router skipped its hook, or a chunked "
                 "MoE layer did not cover every token?)"
             )
+        if step.total:
+            self.steps += 1
+            if self._tp_group is not None:
+                self._gather_step(step)
         keep = None
         if accepted_T is not None:
             keep = np.asarray(accepted_T, dtype=bool)
@@ -335,6 +366,24 @@ class RoutingCapturer:
             state.slots[pos] = slots[chunk]
             state.gens[pos] = gens[chunk]
         self.rows_captured += int(token_idx.size)
+
+    def _gather_step(self, step: "_Step") -> None:
+        """One all-gather per step: every rank's share of every layer's rows, as raw bytes.
+
+        Bytes because NCCL has no int16; the collective runs in place on the step buffer
+        (rank r's share already sits at ``[r*c, (r+1)*c)``), so nothing is copied around it.
+        """
+        import torch.distributed as dist
+
+        c = step.chunk
+        out = self._step_buf[: c * self._tp_size].view(torch.uint8)
+        mine = self._step_buf[step.base : step.base + c].view(torch.uint8)
+        dist.all_gather_into_tensor(out, mine, group=self._tp_group)
+        self.collectives += 1
+
+    def pushes(self, request_id: str) -> bool:
+        """Whether this rank gathers and pushes ``request_id`` (always, without TP)."""
+        return self._tp_size == 1 or zlib.crc32(request_id.encode()) % self._tp_size == self._tp_rank
 
     def cancel_step(self) -> None:
         """Drop the current step without writing anything (its forward failed)."""
@@ -379,7 +428,7 @@ class RoutingCapturer:
         store_as: str | None = None,
         final: bool = True,
         total_rows: int | None = None,
-    ) -> RequestRecord:
+    ) -> RequestRecord | None:
         """Gather the request's rows ``start_row .. prompt_len + generated_len - 2`` and hand them to the sink.
 
         ``prompt_len + generated_len`` is the request's whole sequence, with ``generated_len``
@@ -423,6 +472,9 @@ class RoutingCapturer:
                 f"request {request_id!r}: slots of positions {(stale[:8] + start_row).tolist()} were rewritten "
                 "by other tokens before the request finished (slot freed too early?)"
             )
+        if not self.pushes(request_id):
+            self.requests_finished += 1
+            return None  # another rank of the TP group pushes it (see tp_group)
         ids = gather_rows(self.table_SLK, torch.from_numpy(slots).to(self.device)).cpu().numpy()
         if self.storage_dtype == np.uint16:
             ids = ids.view(np.uint16)
@@ -543,7 +595,8 @@ class RoutingCapturer:
 
 
 class _Step:
-    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "slots", "router_rows", "total", "recorded", "covered")
+    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "slots", "router_rows", "total", "recorded",
+                 "covered", "chunk", "base", "local")
 
     def __init__(self, request_ids, starts, counts, slots, router_rows, num_layers) -> None:
         self.request_ids = request_ids

@@ -21,6 +21,8 @@ _COMMANDS = [
     ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
     ("bench", "transport", "r3rdma.bench.transport_bench", "r3rdma push vs raw ucxx send of the same bytes"),
     ("bench", "read", "r3rdma.bench.read_bench", "reader over HTTP vs raw HTTP GETs of the same files"),
+    ("bench", "capture", "r3rdma.bench.capture_bench", "MoE decode loop with routing capture off vs on (GPU; CUDA graphs where possible)"),
+    ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
 ]
 
 

@@ -19,6 +19,7 @@ def capturer_for_model(
     sink: RoutingSink | None = None,
     rollout_id: str = "default",
     device: str | torch.device | None = None,
+    tp_group=None,
 ) -> RoutingCapturer:
     """A capturer shaped for ``model``'s MoE layers (layer map, top-k, expert count)."""
     routers = find_moe_routers(model)
@@ -32,6 +33,7 @@ def capturer_for_model(
         sink=sink,
         rollout_id=rollout_id,
         device=device,
+        tp_group=tp_group,
     )
 
 

@@ -1,0 +1,301 @@
+"""`r3rdma bench capture`: what routing capture costs a MoE decode loop.
+
+A Hugging Face Qwen3-MoE model (random weights, bf16, grouped_mm experts, static KV cache)
+decodes a batch of requests, one token each per step, with capture off and on, interleaved in
+one run (rounds alternate off / on, so clock and thermal drift hit both alike). With capture
+on, every step is announced to a :class:`RoutingCapturer` (``begin_step`` with the KV slots of
+its tokens), the routers' hooks record their top-k ids, and ``end_step`` writes the rows into
+the slot table on the GPU.
+
+With ``--cuda-graphs`` (default ``auto``: where the model and capturer allow it) the decode
+step is captured once per setting into a CUDA graph and replayed; capture then costs only
+its kernels inside the graph plus ``begin_step`` / ``end_step`` around the replay. Without,
+the step runs eagerly and the hooks run in Python each step.
+
+Host synchronisations are counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a
+separate pass of steps (each with capture on and off; the difference is the capturer's).
+
+The last line is JSON: ``step_ms_off``, ``step_ms_on``, ``overhead_pct``, ``overhead_us``,
+``host_syncs_per_step`` and the configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+import warnings
+
+__all__ = ["run_capture_bench", "add_arguments", "main"]
+
+
+def _build(args, device):
+    import torch
+
+    from r3rdma.models import tiny_qwen3_moe
+
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_qwen3_moe(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, mlp_only_layers=[],
+        max_position_embeddings=4096, experts_implementation=args.experts_impl,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)  # spread routing over the experts
+    return model.eval(), config
+
+
+class _Loop:
+    """A fixed-batch decode loop over a static KV cache; one instance, two settings."""
+
+    def __init__(self, model, config, args, device) -> None:
+        import torch
+        from transformers import StaticCache
+
+        self.model, self.device, self.args = model, device, args
+        B, P = args.batch, args.prompt_len
+        self.max_len = P + args.steps + 8
+        self.cache = StaticCache(config=config, max_cache_len=self.max_len)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        prompt = torch.randint(0, config.vocab_size, (B, P), generator=gen).to(device)
+        with torch.no_grad():
+            out = model(input_ids=prompt, cache_position=torch.arange(P, device=device), past_key_values=self.cache, use_cache=True)
+        self.ids = out.logits[:, -1:].argmax(-1).clone()  # [B, 1] static input
+        self.first_ids = self.ids.clone()
+        self.pos = torch.full((B, 1), P, dtype=torch.long, device=device)
+        self.cpos = torch.full((1,), P, dtype=torch.long, device=device)
+        self.request_ids = [f"bench-{b}" for b in range(B)]
+        self.graphs: dict[bool, object] = {}
+
+    def reset(self) -> None:
+        import torch
+
+        P = self.args.prompt_len
+        self.ids.copy_(self.first_ids)
+        self.pos.fill_(P)
+        self.cpos.fill_(P)
+        # transformers >= 5.2x static layers count their own length (a device tensor); older ones
+        # use cache_position. Rewind both, so every round decodes the same positions.
+        for layer in getattr(self.cache, "layers", ()):
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.fill_(P)
+            elif isinstance(length, int):
+                layer.cumulative_length = P
+
+    def forward(self) -> None:
+        out = self.model(input_ids=self.ids, position_ids=self.pos, cache_position=self.cpos,
+                         past_key_values=self.cache, use_cache=True)
+        self.ids.copy_(out.logits[:, -1:].argmax(-1))
+        self.pos.add_(1)
+        self.cpos.add_(1)
+
+    def slots(self, step: int):
+        import numpy as np
+
+        return np.arange(self.args.batch, dtype=np.int64) * self.max_len + self.args.prompt_len + step
+
+    def run_steps(self, n: int, capturer, graphed: bool) -> None:
+        B = self.args.batch
+        starts = None
+        for s in range(n):
+            if capturer is not None:
+                starts = [self.args.prompt_len + s] * B
+                if graphed:
+                    capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s), graphed=True)
+                else:
+                    capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s))
+            if graphed:
+                self.graphs[capturer is not None].replay()
+            else:
+                self.forward()
+            if capturer is not None:
+                capturer.end_step()
+
+
+def _try_graph(loop, capturer, on: bool) -> str | None:
+    """Capture one decode step (with the capturer's hooks live when ``on``); None if it worked."""
+    import torch
+
+    loop.reset()
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(3):  # warm-up on a side stream, as torch.cuda.graphs asks
+                if on:
+                    with capturer.graph_capture(loop.args.batch):
+                        loop.forward()
+                else:
+                    loop.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        ctx = capturer.graph_capture(loop.args.batch) if on else contextlib.nullcontext()
+        with torch.no_grad(), ctx, torch.cuda.graph(graph):
+            loop.forward()
+        loop.graphs[on] = graph
+        return None
+    except Exception as e:  # the model or the capturer does not allow graphs: say why
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _count_syncs(fn) -> int:
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(1 for w in caught if "synchronizing" in str(w.message).lower())
+
+
+def run_capture_bench(args) -> dict:
+    import torch
+
+    from r3rdma.capture import RoutingCapturer
+    from r3rdma.integrations.hf_capture import attach_capturer
+    from r3rdma.integrations.hf_routers import find_moe_routers
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    t0 = time.perf_counter()
+    model, config = _build(args, device)
+    loop = _Loop(model, config, args, device)
+    routers = find_moe_routers(model)
+    capturer = RoutingCapturer(layer_map=[r.layer_idx for r in routers], top_k=args.top_k, num_experts=args.experts,
+                               num_slots=args.batch * loop.max_len, device=device)
+    build_s = time.perf_counter() - t0
+    log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
+    log(f"model built in {build_s:.1f} s on {device}: {args.layers} layers, {args.experts} experts, top-{args.top_k}, batch {args.batch}")
+
+    detach = None
+
+    def set_capture(on: bool) -> None:
+        nonlocal detach
+        if on and detach is None:
+            detach = attach_capturer(model, capturer)
+        elif not on and detach is not None:
+            detach()
+            detach = None
+
+    graphed = False
+    graph_error = None
+    if cuda and args.cuda_graphs != "off":
+        if not hasattr(capturer, "graph_capture"):
+            graph_error = "RoutingCapturer has no graph_capture()"
+        else:
+            set_capture(False)
+            graph_error = _try_graph(loop, capturer, False)
+            if graph_error is None:
+                set_capture(True)
+                graph_error = _try_graph(loop, capturer, True)
+                set_capture(False)
+            graphed = graph_error is None
+        if args.cuda_graphs == "on" and not graphed:
+            raise SystemExit(f"--cuda-graphs on: capture failed: {graph_error}")
+        log(f"cuda graphs: {graphed}" + (f" ({graph_error})" if graph_error else ""))
+
+    def timed_round(on: bool) -> float:
+        set_capture(on and not graphed)  # graphed: the hooks ran at capture time only
+        loop.reset()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            loop.run_steps(args.steps, capturer if on else None, graphed)
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / args.steps
+
+    for on in (False, True, False, True):  # warm-up both settings
+        timed_round(on)
+    off_ms, on_ms = [], []
+    for r in range(args.rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for on in order:
+            (on_ms if on else off_ms).append(timed_round(on))
+        log(f"round {r}: off {off_ms[-1]:.3f} ms/step, on {on_ms[-1]:.3f} ms/step")
+
+    syncs_on = syncs_off = None
+    if cuda:
+        n = min(args.steps, 8)
+
+        def steps(on):
+            def go():
+                set_capture(on and not graphed)
+                loop.reset()
+                with torch.no_grad():
+                    loop.run_steps(n, capturer if on else None, graphed)
+                torch.cuda.synchronize()  # the one sync of the pass itself (counted in both)
+            return go
+
+        syncs_off = _count_syncs(steps(False)) / n
+        syncs_on = _count_syncs(steps(True)) / n
+    set_capture(False)
+
+    # Correctness spot check: the rows of the last step are in the table.
+    step_off = statistics.median(off_ms)
+    step_on = statistics.median(on_ms)
+    pairs = [b - a for a, b in zip(off_ms, on_ms)]
+    result = {
+        "bench": "capture",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model": f"Qwen3-MoE random bf16: {args.layers} layers, {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, "
+                 f"moe_intermediate {args.moe_intermediate}, experts {args.experts_impl}",
+        "batch": args.batch,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "cuda_graphs": graphed,
+        "cuda_graphs_error": graph_error,
+        "step_ms_off": round(step_off, 4),
+        "step_ms_on": round(step_on, 4),
+        "overhead_us": round((step_on - step_off) * 1e3, 2),
+        "overhead_us_paired_median": round(statistics.median(pairs) * 1e3, 2),
+        "overhead_pct": round((step_on - step_off) / step_off * 100, 3),
+        "host_syncs_per_step": None if syncs_on is None else round(syncs_on - syncs_off, 3),
+        "host_syncs_per_step_model_only": syncs_off,
+        "step_ms_off_all": [round(x, 4) for x in off_ms],
+        "step_ms_on_all": [round(x, 4) for x in on_ms],
+        "rows_captured": capturer.rows_captured,
+    }
+    return result
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--layers", type=int, default=24, help="MoE decoder layers (>= 24 for the issue's target)")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (Qwen3-30B-A3B: 2048)")
+    parser.add_argument("--moe-intermediate", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--experts-impl", default="grouped_mm", help="transformers experts implementation")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per setting (interleaved)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test only; no timing meaning)")
+    parser.add_argument("--quiet", dest="verbose", action="store_false")
+
+
+def main(args) -> int:
+    print(json.dumps(run_capture_bench(args)))
+    return 0

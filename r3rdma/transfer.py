@@ -1,0 +1,264 @@
+"""How a finished request's routing leaves the GPU: GPU-direct or staged through pinned host memory.
+
+The capturer gathers a finished request's rows on the device (one kernel, no host sync). From
+there two paths reach a store node:
+
+- ``gpu_direct``: the device buffer itself is the UCX payload (``PackedBatch`` with a CUDA
+  payload). UCX moves it with GPUDirect RDMA on InfiniBand, or cuda_ipc between GPUs of one
+  host; over TCP it stages device memory internally, slowly (0.44 GB/s measured on the GPU
+  machines here, against 1.1+ GB/s for host buffers).
+- ``staged``: an asynchronous D2H copy into pinned host memory (55 GB/s), then a host push.
+
+``auto`` measures both against a sink at start-up (:func:`probe_transfer_mode`) and keeps the
+faster. Without a sink to probe, ``auto`` means ``staged``: it is never much slower (a D2H
+copy into pinned memory costs ~20 us per MB) and it is the only good choice without RDMA.
+
+Either way the producing stream is synchronised before the bytes are sent: ucxx ignores the
+stream of ``__cuda_array_interface__`` (transport/device.py). The wait happens on the
+pusher's thread (an event recorded after the gather), never on the engine's step path.
+
+Pinned buffers come from torch's caching host allocator (``pin_memory=True``), which reuses a
+block only after the copies recorded on it have completed, so a staging buffer is never
+overwritten while a copy into it is in flight, and no ``cudaFreeHost`` (a device-wide sync)
+runs on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, ShapeMismatchError
+from .records import routing_dtype
+
+__all__ = [
+    "TRANSFER_MODES",
+    "TransferConfig",
+    "DeviceRows",
+    "StagedRows",
+    "ProbeResult",
+    "resolve_transfer_mode",
+    "stage_to_host",
+    "pack_device_rows",
+    "push_device_rows",
+    "probe_transfer_mode",
+]
+
+TRANSFER_MODES = ("auto", "gpu_direct", "staged")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferConfig:
+    """How finished routing leaves the GPU.
+
+    Args:
+        mode: ``auto`` (probe at start-up, else ``staged``), ``gpu_direct`` or ``staged``.
+            Default from ``R3_TRANSFER_MODE``, else ``auto``.
+        probe_bytes: payload size of each probe push (MB-sized: pushes are batched to MBs).
+        probe_rounds: pushes per path; the median is compared.
+        min_gain: ``gpu_direct`` is chosen only when it is this much faster than ``staged``
+            (the staged path also frees device memory sooner).
+    """
+
+    mode: str = field(default_factory=lambda: os.environ.get("R3_TRANSFER_MODE", "auto"))
+    probe_bytes: int = 8 << 20
+    probe_rounds: int = 5
+    min_gain: float = 1.1
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRANSFER_MODES:
+            raise ConfigError(f"transfer mode must be one of {TRANSFER_MODES}, got {self.mode!r}")
+        if self.probe_bytes < 1 or self.probe_rounds < 1:
+            raise ConfigError(f"probe_bytes and probe_rounds must be >= 1, got {self.probe_bytes}, {self.probe_rounds}")
+        if self.min_gain <= 0:
+            raise ConfigError(f"min_gain must be > 0, got {self.min_gain}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What :func:`probe_transfer_mode` measured (GB/s = 1e9 bytes/s, whole push incl. ack)."""
+
+    mode: str
+    gpu_direct_gbps: float
+    staged_gbps: float
+    nbytes: int
+    rounds: int
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "gpu_direct_gbps": round(self.gpu_direct_gbps, 3),
+                "staged_gbps": round(self.staged_gbps, 3), "probe_bytes": self.nbytes, "rounds": self.rounds}
+
+
+class StagedRows:
+    """An asynchronous copy of device rows into pinned host memory, with its completion event."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.host = host
+        self.event = event
+
+    def ready(self) -> bool:
+        """True once the copy completed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> np.ndarray:
+        """Block this thread until the copy completed; return the host array (a view, no copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
+
+
+def stage_to_host(rows: torch.Tensor, *, out: torch.Tensor | None = None) -> StagedRows:
+    """Start copying ``rows`` into pinned host memory on the current stream; return at once.
+
+    CPU tensors are returned as they are (already host memory, no event).
+    """
+    if rows.device.type != "cuda":
+        return StagedRows(rows, None)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    elif not out.is_pinned() or out.shape != rows.shape or out.dtype != rows.dtype:
+        raise ShapeMismatchError(f"staging buffer must be pinned {rows.dtype} {tuple(rows.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out.copy_(rows, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return StagedRows(out, event)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceRows:
+    """A finished request's rows on the device, plus what the store needs to know about them.
+
+    ``ready`` is an event recorded on the producing stream after the rows were written; the
+    sender waits on it before UCX reads the buffer.
+    """
+
+    rollout_id: str
+    request_id: str
+    ids_TLK: torch.Tensor
+    layer_map: tuple[int, ...]
+    num_experts: int
+    ready: torch.cuda.Event | None = None
+    start_row: int = 0
+    final: bool = True
+    total_rows: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids_TLK.numel() * self.ids_TLK.element_size()
+
+
+def _meta(item: DeviceRows, offset: int, crc: int | None):
+    from .transport import RecordMeta
+
+    ids = item.ids_TLK
+    dtype = routing_dtype(item.num_experts)
+    if ids.element_size() != dtype.itemsize or ids.dim() != 3:
+        raise ShapeMismatchError(f"request {item.request_id}: rows must be [T, L, K] of {dtype}, got {ids.dtype} {tuple(ids.shape)}")
+    return RecordMeta(item.rollout_id, item.request_id, int(ids.shape[0]), int(ids.shape[1]), int(ids.shape[2]),
+                      dtype.name, item.num_experts, tuple(item.layer_map), item.start_row, crc, offset,
+                      item.final, item.total_rows)
+
+
+def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
+    """Concatenate the requests' rows into one contiguous uint8 buffer on their device.
+
+    Returns (metas, payload). Runs on the current stream; record an event after it.
+    """
+    if not items:
+        raise ShapeMismatchError("pack_device_rows needs at least one request")
+    metas, offset = [], 0
+    for item in items:
+        metas.append(_meta(item, offset, None))
+        offset += item.nbytes
+    device = items[0].ids_TLK.device
+    if len(items) == 1 and items[0].ids_TLK.is_contiguous():
+        payload = items[0].ids_TLK.reshape(-1).view(torch.uint8)
+    else:
+        payload = torch.cat([i.ids_TLK.contiguous().reshape(-1).view(torch.uint8) for i in items]) if offset else torch.empty(0, dtype=torch.uint8, device=device)
+    return tuple(metas), payload
+
+
+async def push_device_rows(client, items: Sequence[DeviceRows], mode: str):
+    """Push requests whose rows are on the GPU with one ``push_packed``; return the ack.
+
+    ``gpu_direct``: the packed device buffer is the payload. ``staged``: it is copied to pinned
+    host memory first. In both cases the thread that pushes waits (in a worker thread, so the
+    event loop keeps running) for the producing stream before UCX reads any byte.
+    """
+    from .transport import PackedBatch
+
+    if mode not in ("gpu_direct", "staged"):
+        raise ConfigError(f"push_device_rows needs a resolved mode (gpu_direct or staged), got {mode!r}")
+    device = items[0].ids_TLK.device if items else torch.device("cpu")
+    if device.type != "cuda":
+        metas, payload = pack_device_rows(items)
+        return await client.push_packed(PackedBatch(metas, payload.numpy()))
+    with torch.cuda.device(device):  # this thread's current device may be another GPU
+        for item in items:
+            if item.ready is not None:
+                item.ready.wait()  # GPU-side wait: the packing below runs after each gather
+        metas, payload = pack_device_rows(items)
+        if mode == "staged":
+            staged = stage_to_host(payload)
+        else:
+            done = torch.cuda.Event()
+            done.record()
+    if mode == "staged":
+        host = await asyncio.to_thread(staged.wait)
+        return await client.push_packed(PackedBatch(metas, host))
+    # ucxx ignores the CAI stream: the bytes must be complete before the send is posted.
+    await asyncio.to_thread(done.synchronize)
+    return await client.push_packed(PackedBatch(metas, payload))
+
+
+def resolve_transfer_mode(config: TransferConfig | None = None, *, probe: ProbeResult | None = None) -> str:
+    """``gpu_direct`` or ``staged``: the configured mode, or for ``auto`` the probe's choice
+    (``staged`` when nothing was probed)."""
+    config = config or TransferConfig()
+    if config.mode != "auto":
+        return config.mode
+    return probe.mode if probe is not None else "staged"
+
+
+async def probe_transfer_mode(client, *, device: torch.device | str | None = None, config: TransferConfig | None = None,
+                              rollout_id: str = "r3probe") -> ProbeResult:
+    """Push the same bytes both ways to ``client`` (a connected TransportClient) and pick the faster.
+
+    Point ``client`` at a sink that discards (a UcxxServer whose handler returns at once) or at
+    a store node that accepts the probe rollout ``rollout_id``; each push is a fresh request id.
+    Times whole pushes, acks included: what the pipeline would pay per batch.
+    """
+    config = config or TransferConfig()
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    layers, k = 48, 8
+    rows = max(1, config.probe_bytes // (layers * k))
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, 128, (rows, layers, k), generator=gen, device=device).to(torch.uint8)
+    counter = iter(range(1 << 30))
+    nonce = f"{os.getpid()}.{time.monotonic_ns()}"
+
+    async def once(mode: str) -> float:
+        item = DeviceRows(rollout_id, f"probe.{nonce}.{next(counter)}", ids, tuple(range(layers)), 128)
+        t0 = time.perf_counter()
+        await push_device_rows(client, [item], mode)
+        return time.perf_counter() - t0
+
+    for mode in ("gpu_direct", "staged"):  # warm-up: registration caches, pinned blocks
+        await once(mode)
+    times: dict[str, list[float]] = {"gpu_direct": [], "staged": []}
+    for _ in range(config.probe_rounds):  # interleaved, so drift hits both alike
+        for mode in times:
+            times[mode].append(await once(mode))
+    nbytes = ids.numel()
+    gbps = {m: nbytes / statistics.median(t) / 1e9 for m, t in times.items()}
+    mode = "gpu_direct" if gbps["gpu_direct"] >= config.min_gain * gbps["staged"] else "staged"
+    return ProbeResult(mode, gbps["gpu_direct"], gbps["staged"], nbytes, config.probe_rounds)
