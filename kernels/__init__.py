@@ -4,7 +4,7 @@ a request's rows.
 ``reference`` holds the torch implementations that define the semantics; ``triton_kernels``
 holds custom CUDA kernels with the same semantics. The functions exported here dispatch: a
 custom kernel runs only for CUDA tensors, only when triton is importable, and only for the
-operations where it measured faster than the reference (``CUSTOM_WINS``, from
+operations and regimes where it measured faster than the reference (``CUSTOM_WINS_*``, from
 ``r3rdma bench kernels`` on an H100; numbers in BENCHMARKS.md). Everything else, and every
 CPU tensor, runs the reference.
 
@@ -14,6 +14,7 @@ table), ``torch`` (reference everywhere), ``triton`` (custom kernels for every C
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from types import ModuleType
@@ -26,8 +27,10 @@ from . import reference
 from .reference import table_dtype
 
 __all__ = [
-    "CUSTOM_WINS",
+    "CUSTOM_WINS_EAGER",
+    "CUSTOM_WINS_GRAPHED",
     "gather_rows",
+    "graph_regime",
     "kernel_backend",
     "record_layer",
     "set_kernel_backend",
@@ -35,15 +38,21 @@ __all__ = [
     "write_step_rows",
 ]
 
-#: Operations for which the custom kernel beat the torch reference on the GPU (``auto`` mode).
-#: See :mod:`r3rdma.bench.kernel_bench` and BENCHMARKS.md for the measurements behind it.
-CUSTOM_WINS: dict[str, bool] = {
-    "record_layer": False,
-    "write_step_rows": False,
-    "gather_rows": False,
-}
+#: Where the custom kernel beat the torch reference (``auto`` mode), measured by
+#: ``r3rdma bench kernels`` on an H100 (BENCHMARKS.md). Two regimes:
+#:
+#: - inside a CUDA graph (``torch.cuda.is_current_stream_capturing()``) launch cost is gone and
+#:   device time decides: the Triton kernels took 1.2-2.5x less device time for
+#:   ``record_layer``, 1.7-4.7x for ``write_step_rows``, 1.2-4x for ``gather_rows``;
+#: - launched eagerly from Python, Triton's launcher costs ~34 us of CPU per call against
+#:   ~10-15 us for one torch op, so the reference wins, except ``record_layer`` with an EPLB
+#:   ``expert_map`` (three torch ops, 45 us, against one Triton kernel, 34 us).
+CUSTOM_WINS_GRAPHED: dict[str, bool] = {"record_layer": True, "write_step_rows": True, "gather_rows": True}
+CUSTOM_WINS_EAGER: dict[str, bool] = {"record_layer_expert_map": True, "record_layer": False,
+                                      "write_step_rows": False, "gather_rows": False}
 
 _BACKENDS = ("auto", "torch", "triton")
+_graph_regime = 0  # > 0 inside graph_regime(): choose as if capturing a CUDA graph
 _backend: str | None = None  # None: read R3_KERNELS on first use
 _triton: ModuleType | None | bool = None  # False: tried and unavailable
 
@@ -66,6 +75,18 @@ def kernel_backend() -> str:
     return env
 
 
+@contextlib.contextmanager
+def graph_regime():
+    """Choose kernels as for a CUDA graph inside this block, also in the eager warm-up forwards
+    before the capture, so that the kernels the graph will hold are compiled before it."""
+    global _graph_regime
+    _graph_regime += 1
+    try:
+        yield
+    finally:
+        _graph_regime -= 1
+
+
 def _custom_module() -> ModuleType | None:
     global _triton
     if _triton is None:
@@ -80,8 +101,13 @@ def _impl(op: str, tensor: torch.Tensor) -> ModuleType:
     if tensor.device.type != "cuda":
         return reference
     backend = kernel_backend()
-    if backend == "torch" or (backend == "auto" and not CUSTOM_WINS.get(op, False)):
+    if backend == "torch":
         return reference
+    if backend == "auto":
+        graphed = _graph_regime > 0 or torch.cuda.is_current_stream_capturing()
+        wins = CUSTOM_WINS_GRAPHED if graphed else CUSTOM_WINS_EAGER
+        if not wins.get(op, False):
+            return reference
     return _custom_module() or reference
 
 
@@ -93,7 +119,8 @@ def record_layer(
     expert_map: torch.Tensor | None = None,
 ) -> None:
     """``buf[t, layer] = expert_map[topk_ids[rows[t]]]``, narrowed (see :func:`reference.record_layer`)."""
-    _impl("record_layer", buf_TLK).record_layer(buf_TLK, layer, topk_ids_TK, rows_T, expert_map)
+    op = "record_layer_expert_map" if expert_map is not None else "record_layer"
+    _impl(op, buf_TLK).record_layer(buf_TLK, layer, topk_ids_TK, rows_T, expert_map)
 
 
 def write_step_rows(

@@ -31,6 +31,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import contextlib
+import queue
+import threading
 import zlib
 from typing import Iterator
 
@@ -39,7 +41,7 @@ import torch
 
 from .errors import CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
 from .ids import validate_id
-from .kernels import gather_rows, table_dtype, write_step_rows
+from .kernels import gather_rows, graph_regime, record_layer, table_dtype, write_step_rows
 from .records import RequestRecord, routing_dtype
 
 __all__ = ["RoutingCapturer", "RoutingSink", "num_routing_rows"]
@@ -89,7 +91,15 @@ class RoutingCapturer:
         sink: receives each finished request's :class:`RequestRecord`; None keeps them for the
             caller (``finish_request`` returns the record either way).
         rollout_id: rollout of finished requests unless ``finish_request`` names one.
-        device: where the slot table and step buffer live.
+        device: where the slot table and step buffer live. On a CUDA device the whole step
+            path is kernels on the current stream, with no host synchronisation: slot indices
+            travel host -> device through pinned staging memory, ``record`` is one kernel per
+            layer (:mod:`r3rdma.kernels`), and ``end_step`` one scatter. A step can also be
+            captured in a CUDA graph (:meth:`graph_capture`, ``begin_step(graphed=True)``).
+            On CUDA with a sink, ``finish_request`` gathers on the GPU, starts an asynchronous
+            copy into pinned host memory and returns None at once; a finisher thread hands the
+            record to the sink when the copy has landed (:meth:`flush` waits for that).
+        pin_memory: a CPU slot table in pinned host memory.
         tp_group: a tensor-parallel process group whose ranks split each step's MoE tokens
             (sequence-parallel MoE): rank ``r`` of ``P`` routes tokens ``[r*c, min((r+1)*c, T))``
             with ``c = ceil(T/P)``, and ``end_step`` all-gathers the step's rows of all layers in
@@ -139,6 +149,10 @@ class RoutingCapturer:
         else:
             self.table_SLK = torch.zeros(shape, dtype=dtype, device=self.device)
         self._step_buf = torch.zeros((0, len(self.layer_map), self.top_k), dtype=dtype, device=self.device)
+        self._cuda = self.device.type == "cuda"
+        self._rows_buf = torch.zeros(0, dtype=torch.int64, device=self.device)  # graphed router_rows
+        self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
+        self._finisher: _Finisher | None = None
         self._slot_gen = np.zeros(self.num_slots, dtype=np.int64)  # writes so far, per slot
         self._requests: dict[str, _RequestState] = {}
         self._step: _Step | None = None
@@ -210,6 +224,7 @@ class RoutingCapturer:
         slots_T: Sequence[int] | np.ndarray | torch.Tensor,
         *,
         router_rows: torch.Tensor | None = None,
+        graphed: bool = False,
     ) -> None:
         """Announce the tokens of the next forward, request by request.
 
@@ -220,6 +235,10 @@ class RoutingCapturer:
 
         ``router_rows`` (on the device, optional) maps token t to the row of the router's
         input that computed it, when the router also sees padding; default: row t.
+
+        ``graphed``: this step's forward is the replay of a CUDA graph captured inside
+        :meth:`graph_capture` with the same number of tokens; the replay itself writes the
+        routing, so ``record`` is not called, and ``end_step`` follows the replay as usual.
         """
         if self._step is not None:
             raise CaptureStateError("begin_step called twice without end_step")
@@ -239,6 +258,22 @@ class RoutingCapturer:
             raise ShapeMismatchError("a slot appears twice in one step: each token writes its own KV slot")
         if router_rows is not None and tuple(router_rows.shape) != (total,):
             raise ShapeMismatchError(f"router_rows must have shape ({total},), got {tuple(router_rows.shape)}")
+        if graphed:
+            captured = self._graph_tokens.get(total)
+            if captured is None:
+                raise CaptureStateError(f"begin_step(graphed=True) with {total} tokens, but graph_capture() was used for "
+                                        f"{sorted(self._graph_tokens)} tokens only")
+            if captured != self._graph_key(total, router_rows is not None):
+                raise CaptureStateError("begin_step(graphed=True): the step buffers moved or router_rows use differs since "
+                                        "graph_capture(); capture the graph again")
+        step = self._open_step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, graphed)
+        if graphed:
+            step.recorded = [True] * self.num_layers  # the replay writes every layer
+            step.covered = [step.local] * self.num_layers
+        self._step = step
+
+    def _open_step(self, request_ids, starts, counts, slots, router_rows, graphed: bool) -> "_Step":
+        total = int(slots.shape[0])
         chunk = -(-total // self._tp_size)  # tokens per TP rank (the last may have fewer)
         need = chunk * self._tp_size
         if self._step_buf.shape[0] < need:
@@ -247,14 +282,58 @@ class RoutingCapturer:
                 dtype=self._step_buf.dtype,
                 device=self.device,
             )
-        step = _Step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, self.num_layers)
+        step = _Step(request_ids, starts, counts, slots, router_rows, self.num_layers)
         # This rank's share of the step's tokens: all of them without TP.
         step.chunk = chunk
         step.base = self._tp_rank * chunk
         step.local = max(0, min(chunk, total - step.base))
         if router_rows is not None and self._tp_size > 1:
             step.router_rows = router_rows[step.base : step.base + step.local]
+        if router_rows is not None and graphed:
+            # A graph reads router rows from a fixed address: copy them there (device to device).
+            if self._rows_buf.shape[0] < step.local:
+                self._rows_buf = torch.zeros(max(step.local, 2 * self._rows_buf.shape[0]), dtype=torch.int64, device=self.device)
+            rows_view = self._rows_buf[: step.local]
+            if step.router_rows is not None:
+                rows_view.copy_(step.router_rows, non_blocking=True)
+            step.router_rows = rows_view
+        return step
+
+    def _graph_key(self, total: int, with_rows: bool) -> tuple[int, int, bool]:
+        return (self._step_buf.data_ptr(), self._rows_buf.data_ptr() if with_rows else 0, with_rows)
+
+    @contextlib.contextmanager
+    def graph_capture(self, num_tokens: int, *, router_rows: bool = False) -> Iterator[None]:
+        """Open a placeholder step of ``num_tokens`` tokens for capturing a forward in a CUDA graph.
+
+        Use it around ``torch.cuda.graph(...)`` (and the warm-up forwards before it): the
+        routers' hooks call ``record`` as usual and their kernels, which write the step buffer
+        at fixed addresses, become part of the graph; nothing is written to the slot table
+        and no request state changes. Then, for each replay::
+
+            capturer.begin_step(ids, starts, counts, slots, graphed=True)   # same token count
+            graph.replay()
+            capturer.end_step()
+
+        ``router_rows=True`` when the steps will pass ``router_rows`` (a fixed device buffer
+        holds them; ``begin_step`` copies each step's rows into it).
+        """
+        if self._step is not None:
+            raise CaptureStateError("graph_capture() inside an open step")
+        if num_tokens < 1:
+            raise ShapeMismatchError(f"graph_capture needs num_tokens >= 1, got {num_tokens}")
+        slots = np.zeros(num_tokens, dtype=np.int64)
+        rows = None
+        if router_rows:
+            rows = torch.arange(num_tokens, device=self.device)
+        step = self._open_step([], np.zeros(0, np.int64), np.zeros(0, np.int64), slots, rows, graphed=router_rows)
         self._step = step
+        try:
+            with graph_regime():
+                yield
+        finally:
+            self._step = None
+        self._graph_tokens[num_tokens] = self._graph_key(num_tokens, router_rows)
 
     def record(self, layer_idx: int, topk_ids_TK: torch.Tensor, *, token_offset: int | None = None) -> None:
         """Record one MoE layer's top-k ids for the current step (called from the router).
@@ -286,13 +365,12 @@ class RoutingCapturer:
                     f"layer {layer_idx}: chunk of {n} rows at token_offset {token_offset}, but {done} of the "
                     f"{total} tokens this rank routes were recorded so far (chunks must be in order and cover them once)"
                 )
-            rows = self._to_logical(topk_ids_TK)
-            self._step_buf[base + done : base + done + n, moe].copy_(rows, non_blocking=True)
+            record_layer(self._step_buf[base + done : base + done + n], moe, topk_ids_TK, None, self._expert_map)
             step.covered[moe] = done + n
             step.recorded[moe] = step.covered[moe] == total
             return
-        rows = topk_ids_TK if step.router_rows is None else topk_ids_TK.index_select(0, step.router_rows)
-        if rows.shape[0] != total:
+        n_rows = topk_ids_TK.shape[0] if step.router_rows is None else step.router_rows.shape[0]
+        if n_rows != total:
             raise ShapeMismatchError(
                 f"layer {layer_idx}: the step announced {total} tokens{'' if self._tp_size == 1 else ' for this TP rank'} "
                 f"but the router produced {topk_ids_TK.shape[0]} rows"
@@ -302,13 +380,20 @@ class RoutingCapturer:
             raise CaptureStateError(f"layer {layer_idx} recorded twice in one step (chunked MoE? pass token_offset)")
         step.recorded[moe] = True
         step.covered[moe] = total
-        self._step_buf[base : base + total, moe].copy_(self._to_logical(rows), non_blocking=True)
+        # One kernel: select the router rows, map EPLB replicas to logical ids, narrow, store.
+        record_layer(self._step_buf[base : base + total], moe, topk_ids_TK, step.router_rows, self._expert_map)
 
-    def _to_logical(self, ids: torch.Tensor) -> torch.Tensor:
-        # EPLB: physical replica ids -> logical expert ids, on the device (no host sync).
-        if self._expert_map is None:
-            return ids
-        return torch.take(self._expert_map, ids.to(torch.int64))
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """Host int64 indices on the table's device without a host sync.
+
+        Through pinned memory from torch's caching host allocator: it reuses a staging block
+        only once the copy recorded on it has completed, so the next step cannot overwrite
+        indices still in flight (the race of a shared pinned buffer, vLLM #39568).
+        """
+        host = torch.from_numpy(values)
+        if not self._cuda:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def end_step(self, accepted_T: Sequence[bool] | np.ndarray | None = None) -> None:
         """Commit the step's rows to the slot table.
@@ -339,11 +424,12 @@ class RoutingCapturer:
         if token_idx.size == 0:
             return
         slots = step.slots[token_idx]
-        slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
         rows = self._step_buf[: step.total]
-        if keep is not None:
-            rows = rows.index_select(0, torch.from_numpy(token_idx).to(self.device, non_blocking=True))
-        write_step_rows(self.table_SLK, slots_dev, rows)
+        if keep is None:
+            write_step_rows(self.table_SLK, self._to_device(slots), rows)
+        else:  # one transfer for both index arrays
+            both = self._to_device(np.concatenate([slots, token_idx]))
+            write_step_rows(self.table_SLK, both[: slots.size], rows, both[slots.size :])
         self._slot_gen[slots] += 1
         self._slot_valid[slots] = True
         gens = self._slot_gen[slots]
@@ -378,7 +464,9 @@ class RoutingCapturer:
         c = step.chunk
         out = self._step_buf[: c * self._tp_size].view(torch.uint8)
         mine = self._step_buf[step.base : step.base + c].view(torch.uint8)
-        dist.all_gather_into_tensor(out, mine, group=self._tp_group)
+        # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics).
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(out, mine, group=self._tp_group)
         self.collectives += 1
 
     def pushes(self, request_id: str) -> bool:
@@ -475,23 +563,48 @@ class RoutingCapturer:
         if not self.pushes(request_id):
             self.requests_finished += 1
             return None  # another rank of the TP group pushes it (see tp_group)
-        ids = gather_rows(self.table_SLK, torch.from_numpy(slots).to(self.device)).cpu().numpy()
-        if self.storage_dtype == np.uint16:
-            ids = ids.view(np.uint16)
-        record = RequestRecord(
-            rollout_id=rollout_id or self.rollout_id,
-            request_id=store_as or request_id,
-            ids_TLK=ids,
-            layer_map=self.layer_map,
-            num_experts=self.num_experts,
-            start_row=start_row,
-            final=final,
-            total_rows=total_rows,
-        )
+        meta = dict(rollout_id=rollout_id or self.rollout_id, request_id=store_as or request_id, layer_map=self.layer_map,
+                    num_experts=self.num_experts, start_row=start_row, final=final, total_rows=total_rows)
         self.requests_finished += 1
+        if self._cuda and self.sink is not None:
+            from .transfer import stage_to_host
+
+            self._raise_finisher_error()
+            # Gather on the GPU, copy to pinned host memory asynchronously, and let the
+            # finisher thread wait for the copy and hand the record over: no sync here.
+            staged = stage_to_host(gather_rows(self.table_SLK, self._to_device(slots)))
+            if self._finisher is None:
+                self._finisher = _Finisher(self.sink, self.storage_dtype)
+            self._finisher.put(staged, meta)
+            return None
+        ids = gather_rows(self.table_SLK, self._to_device(slots)).cpu().numpy()
+        record = _make_record(ids, self.storage_dtype, meta)
         if self.sink is not None:
             self.sink.submit(record)
         return record
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every finished request was handed to the sink (CUDA: its copy landed).
+
+        Raises the first error the finisher thread met (from the sink, or building a record).
+        """
+        if self._finisher is not None:
+            self._finisher.flush(timeout)
+        self._raise_finisher_error()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, then stop the finisher thread (if one was started)."""
+        try:
+            self.flush(timeout)
+        finally:
+            if self._finisher is not None:
+                self._finisher.stop()
+                self._finisher = None
+
+    def _raise_finisher_error(self) -> None:
+        if self._finisher is not None and self._finisher.error is not None:
+            error, self._finisher.error = self._finisher.error, None
+            raise error
 
     def abort_request(self, request_id: str) -> None:
         """Forget an aborted request; nothing is stored. Safe to call for unknown ids."""
@@ -554,8 +667,8 @@ class RoutingCapturer:
         if copied.size:
             if np.unique(dst[copied]).size != copied.size:
                 raise ShapeMismatchError("fork_request: a copy-on-write slot appears twice")
-            rows = gather_rows(self.table_SLK, torch.from_numpy(src[copied]).to(self.device))
-            write_step_rows(self.table_SLK, torch.from_numpy(dst[copied]).to(self.device), rows)
+            rows = gather_rows(self.table_SLK, self._to_device(src[copied]))
+            write_step_rows(self.table_SLK, self._to_device(dst[copied]), rows)
             self._slot_gen[dst[copied]] += 1
             self._slot_valid[dst[copied]] = True
             child.gens[copied] = self._slot_gen[dst[copied]]
@@ -609,6 +722,62 @@ class _Step:
         self.total = int(slots.shape[0])
         self.recorded = [False] * num_layers
         self.covered = [0] * num_layers  # tokens recorded so far per layer (chunked MoE)
+
+
+def _make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:
+    if storage_dtype == np.uint16:
+        ids = ids.view(np.uint16)  # the table holds uint16 bit patterns as int16
+    return RequestRecord(ids_TLK=ids, **meta)
+
+
+class _Finisher:
+    """A thread that waits for finished requests' D2H copies and hands the records to the sink.
+
+    Started on the first CUDA finish (never at import or construction). The engine thread
+    only enqueues; the wait on the copy's event, the CRC of the record and the sink's
+    back-pressure all happen here.
+    """
+
+    def __init__(self, sink: RoutingSink, storage_dtype: np.dtype) -> None:
+        self.sink = sink
+        self.storage_dtype = storage_dtype
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="r3rdma-finish", daemon=True)
+        self._thread.start()
+
+    def put(self, staged, meta: dict) -> None:
+        self._queue.put((staged, meta))
+
+    def flush(self, timeout: float | None = None) -> None:
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout):
+            from .errors import R3TimeoutError
+
+            raise R3TimeoutError(f"finished requests not handed to the sink within {timeout} s")
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            staged, meta = item
+            try:
+                # The pinned block returns to torch's pool when `staged` is dropped; the
+                # record owns a copy-free numpy view of it until then, so keep the view.
+                record = _make_record(staged.wait(), self.storage_dtype, meta)
+                self.sink.submit(record)
+            except BaseException as e:  # raised to the engine at its next finish / flush
+                if self.error is None:
+                    self.error = e
 
 
 def _host_int64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -12,7 +13,7 @@ import zarr
 import zarr.errors
 from zarr.storage import LocalStore
 
-from .errors import CorruptDataError, UnknownRequestError, UnknownRolloutError
+from .errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
 from .ids import validate_id
 from .records import checksum
 from .zarr_layout import INDEX_KEY
@@ -61,83 +62,127 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 
 
 class RoutingReader:
-    """Reads committed requests of a store root.
+    """Reads committed requests from one or more store roots.
 
-    ``source`` is a local directory or any zarr ``StoreLike`` (e.g. an ``FsspecStore`` over
-    HTTP). Each returned segment is verified against the CRC-32C in the index unless
-    ``verify=False``.
+    ``sources`` is one source or a list: a local directory, an ``http(s)://host:port`` URL
+    of a store node (its ``/zarr/`` tree is read with zarr's fsspec store; ``token`` is sent
+    as a bearer header), or any zarr ``StoreLike``. With several sources (the store nodes a
+    rollout's requests were spread over) their indexes are merged; a request found on two
+    nodes (re-pushed after a failover) must have the same checksum on both. Reads run in
+    parallel over nodes and arrays (``max_workers``). Each returned segment is verified
+    against the CRC-32C in the index unless ``verify=False``.
     """
 
-    def __init__(self, source: str | os.PathLike[str] | Any, *, verify: bool = True) -> None:
-        if isinstance(source, (str, os.PathLike)):
-            source = LocalStore(os.fspath(source), read_only=True)
-        self._store = source
+    def __init__(
+        self,
+        sources: str | os.PathLike[str] | Any | Sequence[Any],
+        *,
+        token: str | None = None,
+        verify: bool = True,
+        max_workers: int = 8,
+    ) -> None:
+        if isinstance(sources, (list, tuple)):
+            items = list(sources)
+        else:
+            items = [sources]
+        if not items:
+            raise ConfigError("RoutingReader needs at least one source")
+        self._sources = [_Source.of(item, token) for item in items]
         self._verify = verify
-        self._indexes: dict[str, dict[str, Any]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
+        self._indexes: dict[str, _MergedIndex] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "RoutingReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def info(self, rollout_id: str) -> RolloutInfo:
-        index = self._index(rollout_id, refresh=True)
-        requests = index["requests"]
+        merged = self._index(rollout_id, refresh=True)
+        geometry = merged.geometry
         return RolloutInfo(
             rollout_id=rollout_id,
-            num_layers=index["num_layers"],
-            top_k=index["top_k"],
-            num_experts=index["num_experts"],
-            dtype=index["dtype"],
-            layer_map=tuple(index["layer_map"]),
-            request_ids=tuple(requests),
-            total_rows=sum(r["rows"] for r in requests.values()),
+            num_layers=geometry["num_layers"],
+            top_k=geometry["top_k"],
+            num_experts=geometry["num_experts"],
+            dtype=geometry["dtype"],
+            layer_map=tuple(geometry["layer_map"]),
+            request_ids=tuple(merged.requests),
+            total_rows=sum(entry["rows"] for _, entry in merged.requests.values()),
         )
+
+    def stored_bytes(self, rollout_id: str) -> dict[str, int]:
+        """Bytes each source stores for the rollout (index and arrays), keyed by source name."""
+        merged = self._index(rollout_id, refresh=True)
+        out = {}
+        for i, source in enumerate(self._sources):
+            index = merged.per_source.get(i)
+            out[source.name] = 0 if index is None else source.stored_bytes(rollout_id, index["arrays"])
+        return out
 
     def get_numpy(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, np.ndarray]:
         """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id."""
-        request_ids = list(request_ids)
+        request_ids = list(dict.fromkeys(request_ids))
         for rid in request_ids:
             validate_id(rid, "request_id")
-        index = self._index(rollout_id)
-        if any(rid not in index["requests"] for rid in request_ids):
-            index = self._index(rollout_id, refresh=True)  # committed since we last looked?
-        missing = [rid for rid in request_ids if rid not in index["requests"]]
+        merged = self._index(rollout_id)
+        if any(rid not in merged.requests for rid in request_ids):
+            merged = self._index(rollout_id, refresh=True)  # committed since we last looked?
+        missing = [rid for rid in request_ids if rid not in merged.requests]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            pending = [rid for rid in missing if rid in index.get("pending", {})]
+            pending = [rid for rid in missing if rid in merged.pending]
             note = (
                 f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
                 if pending
                 else ""
             )
             raise UnknownRequestError(
-                f"rollout {rollout_id!r} has no committed request {shown} ({len(index['requests'])} requests committed){note}"
+                f"rollout {rollout_id!r} has no committed request {shown} ({len(merged.requests)} requests committed){note}"
             )
-        # Read each array once over the span its wanted segments cover when that span is dense,
-        # so a batch of requests costs a few ranged reads instead of one per request.
-        wanted: dict[str, list[tuple[str, int, dict[str, Any]]]] = {}
-        for rid in dict.fromkeys(request_ids):
-            for seg_no, seg in enumerate(index["requests"][rid]["segments"]):
-                wanted.setdefault(seg["array"], []).append((rid, seg_no, seg))
-        parts: dict[tuple[str, int], np.ndarray] = {}
-        for name, segs in wanted.items():
-            array = self._open_array(rollout_id, name)
+        # Group the wanted segments by (source, array): each array is read once, over the span
+        # its segments cover when that span is dense, and arrays are read in parallel.
+        wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
+        for rid in request_ids:
+            src, entry = merged.requests[rid]
+            for seg_no, seg in enumerate(entry["segments"]):
+                wanted.setdefault((src, seg["array"]), []).append((rid, seg_no, seg))
+
+        def read_array(key: tuple[int, str]) -> dict[tuple[str, int], np.ndarray]:
+            src, name = key
+            segs = wanted[key]
+            source = self._sources[src]
             lo = min(s["offset"] for _, _, s in segs)
             hi = max(s["offset"] + s["rows"] for _, _, s in segs)
+            parts = {}
             if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                span = _read(array, lo, hi, rollout_id, name)
+                span = source.read_rows(rollout_id, name, lo, hi)
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
             else:
                 for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = _read(array, seg["offset"], seg["offset"] + seg["rows"], rollout_id, name)
+                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"])
+            return parts
+
+        parts: dict[tuple[str, int], np.ndarray] = {}
+        for result in self._pool.map(read_array, list(wanted)):
+            parts.update(result)
         out: dict[str, np.ndarray] = {}
-        for rid in dict.fromkeys(request_ids):
-            segments = index["requests"][rid]["segments"]
+        for rid in request_ids:
+            src, entry = merged.requests[rid]
+            segments = entry["segments"]
             pieces = [parts[(rid, n)] for n in range(len(segments))]
             if self._verify:
                 for seg, piece in zip(segments, pieces):
                     if checksum(piece) != seg["crc32c"]:
                         raise CorruptDataError(
-                            f"request {rid!r} of rollout {rollout_id!r}, array {seg['array']} rows "
-                            f"{seg['offset']}..{seg['offset'] + seg['rows'] - 1}: crc32c {checksum(piece):#010x}, "
-                            f"index says {seg['crc32c']:#010x}"
+                            f"request {rid!r} of rollout {rollout_id!r} on {self._sources[src].name}, array "
+                            f"{seg['array']} rows {seg['offset']}..{seg['offset'] + seg['rows'] - 1}: "
+                            f"crc32c {checksum(piece):#010x}, index says {seg['crc32c']:#010x}"
                         )
             out[rid] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return out
@@ -149,7 +194,8 @@ class RoutingReader:
     def get_packed(self, rollout_id: str, request_ids: Sequence[str]) -> PackedRouting:
         """Requests concatenated along tokens in the given order, with ``cu_seqlens``."""
         arrays = self.get_numpy(rollout_id, request_ids)
-        index = self._index(rollout_id)
+        merged = self._index(rollout_id)
+        geometry = merged.geometry
         ordered = [arrays[rid] for rid in request_ids]
         lengths = [a.shape[0] for a in ordered]
         cu = np.zeros(len(ordered) + 1, dtype=np.int64)
@@ -159,40 +205,145 @@ class RoutingReader:
         if ordered:
             packed = np.concatenate(ordered)
         else:
-            packed = np.zeros((0, index["num_layers"], index["top_k"]), dtype=index["dtype"])
+            packed = np.zeros((0, geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
         return PackedRouting(
             request_ids=tuple(request_ids),
             ids_TLK=to_torch(packed),
             cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            start_rows=tuple(index["requests"][rid]["start_row"] for rid in request_ids),
-            layer_map=tuple(index["layer_map"]),
-            num_experts=index["num_experts"],
+            start_rows=tuple(merged.requests[rid][1]["start_row"] for rid in request_ids),
+            layer_map=tuple(geometry["layer_map"]),
+            num_experts=geometry["num_experts"],
         )
 
     # -- internals --------------------------------------------------------------------------
 
-    def _index(self, rollout_id: str, *, refresh: bool = False) -> dict[str, Any]:
+    def _index(self, rollout_id: str, *, refresh: bool = False) -> "_MergedIndex":
         validate_id(rollout_id, "rollout_id")
         if refresh or rollout_id not in self._indexes:
-            try:
-                group = zarr.open_group(self._store, path=rollout_id, mode="r")
-                index = group.attrs.asdict().get(INDEX_KEY)
-            except (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as e:
-                raise UnknownRolloutError(f"rollout {rollout_id!r} not found in {self._store}") from e
-            if not index or "requests" not in index:
-                raise UnknownRolloutError(f"{rollout_id!r} in {self._store} is not an r3rdma rollout (no index)")
-            self._indexes[rollout_id] = index
+            results = list(self._pool.map(lambda s: s.index(rollout_id), self._sources))
+            self._indexes[rollout_id] = _MergedIndex.merge(rollout_id, self._sources, results)
         return self._indexes[rollout_id]
+
+
+@dataclass
+class _MergedIndex:
+    geometry: dict[str, Any]
+    requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (source number, entry)
+    pending: set[str]
+    per_source: dict[int, dict[str, Any]]
+
+    @classmethod
+    def merge(cls, rollout_id: str, sources: list["_Source"], indexes: list[dict[str, Any] | None]) -> "_MergedIndex":
+        present = {i: index for i, index in enumerate(indexes) if index is not None}
+        if not present:
+            where = sources[0].name if len(sources) == 1 else f"any of {len(sources)} sources"
+            raise UnknownRolloutError(f"rollout {rollout_id!r} not found in {where}")
+        geometry: dict[str, Any] | None = None
+        requests: dict[str, tuple[int, dict[str, Any]]] = {}
+        pending: set[str] = set()
+        for i, index in present.items():
+            mine = {k: index.get(k) for k in ("num_layers", "top_k", "num_experts", "dtype", "layer_map")}
+            if geometry is None:
+                geometry, first = mine, i
+            elif mine != geometry:
+                raise CorruptDataError(
+                    f"rollout {rollout_id!r}: {sources[first].name} stores {geometry}, {sources[i].name} stores {mine}"
+                )
+            for rid, entry in index["requests"].items():
+                prior = requests.get(rid)
+                if prior is None:
+                    requests[rid] = (i, entry)
+                elif [s["crc32c"] for s in prior[1]["segments"]] != [s["crc32c"] for s in entry["segments"]]:
+                    raise CorruptDataError(
+                        f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
+                        f"{sources[prior[0]].name} and {sources[i].name}"
+                    )
+            pending.update(index.get("pending", {}))
+        return cls(geometry, requests, pending - set(requests), present)
+
+
+class _Source:
+    """One store root: a zarr store plus how to name it in messages."""
+
+    def __init__(self, name: str, store: Any, remote: bool) -> None:
+        self.name = name
+        self.store = store
+        self.remote = remote
+
+    @classmethod
+    def of(cls, item: Any, token: str | None) -> "_Source":
+        if isinstance(item, str) and item.startswith(("http://", "https://")):
+            from zarr.storage import FsspecStore
+
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            store = FsspecStore.from_url(item.rstrip("/") + "/zarr", storage_options={"headers": headers}, read_only=True)
+            return cls(item, store, remote=True)
+        if isinstance(item, (str, os.PathLike)):
+            return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
+        return cls(str(item), item, remote=not isinstance(item, LocalStore))
+
+    def index(self, rollout_id: str) -> dict[str, Any] | None:
+        """The rollout's index here, or None when this root has no such rollout."""
+        try:
+            group = zarr.open_group(self.store, path=rollout_id, mode="r", zarr_format=3)
+            index = group.attrs.asdict().get(INDEX_KEY)
+        except (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
+            return None
+        except Exception as e:  # HTTP 401/5xx, garbled JSON: not "absent", say what happened
+            raise CorruptDataError(f"cannot read the index of rollout {rollout_id!r} from {self.name}: {e}") from e
+        if not index or "requests" not in index:
+            return None
+        return index
+
+    def read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
+        array = self._open_array(rollout_id, name)
+        if self.remote and (hi - lo) * 2 >= array.shape[0]:
+            # Most of the array is wanted: fetch its shard files whole (one GET each) instead of
+            # a ranged GET per inner chunk, then decode from memory.
+            array = self._fetch_whole(rollout_id, name, array)
+        try:
+            return array[lo:hi]
+        except Exception as e:  # zarr reports a chunk checksum mismatch as ValueError
+            raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} rows {lo}..{hi - 1} cannot be read: {e}") from e
+
+    def stored_bytes(self, rollout_id: str, arrays: list[str]) -> int:
+        from zarr.core.sync import sync
+
+        total = sync(self.store.getsize(f"{rollout_id}/zarr.json"))
+        for name in arrays:
+            array = self._open_array(rollout_id, name)
+            for key in ["zarr.json", *_shard_keys(array)]:
+                total += sync(self.store.getsize(f"{rollout_id}/{name}/{key}"))
+        return int(total)
 
     def _open_array(self, rollout_id: str, name: str) -> zarr.Array:
         try:
-            return zarr.open_array(self._store, path=f"{rollout_id}/{name}", mode="r")
+            return zarr.open_array(self.store, path=f"{rollout_id}/{name}", mode="r", zarr_format=3)
         except Exception as e:  # zarr raises several types for missing/garbled metadata
-            raise CorruptDataError(f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened: {e}") from e
+            raise CorruptDataError(f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened from {self.name}: {e}") from e
+
+    def _fetch_whole(self, rollout_id: str, name: str, array: zarr.Array) -> zarr.Array:
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+        from zarr.storage import MemoryStore
+
+        prefix = f"{rollout_id}/{name}/"
+        keys = ["zarr.json", *_shard_keys(array)]
+
+        async def fetch_all():
+            import asyncio
+
+            return await asyncio.gather(*(self.store.get(prefix + k, prototype=default_buffer_prototype()) for k in keys))
+
+        buffers = sync(fetch_all())
+        memory = MemoryStore({k: b for k, b in zip(keys, buffers) if b is not None}, read_only=True)
+        return zarr.open_array(memory, mode="r", zarr_format=3)
 
 
-def _read(array: zarr.Array, lo: int, hi: int, rollout_id: str, name: str) -> np.ndarray:
-    try:
-        return array[lo:hi]
-    except Exception as e:  # zarr reports a chunk checksum mismatch as ValueError, decode errors otherwise
-        raise CorruptDataError(f"rollout {rollout_id!r} array {name} rows {lo}..{hi - 1} cannot be read: {e}") from e
+def _shard_keys(array: zarr.Array) -> list[str]:
+    """Storage keys of every shard (or chunk, when unsharded) of ``array``."""
+    import itertools
+
+    outer = array.shards or array.chunks
+    grid = [-(-n // c) for n, c in zip(array.shape, outer)]
+    return [array.metadata.encode_chunk_key(coords) for coords in itertools.product(*(range(g) for g in grid))]

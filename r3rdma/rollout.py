@@ -83,6 +83,7 @@ def main(args) -> int:
         outputs = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=args.batch_size,
                                   eos_token_id=7, seed=args.seed + dp_rank, step_listeners=listeners).run(requests)
         detach()
+        capturer.close()  # on CUDA, finished requests reach the writer once their D2H copy landed
         writer.flush()
         pushed = writer.requests_committed
     client.close()
