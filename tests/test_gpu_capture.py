@@ -164,13 +164,15 @@ def test_cuda_graph_capture_and_replay_records_the_right_routing():
 
     args = _tiny_loop_args()
     model, config = _build(args, torch.device("cuda"))
-    model = model.float()
+    # bf16: transformers' grouped_mm experts (graph-capturable) need it; fp32 falls back to a host loop.
     loop = _Loop(model, config, args, torch.device("cuda"))
     layer_map = [r.layer_idx for r in find_moe_routers(model)]
 
+    sink = ListSink()
+
     def capturer():
         return RoutingCapturer(layer_map=layer_map, top_k=args.top_k, num_experts=args.experts,
-                               num_slots=args.batch * loop.max_len, device="cuda")
+                               num_slots=args.batch * loop.max_len, device="cuda", sink=sink)
 
     graphed, eager = capturer(), capturer()
     # Capture one decode step, hooks live, inside graph_capture().
@@ -208,8 +210,10 @@ def test_cuda_graph_capture_and_replay_records_the_right_routing():
     assert torch.equal(got, want)
     assert int((want != 0).sum()) > 0 and int(want.max()) < args.experts
     # Finishing works on graphed rows (positions 0..prompt_len-1 were never announced: finish the decode part).
-    rec = graphed.finish_request("bench-0", prompt_len=args.prompt_len + args.steps, generated_len=1,
-                                 start_row=args.prompt_len)
+    assert graphed.finish_request("bench-0", prompt_len=args.prompt_len + args.steps, generated_len=1,
+                                  start_row=args.prompt_len) is None
+    graphed.flush(timeout=60)
+    rec = sink.records[-1]
     np.testing.assert_array_equal(rec.ids_TLK, want.view(args.steps, args.batch, -1, args.top_k)[:, 0].cpu().numpy())
     with pytest.raises(Exception, match="graph_capture"):
         graphed.begin_step(["x"], [0], [3], [0, 1, 2], graphed=True)

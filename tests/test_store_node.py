@@ -10,6 +10,7 @@ from zarr.storage import FsspecStore
 
 from r3rdma import AuthenticationError, DuplicateRequestError, RoutingReader, RoutingWriter
 from r3rdma.store_client import StoreNodesClient, rendezvous_order
+from r3rdma.transport import TransportLimits
 
 from .store_nodes import new_token, start_node
 
@@ -71,7 +72,9 @@ def test_wrong_secret_refused(two_nodes, make_record):
 def test_failover_when_a_node_dies(two_nodes, make_record):
     a, b = two_nodes
     recs = [make_record(f"f{i}", rows=10) for i in range(30)]
-    with StoreNodesClient([a.push_url, b.push_url], secret=a.token, down_cooldown_s=60) as client:
+    # A dead node is only noticed when its connect times out: keep that short here.
+    limits = TransportLimits(timeout_s=3)
+    with StoreNodesClient([a.push_url, b.push_url], secret=a.token, down_cooldown_s=60, limits=limits) as client:
         client.commit(recs[:10])
         a.stop(signal.SIGKILL)
         stats = client.commit(recs[10:])

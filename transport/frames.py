@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -25,6 +25,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "PREAMBLE_BYTES",
+    "INLINE_HEADER_BYTES",
     "HANDSHAKE_MAX_HEADER_BYTES",
     "MAX_ERROR_MESSAGE_CHARS",
     "Kind",
@@ -42,6 +43,10 @@ _PREAMBLE = struct.Struct("<2sBBIQ")  # magic, version, kind, header_len u32, pa
 PREAMBLE_BYTES = _PREAMBLE.size
 assert PREAMBLE_BYTES == 16
 
+#: A header of at most this many bytes travels in the same UCX message as its preamble: the
+#: receiver always posts a PREAMBLE_BYTES + INLINE_HEADER_BYTES buffer first, so small
+#: messages (handshake, acks, batches of a few requests) cost one receive instead of two.
+INLINE_HEADER_BYTES = 4080
 #: Before authentication a peer may not make us allocate more than this (no payload at all).
 HANDSHAKE_MAX_HEADER_BYTES = 1024
 #: Error messages are cut to this length so an error frame stays small.
@@ -70,6 +75,9 @@ class Preamble:
     kind: Kind
     header_len: int
     payload_len: int
+    #: The header bytes, when they arrived in the preamble's message (``header_len`` <=
+    #: ``INLINE_HEADER_BYTES``); empty otherwise.
+    inline: bytes = field(default=b"", compare=False, repr=False)
 
     def pack(self) -> bytes:
         return _PREAMBLE.pack(MAGIC, self.version, int(self.kind), self.header_len, self.payload_len)

@@ -7,6 +7,7 @@ Every wait goes through :func:`timed`, so nothing here can block past a deadline
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from abc import abstractmethod
 from collections.abc import Awaitable, Sequence
@@ -30,6 +31,7 @@ from .conn import Conn
 from .device import PayloadBuffer, payload_nbytes
 from .frames import (
     HANDSHAKE_MAX_HEADER_BYTES,
+    INLINE_HEADER_BYTES,
     PREAMBLE_BYTES,
     PROTOCOL_VERSION,
     REPLY_MAX_HEADER_BYTES,
@@ -79,14 +81,19 @@ async def send_message(
     # order, and waiting for each send before posting the next costs a progress-thread round
     # trip per frame (~1.5 ms here), which halved throughput for batches of many requests.
     # Zero-byte frames are never listed, so never sent.
-    buffers = [pre.pack(), raw, *(f for f, size in zip(frames, sizes) if size)]
+    head = [pre.pack() + raw] if len(raw) <= INLINE_HEADER_BYTES else [pre.pack(), raw]
+    buffers = [*head, *(f for f, size in zip(frames, sizes) if size)]
     await timed(asyncio.gather(*(conn.send(b) for b in buffers)), timeout, what)
 
 
 async def recv_preamble(conn: Conn, timeout: float, what: str) -> Preamble:
-    buf = np.zeros(PREAMBLE_BYTES, dtype=np.uint8)
+    # Room for an inline header (see INLINE_HEADER_BYTES); a shorter message fills a prefix.
+    buf = np.zeros(PREAMBLE_BYTES + INLINE_HEADER_BYTES, dtype=np.uint8)
     await timed(conn.recv_into(buf), timeout, what)
-    return Preamble.unpack(buf.tobytes())
+    pre = Preamble.unpack(buf[:PREAMBLE_BYTES].tobytes())
+    if 1 <= pre.header_len <= INLINE_HEADER_BYTES:
+        pre = dataclasses.replace(pre, inline=buf[PREAMBLE_BYTES : PREAMBLE_BYTES + pre.header_len].tobytes())
+    return pre
 
 
 async def recv_header(conn: Conn, pre: Preamble, limit: int, timeout: float, what: str) -> dict[str, Any]:
@@ -94,6 +101,8 @@ async def recv_header(conn: Conn, pre: Preamble, limit: int, timeout: float, wha
         raise ProtocolError(
             f"{pre.kind.name} header must be 1..{limit} bytes, the preamble announced {pre.header_len}"
         )
+    if pre.inline:
+        return unpack_header(pre.inline, pre.kind.name)
     buf = np.zeros(pre.header_len, dtype=np.uint8)
     await timed(conn.recv_into(buf), timeout, what)
     return unpack_header(buf.data, pre.kind.name)
