@@ -573,9 +573,15 @@ class RoutingCapturer:
             # Gather on the GPU, copy to pinned host memory asynchronously, and let the
             # finisher thread wait for the copy and hand the record over: no sync here.
             staged = stage_to_host(gather_rows(self.table_SLK, self._to_device(slots)))
-            if self._finisher is None:
-                self._finisher = _Finisher(self.sink, self.storage_dtype)
-            self._finisher.put(staged, meta)
+            deferred = _StagedRecord(staged, self.storage_dtype, meta, int(slots.size) * self.num_layers * self.top_k * self.storage_dtype.itemsize)
+            if getattr(self.sink, "accepts_deferred", False):
+                # A RoutingWriter resolves it on its own thread, so its flush() also covers
+                # records whose copy is still in flight.
+                self.sink.submit(deferred)
+            else:
+                if self._finisher is None:
+                    self._finisher = _Finisher(self.sink)
+                self._finisher.put(deferred)
             return None
         ids = gather_rows(self.table_SLK, self._to_device(slots)).cpu().numpy()
         record = _make_record(ids, self.storage_dtype, meta)
@@ -730,6 +736,23 @@ def _make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> Reques
     return RequestRecord(ids_TLK=ids, **meta)
 
 
+class _StagedRecord:
+    """A finished request whose rows are still being copied to pinned host memory.
+
+    ``result()`` waits for the copy (its CUDA event, not the device) and builds the record.
+    """
+
+    __slots__ = ("_staged", "_dtype", "_meta", "nbytes")
+
+    def __init__(self, staged, storage_dtype: np.dtype, meta: dict, nbytes: int) -> None:
+        self._staged, self._dtype, self._meta, self.nbytes = staged, storage_dtype, meta, nbytes
+
+    def result(self) -> RequestRecord:
+        # The pinned block returns to torch's pool when `staged` is dropped; the record owns a
+        # copy-free numpy view of it until then.
+        return _make_record(self._staged.wait(), self._dtype, self._meta)
+
+
 class _Finisher:
     """A thread that waits for finished requests' D2H copies and hands the records to the sink.
 
@@ -738,16 +761,15 @@ class _Finisher:
     back-pressure all happen here.
     """
 
-    def __init__(self, sink: RoutingSink, storage_dtype: np.dtype) -> None:
+    def __init__(self, sink: RoutingSink) -> None:
         self.sink = sink
-        self.storage_dtype = storage_dtype
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="r3rdma-finish", daemon=True)
         self._thread.start()
 
-    def put(self, staged, meta: dict) -> None:
-        self._queue.put((staged, meta))
+    def put(self, deferred: _StagedRecord) -> None:
+        self._queue.put(deferred)
 
     def flush(self, timeout: float | None = None) -> None:
         done = threading.Event()
@@ -769,12 +791,8 @@ class _Finisher:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            staged, meta = item
             try:
-                # The pinned block returns to torch's pool when `staged` is dropped; the
-                # record owns a copy-free numpy view of it until then, so keep the view.
-                record = _make_record(staged.wait(), self.storage_dtype, meta)
-                self.sink.submit(record)
+                self.sink.submit(item.result())
             except BaseException as e:  # raised to the engine at its next finish / flush
                 if self.error is None:
                     self.error = e

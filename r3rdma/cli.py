@@ -18,11 +18,17 @@ _COMMANDS = [
     ("rollout", None, "r3rdma.rollout", "torchrun worker: generate, capture with TP all-gather, push to store nodes"),
     ("check", None, "r3rdma.check", "trainer side: read a rollout from store nodes over HTTP, compare with shadow records"),
     ("verify", None, "r3rdma.verify", "measure rollout/trainer routing mismatch with and without replay"),
+    ("delete", None, "r3rdma.retention", "retention: delete rollouts (by id or by age) on every store node"),
+    ("bench", "reliability", "r3rdma.bench.reliability_bench", "crash cycles, fuzzing, auth, disk full and load: reliability figures"),
     ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
     ("bench", "transport", "r3rdma.bench.transport_bench", "r3rdma push vs raw ucxx send of the same bytes"),
     ("bench", "read", "r3rdma.bench.read_bench", "reader over HTTP vs raw HTTP GETs of the same files"),
     ("bench", "capture", "r3rdma.bench.capture_bench", "MoE decode loop with routing capture off vs on (GPU; CUDA graphs where possible)"),
     ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
+    ("bench", "codecs", "r3rdma.bench.codec_bench", "stored bytes per token under standard codecs vs int32 / uint8 / base64"),
+    ("bench", "scaling", "r3rdma.bench.scaling_bench", "N store nodes on one machine ingesting concurrently vs N x one node"),
+    ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
+    ("inspect", None, "r3rdma.inspect", "summary of a rollout (local root or store node URL) and a PNG of expert load"),
 ]
 
 

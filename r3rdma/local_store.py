@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,6 +29,7 @@ from zarr.storage import LocalStore
 
 from .errors import (
     DuplicateRequestError,
+    InvalidIdError,
     R3Error,
     SegmentError,
     SegmentGapError,
@@ -44,6 +46,7 @@ from .zarr_layout import (
     FORMAT_VERSION,
     INDEX_KEY,
     array_name,
+    fsync_dir,
     fsync_tree,
     group_document,
     parse_array_name,
@@ -51,7 +54,7 @@ from .zarr_layout import (
     write_json_atomic,
 )
 
-__all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs"]
+__all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,8 @@ class LocalRoutingStore:
         by_rollout: dict[str, list[RequestRecord]] = {}
         for record in records:
             by_rollout.setdefault(record.rollout_id, []).append(record)
+        for rollout_id in by_rollout:
+            check_rollout_dir_name(rollout_id)
         committed = duplicates = written = pending = 0
         with self._lock:
             for rollout_id, group in by_rollout.items():
@@ -132,7 +137,7 @@ class LocalRoutingStore:
 
     def pending(self, rollout_id: str) -> dict[str, tuple[tuple[int, int, bool], ...]]:
         """Incomplete requests of a rollout: ``(start_row, end_row, final)`` of each stored part."""
-        validate_id(rollout_id, "rollout_id")
+        check_rollout_dir_name(rollout_id)
         with self._lock:
             index = self._index(rollout_id)
             return {
@@ -158,7 +163,7 @@ class LocalRoutingStore:
 
     def discard_pending(self, rollout_id: str, request_id: str) -> None:
         """Forget the stored parts of an incomplete request (e.g. its decode was aborted)."""
-        validate_id(rollout_id, "rollout_id")
+        check_rollout_dir_name(rollout_id)
         validate_id(request_id, "request_id")
         with self._lock:
             index = self._index(rollout_id)
@@ -176,14 +181,54 @@ class LocalRoutingStore:
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout: its index first (readers stop seeing it at once), then its arrays."""
-        validate_id(rollout_id, "rollout_id")
+        check_rollout_dir_name(rollout_id)
         with self._lock:
-            path = self.root / rollout_id
-            if not (path / "zarr.json").exists():
-                raise UnknownRolloutError(f"rollout {rollout_id!r} not found under {self.root}")
+            self._delete_locked(rollout_id)
+
+    def rollouts(self) -> dict[str, float]:
+        """Rollouts of this root and the time (``time.time()``) of each one's last commit."""
+        out = {}
+        for child in self.root.iterdir():
+            try:
+                check_rollout_dir_name(child.name)
+                out[child.name] = (child / "zarr.json").stat().st_mtime
+            except (InvalidIdError, FileNotFoundError, NotADirectoryError):
+                continue  # the root's own files, or a directory without an index
+        return out
+
+    def delete_older_than(self, age_s: float, *, now: float | None = None) -> list[str]:
+        """Delete every rollout whose last commit is more than ``age_s`` seconds old; return their ids.
+
+        Age counts from the rollout's last commit (its index's mtime), so a rollout still
+        being written is never deleted under its writer.
+        """
+        if not age_s >= 0:
+            raise ValueError(f"age_s must be a number >= 0, got {age_s!r}")
+        cutoff = (time.time() if now is None else now) - age_s
+        deleted = []
+        with self._lock:
+            for rollout_id, mtime in sorted(self.rollouts().items()):
+                if mtime < cutoff:
+                    try:
+                        self._delete_locked(rollout_id)
+                    except UnknownRolloutError:
+                        continue
+                    deleted.append(rollout_id)
+        return deleted
+
+    def _delete_locked(self, rollout_id: str) -> None:
+        path = self.root / rollout_id
+        if not (path / "zarr.json").exists():
+            raise UnknownRolloutError(f"rollout {rollout_id!r} not found under {self.root}")
+        try:
             os.unlink(path / "zarr.json")
-            shutil.rmtree(path, ignore_errors=True)
-            self._indexes.pop(rollout_id, None)
+            # Durable before the arrays go: a crash now leaves arrays no index points at, which
+            # readers never see and the next commit to this id removes as orphans.
+            fsync_dir(path)
+        except OSError as e:
+            raise StoreError(f"deleting the index of rollout {rollout_id!r} failed: {e}") from e
+        self._indexes.pop(rollout_id, None)
+        shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         if self._lock_fd >= 0:
@@ -292,6 +337,22 @@ class LocalRoutingStore:
             fill_value=0,
         )
         fsync_tree(rollout_path / name)
+
+
+def check_rollout_dir_name(rollout_id: str) -> str:
+    """Validate ``rollout_id`` and refuse ids that collide with the root's own files.
+
+    A rollout id is a directory under the root: a valid id starting with ``.`` (``.r3rdma.lock``,
+    an index temp file) or named ``zarr.json`` would write into the store's own files (seen as
+    a NotADirectoryError that reached clients as an internal error), and hidden names are never
+    served over HTTP, so such data could not be read back.
+    """
+    validate_id(rollout_id, "rollout_id")
+    if rollout_id.startswith(".") or rollout_id == "zarr.json":
+        raise InvalidIdError(
+            f"rollout_id {rollout_id!r} is reserved: rollout ids must not start with '.' or be 'zarr.json'"
+        )
+    return rollout_id
 
 
 def _geometry(record: RequestRecord) -> dict[str, Any]:

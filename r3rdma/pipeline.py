@@ -18,15 +18,34 @@ from typing import Protocol, Sequence
 from .errors import R3Error, R3TimeoutError, StoreError
 from .records import RequestRecord
 
-__all__ = ["RoutingWriter", "RecordStore"]
+__all__ = ["DeferredRecord", "RoutingWriter", "RecordStore"]
 
 
 class RecordStore(Protocol):
     def commit(self, records: Sequence[RequestRecord]) -> object: ...
 
 
+class DeferredRecord(Protocol):
+    """A record still being produced (e.g. its rows are being copied off the GPU).
+
+    ``nbytes`` is known up front (for the in-flight budget); ``result()`` blocks until the
+    record exists. The writer resolves it on its own thread, in submission order.
+    """
+
+    nbytes: int
+
+    def result(self) -> RequestRecord: ...
+
+
 class RoutingWriter:
-    """Batches records and commits them from a background thread."""
+    """Batches records and commits them from a background thread.
+
+    ``submit`` also takes a :class:`DeferredRecord` (``accepts_deferred``): the capturer on
+    CUDA hands over records whose device-to-host copy is still in flight, and ``flush`` then
+    covers them too.
+    """
+
+    accepts_deferred = True
 
     def __init__(
         self,
@@ -41,7 +60,7 @@ class RoutingWriter:
         self.flush_interval_s = flush_interval_s
         self.max_inflight_bytes = max_inflight_bytes
         self._cond = threading.Condition()
-        self._queue: deque[RequestRecord] = deque()
+        self._queue: deque[RequestRecord | DeferredRecord] = deque()
         self._queued_bytes = 0
         self._inflight_bytes = 0  # queued + being committed
         self._submitted = 0
@@ -52,10 +71,11 @@ class RoutingWriter:
         self._first_enqueued = 0.0
         self.requests_committed = 0
         self.bytes_committed = 0
+        self.commit_failures = 0  # batches whose commit raised (r3rdma.metrics exports it)
         self._thread = threading.Thread(target=self._run, name="r3rdma-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, record: RequestRecord) -> None:
+    def submit(self, record: RequestRecord | DeferredRecord) -> None:
         """Queue a finished request; blocks while the in-flight budget is exhausted."""
         with self._cond:
             self._raise_pending()
@@ -106,6 +126,20 @@ class RoutingWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def queued_requests(self) -> int:
+        """Records waiting for the worker (not yet in a commit)."""
+        return len(self._queue)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes queued or being committed (bounded by ``max_inflight_bytes``)."""
+        return self._inflight_bytes
+
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
@@ -128,7 +162,7 @@ class RoutingWriter:
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
-                batch: list[RequestRecord] = []
+                batch: list = []
                 size = 0
                 while self._queue and (not batch or size + self._queue[0].nbytes <= self.flush_bytes):
                     record = self._queue.popleft()
@@ -138,6 +172,7 @@ class RoutingWriter:
                 self._first_enqueued = time.monotonic()
             error: BaseException | None = None
             try:
+                batch = [r if isinstance(r, RequestRecord) else r.result() for r in batch]
                 self.store.commit(batch)
             except BaseException as e:  # handed to the engine thread at its next call
                 error = e
@@ -147,6 +182,8 @@ class RoutingWriter:
                 if error is None:
                     self.requests_committed += len(batch)
                     self.bytes_committed += size
-                elif self._error is None:
-                    self._error = error
+                else:
+                    self.commit_failures += 1
+                    if self._error is None:
+                        self._error = error
                 self._cond.notify_all()

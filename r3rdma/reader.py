@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -11,14 +12,17 @@ import numpy as np
 import torch
 import zarr
 import zarr.errors
+from tqdm.auto import tqdm
 from zarr.storage import LocalStore
 
 from .errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
 from .ids import validate_id
 from .records import checksum
-from .zarr_layout import INDEX_KEY
+from .zarr_layout import INDEX_KEY, parse_array_name
 
 __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "to_torch"]
+
+_PROGRESS_MIN_ARRAYS = 16  # reads touching fewer arrays finish too fast for a progress bar
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +84,9 @@ class RoutingReader:
         token: str | None = None,
         verify: bool = True,
         max_workers: int = 8,
+        progress: bool | None = None,
     ) -> None:
+        """``progress``: show a tqdm bar on reads of many arrays (None: only when stderr is a TTY)."""
         if isinstance(sources, (list, tuple)):
             items = list(sources)
         else:
@@ -91,6 +97,7 @@ class RoutingReader:
         self._verify = verify
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
         self._indexes: dict[str, _MergedIndex] = {}
+        self._progress = progress
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -169,8 +176,18 @@ class RoutingReader:
             return parts
 
         parts: dict[tuple[str, int], np.ndarray] = {}
-        for result in self._pool.map(read_array, list(wanted)):
-            parts.update(result)
+        try:
+            show = self._progress if self._progress is not None else sys.stderr.isatty()
+            with tqdm(total=len(wanted), desc=f"read {rollout_id}", unit="array", file=sys.stderr,
+                      disable=not show or len(wanted) < _PROGRESS_MIN_ARRAYS) as bar:
+                for result in self._pool.map(read_array, list(wanted)):
+                    parts.update(result)
+                    bar.update()
+        except CorruptDataError as e:
+            # An array the (cached) index lists is gone or unreadable: if the rollout or these
+            # requests were deleted meanwhile (retention), say so instead of "corrupt".
+            self._raise_if_deleted(rollout_id, request_ids, e)
+            raise
         out: dict[str, np.ndarray] = {}
         for rid in request_ids:
             src, entry = merged.requests[rid]
@@ -216,6 +233,17 @@ class RoutingReader:
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _raise_if_deleted(self, rollout_id: str, request_ids: list[str], cause: Exception) -> None:
+        try:
+            merged = self._index(rollout_id, refresh=True)
+        except UnknownRolloutError as e:
+            raise UnknownRolloutError(f"rollout {rollout_id!r} was deleted while it was being read ({e})") from cause
+        gone = [rid for rid in request_ids if rid not in merged.requests]
+        if gone:
+            raise UnknownRequestError(
+                f"rollout {rollout_id!r}: requests {gone[:5]!r} were deleted while being read"
+            ) from cause
 
     def _index(self, rollout_id: str, *, refresh: bool = False) -> "_MergedIndex":
         validate_id(rollout_id, "rollout_id")
@@ -293,6 +321,7 @@ class _Source:
             raise CorruptDataError(f"cannot read the index of rollout {rollout_id!r} from {self.name}: {e}") from e
         if not index or "requests" not in index:
             return None
+        _check_index(rollout_id, index, self.name)
         return index
 
     def read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
@@ -338,6 +367,55 @@ class _Source:
         buffers = sync(fetch_all())
         memory = MemoryStore({k: b for k, b in zip(keys, buffers) if b is not None}, read_only=True)
         return zarr.open_array(memory, mode="r", zarr_format=3)
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_index(rollout_id: str, index: Any, where: str) -> None:
+    """Refuse a malformed rollout index up front (CorruptDataError), so a damaged or tampered
+    ``zarr.json`` never surfaces as a TypeError/KeyError deep in a read (found by fuzzing)."""
+
+    def bad(what: str) -> CorruptDataError:
+        return CorruptDataError(f"index of rollout {rollout_id!r} on {where} is malformed: {what}")
+
+    if not isinstance(index, dict) or not isinstance(index.get("requests"), dict):
+        raise bad("'requests' must be a map")
+    if not isinstance(index.get("pending", {}), dict):
+        raise bad("'pending' must be a map")
+    arrays = index.get("arrays")
+    if not isinstance(arrays, list) or not all(isinstance(a, str) and parse_array_name(a) is not None for a in arrays):
+        raise bad(f"'arrays' must list batch array names, got {str(arrays)[:100]}")
+    if not index["requests"]:
+        return
+    for key in ("num_layers", "top_k", "num_experts"):
+        if not _is_int(index.get(key), 1):
+            raise bad(f"{key!r} must be an int >= 1, got {index.get(key)!r}")
+    if index.get("dtype") not in ("uint8", "uint16", "int32"):
+        raise bad(f"dtype must be uint8/uint16/int32, got {index.get('dtype')!r}")
+    layer_map = index.get("layer_map")
+    if not isinstance(layer_map, list) or len(layer_map) != index["num_layers"] or not all(map(_is_int, layer_map)):
+        raise bad("'layer_map' must list num_layers ints")
+    listed = set(arrays)
+    for rid, entry in index["requests"].items():
+        segments = entry.get("segments") if isinstance(entry, dict) else None
+        if not isinstance(segments, list) or not segments or not _is_int(entry.get("rows")) or not _is_int(entry.get("start_row")):
+            raise bad(f"request {rid!r} needs rows, start_row and a non-empty segment list")
+        for seg in segments:
+            ok = (
+                isinstance(seg, dict)
+                and seg.get("array") in listed
+                and _is_int(seg.get("offset"))
+                and _is_int(seg.get("rows"), 1)
+                and _is_int(seg.get("start_row"))
+                and _is_int(seg.get("crc32c"))
+                and seg["crc32c"] < 1 << 32
+            )
+            if not ok:
+                raise bad(f"request {rid!r} has a segment {str(seg)[:200]}")
+        if sum(seg["rows"] for seg in segments) != entry["rows"]:
+            raise bad(f"request {rid!r}: segments hold {sum(seg['rows'] for seg in segments)} rows, entry says {entry['rows']}")
 
 
 def _shard_keys(array: zarr.Array) -> list[str]:

@@ -48,6 +48,7 @@ __all__ = [
     "group_document",
     "write_json_atomic",
     "fsync_tree",
+    "fsync_dir",
     "read_group_attrs",
 ]
 
@@ -82,13 +83,21 @@ def write_json_atomic(path: Path, document: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        # Disk full / file size limit: leave no partial temp file behind.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     _fsync_dir(path.parent)
 
 
@@ -103,6 +112,11 @@ def fsync_tree(path: Path) -> None:
                 os.close(fd)
         _fsync_dir(Path(dirpath))
     _fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes renames and unlinks in it durable)."""
+    _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:

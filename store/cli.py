@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-read", action="store_true", help="serve reads without the token (pushes still need it)")
     p.add_argument("--max-payload-mb", type=int, default=256, help="largest payload of one pushed batch")
     p.add_argument("--max-header-kb", type=int, default=4096, help="largest header of one pushed batch")
+    p.add_argument("--max-inflight-mb", type=int, default=1024,
+                   help="payload MiB being received or handled at once over all clients (memory budget)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each network step")
     p.add_argument("--zstd-level", type=int, default=3)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON line to this file (atomically)")
@@ -40,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace) -> int:
     secret = load_secret(args.token_file)
     limits = TransportLimits(
-        max_payload_bytes=args.max_payload_mb << 20, max_header_bytes=args.max_header_kb << 10, timeout_s=args.timeout_s
+        max_payload_bytes=args.max_payload_mb << 20, max_header_bytes=args.max_header_kb << 10, timeout_s=args.timeout_s,
+        max_inflight_bytes=args.max_inflight_mb << 20,
     )
     node = StoreNode(args.root, secret=secret, host=args.host, ucx_port=args.ucx_port, http_port=args.http_port,
                      public_read=args.public_read, limits=limits, zstd_level=args.zstd_level)
@@ -64,9 +68,36 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _LogHygiene(logging.Filter):
+    """Keeps secrets and client garbage out of the node's log.
+
+    aiohttp logs a malformed HTTP request (a client's fault) at ERROR with a traceback and
+    the first 100 bytes of the offending line, which can be an ``Authorization`` header:
+    such records become one INFO line naming the error type only. Any ``Bearer <value>``
+    left in a message is redacted.
+    """
+
+    _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc, HttpProcessingError) and (getattr(exc, "code", 500) or 500) < 500:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
+            record.exc_info = record.exc_text = None
+        message = record.getMessage()
+        if "earer" in message:
+            record.msg, record.args = self._BEARER.sub(r"\1<redacted>", message), ()
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s r3rdma-store %(levelname)s %(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_LogHygiene())
     try:
         return asyncio.run(_serve(args))
     except R3Error as e:

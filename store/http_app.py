@@ -7,9 +7,12 @@ Routes:
   GET  /v1/rollouts/{rollout_id}   the rollout index (JSON)
   GET|HEAD /zarr/{path}            the Zarr files, with Range (a-b, a-, and suffix -n), so
                                    zarr-python (FsspecStore) and tensorstore open the root over HTTP
+  DELETE /v1/rollouts/{rollout_id} delete a rollout and all its requests (retention)
+  DELETE /v1/rollouts?older_than_s=N   delete every rollout whose last commit is older than N s
 
 Everything but /healthz needs ``Authorization: Bearer <token>`` unless the node runs with
-``public_read``. Paths are checked component by component before the filesystem is touched:
+``public_read`` (which opens GET/HEAD only: DELETE always needs the token). Deletes go through
+the node's writer (:class:`~r3rdma.local_store.LocalRoutingStore`), never behind its back. Paths are checked component by component before the filesystem is touched:
 only Zarr names (ids, array names, ``zarr.json``, ``c``, chunk indices); never hidden or
 temporary files, never ``..``.
 """
@@ -27,8 +30,11 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from r3rdma.errors import InvalidIdError, UnknownRolloutError
-from r3rdma.ids import validate_id
+import asyncio
+import math
+
+from r3rdma.errors import InvalidIdError, R3Error, UnknownRolloutError
+from r3rdma.local_store import LocalRoutingStore, check_rollout_dir_name
 from r3rdma.zarr_layout import INDEX_KEY, read_group_attrs
 
 from .metrics import NodeMetrics
@@ -39,7 +45,10 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,199}")  # no leading d
 _MAX_DEPTH = 8
 
 
-def make_http_app(root: Path, *, token: str | None, public_read: bool, metrics: NodeMetrics) -> web.Application:
+def make_http_app(
+    root: Path, *, token: str | None, public_read: bool, metrics: NodeMetrics, store: LocalRoutingStore | None = None
+) -> web.Application:
+    """The read service of ``root``; with ``store`` (the node's writer) it also serves DELETEs."""
     if token is None and not public_read:
         raise ValueError("the read service needs a token unless public_read is set")
     root = root.resolve()
@@ -49,7 +58,8 @@ def make_http_app(root: Path, *, token: str | None, public_read: bool, metrics: 
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         try:
-            if request.path != "/healthz" and not public_read:
+            open_read = public_read and request.method in ("GET", "HEAD")
+            if request.path != "/healthz" and not open_read:
                 given = request.headers.get("Authorization", "").encode()
                 if expected is None or not hmac.compare_digest(given, expected):
                     raise web.HTTPUnauthorized(text="missing or wrong bearer token\n", headers={"WWW-Authenticate": "Bearer"})
@@ -74,11 +84,7 @@ def make_http_app(root: Path, *, token: str | None, public_read: bool, metrics: 
         return web.json_response({"rollouts": names})
 
     async def rollout_index(request: web.Request) -> web.Response:
-        rollout_id = request.match_info["rollout_id"]
-        try:
-            validate_id(rollout_id, "rollout_id")
-        except InvalidIdError as e:
-            raise web.HTTPBadRequest(text=f"{e}\n") from e
+        rollout_id = _rollout_id(request)
         attrs = read_group_attrs(root / rollout_id / "zarr.json")
         if not attrs or INDEX_KEY not in attrs:
             raise web.HTTPNotFound(text=f"{UnknownRolloutError(f'rollout {rollout_id!r} not found')}\n")
@@ -109,10 +115,52 @@ def make_http_app(root: Path, *, token: str | None, public_read: bool, metrics: 
         metrics.http_bytes.inc(max(0, stop - start) if request.method == "GET" else 0)
         return web.FileResponse(real, chunk_size=1 << 20)
 
+    def _rollout_id(request: web.Request) -> str:
+        rollout_id = request.match_info["rollout_id"]
+        try:
+            # Also refuses ids naming the root's own files (".r3rdma.lock", "zarr.json"): opening
+            # "<root>/.r3rdma.lock/zarr.json" raised NotADirectoryError, a 500.
+            return check_rollout_dir_name(rollout_id)
+        except InvalidIdError as e:
+            raise web.HTTPBadRequest(text=f"{e}\n") from e
+
+    def _writer() -> LocalRoutingStore:
+        if store is None:
+            raise web.HTTPMethodNotAllowed("DELETE", ["GET", "HEAD"], text="this read service cannot delete\n")
+        return store
+
+    async def delete_rollout(request: web.Request) -> web.Response:
+        rollout_id = _rollout_id(request)
+        writer = _writer()
+        try:
+            await asyncio.to_thread(writer.delete_rollout, rollout_id)
+        except UnknownRolloutError as e:
+            raise web.HTTPNotFound(text=f"{e}\n") from e
+        except R3Error as e:
+            raise web.HTTPInternalServerError(text=f"{type(e).__name__}: {e}\n") from e
+        return web.json_response({"deleted": [rollout_id]})
+
+    async def delete_old(request: web.Request) -> web.Response:
+        raw = request.query.get("older_than_s")
+        try:
+            age = float(raw) if raw is not None else math.nan
+        except ValueError:
+            age = math.nan
+        if not (math.isfinite(age) and age >= 0):
+            raise web.HTTPBadRequest(text=f"DELETE /v1/rollouts needs ?older_than_s=<seconds >= 0>, got {raw!r}\n")
+        writer = _writer()
+        try:
+            deleted = await asyncio.to_thread(writer.delete_older_than, age)
+        except R3Error as e:
+            raise web.HTTPInternalServerError(text=f"{type(e).__name__}: {e}\n") from e
+        return web.json_response({"deleted": deleted})
+
     app = web.Application(middlewares=[guard], client_max_size=1024)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/v1/rollouts", rollouts)
     app.router.add_get("/v1/rollouts/{rollout_id}", rollout_index)
+    app.router.add_delete("/v1/rollouts", delete_old)
+    app.router.add_delete("/v1/rollouts/{rollout_id}", delete_rollout)
     app.router.add_get("/zarr/{path:.*}", zarr_file)  # add_get also answers HEAD
     return app

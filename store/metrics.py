@@ -29,3 +29,32 @@ class NodeMetrics:
         self.disk_used = Gauge("r3rdma_store_disk_used_bytes", "Bytes used by the filesystem holding the root", registry=r)
         self.disk_free = Gauge("r3rdma_store_disk_free_bytes", "Bytes free on the filesystem holding the root", registry=r)
         self.connected_clients = Gauge("r3rdma_store_connected_clients", "Pushing clients connected now", registry=r)
+
+
+def bind_node_gauges(metrics: NodeMetrics, root, server) -> None:
+    """Gauges computed at scrape time: clients connected to ``server`` (its live sessions) and
+    the bytes under the node's ``root`` (a directory walk, cached for 10 s so scrapes stay cheap)."""
+    import os
+    import time
+    from pathlib import Path
+
+    metrics.connected_clients.set_function(lambda: float(len(getattr(server, "_sessions", ()))))
+    root = Path(root)
+    cache = {"at": -1e9, "value": 0.0}
+
+    def root_bytes() -> float:
+        now = time.monotonic()
+        if now - cache["at"] > 10.0:
+            total = 0
+            for directory, _, files in os.walk(root):
+                for name in files:
+                    try:
+                        total += os.stat(os.path.join(directory, name)).st_blocks * 512
+                    except OSError:
+                        pass  # deleted by retention while we walk
+            cache.update(at=now, value=float(total))
+        return cache["value"]
+
+    metrics.root_bytes = Gauge("r3rdma_store_root_bytes", "Bytes on disk under this node's root (all rollouts)",
+                               registry=metrics.registry)
+    metrics.root_bytes.set_function(root_bytes)

@@ -16,7 +16,7 @@ from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, UcxxServer
 
 from .http_app import make_http_app
-from .metrics import NodeMetrics
+from .metrics import NodeMetrics, bind_node_gauges
 
 __all__ = ["StoreNode", "NodeAddress"]
 
@@ -63,10 +63,13 @@ class StoreNode:
         self.metrics = NodeMetrics()
         self.store = LocalRoutingStore(self.root, zstd_level=zstd_level, chunk_rows=chunk_rows)
         token = secret.decode() if isinstance(secret, bytes) else secret
-        self._http_app = make_http_app(self.root, token=token, public_read=public_read, metrics=self.metrics)
+        self._http_app = make_http_app(
+            self.root, token=token, public_read=public_read, metrics=self.metrics, store=self.store
+        )
         self._http_port = http_port
         self._runner: web.AppRunner | None = None
         self._server = UcxxServer(self._ingest, secret=secret, host=host, port=ucx_port, limits=limits)
+        bind_node_gauges(self.metrics, self.root, self._server)
         self.address: NodeAddress | None = None
 
     async def _ingest(self, records: list[RequestRecord]) -> None:

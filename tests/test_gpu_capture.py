@@ -250,3 +250,26 @@ def test_torchrun_tp2_nccl_rollout_to_store_nodes(tmp_path):
         assert result["roundtrip_exact"] is True and result["requests"] == 12
     finally:
         subprocess.run(["bash", "scripts/stop_store_nodes.sh", str(nodes)], cwd=ROOT, capture_output=True, timeout=120)
+
+
+def test_writer_flush_covers_records_whose_copy_is_in_flight(tmp_path):
+    """On CUDA finish_request returns before the rows reach the host; a RoutingWriter sink
+    takes the deferred record, so writer.flush() alone makes every finished request durable
+    (found on an H200: `r3rdma verify` flushed the writer and missed the last request)."""
+    from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter
+
+    with LocalRoutingStore(tmp_path) as store, RoutingWriter(store, flush_interval_s=0) as writer:
+        cap = RoutingCapturer(layer_map=(0, 1), top_k=2, num_experts=16, num_slots=4096, sink=writer, device="cuda")
+        ids = [f"r{i}" for i in range(50)]
+        for i, rid in enumerate(ids):
+            slots = list(range(i * 40, i * 40 + 40))
+            cap.begin_step([rid], [0], [40], slots)
+            for layer in cap.layer_map:
+                cap.record(layer, fake_topk([rid], [0], [40], layer, 2, 16).cuda())
+            cap.end_step()
+            assert cap.finish_request(rid, prompt_len=40, generated_len=1) is None  # deferred
+        writer.flush(timeout=60)
+        got = RoutingReader(tmp_path).get_numpy("default", ids)
+    for rid in ids:
+        want = np.stack([fake_topk([rid], [0], [40], layer, 2, 16).numpy() for layer in (0, 1)], axis=1)
+        np.testing.assert_array_equal(got[rid], want)

@@ -35,9 +35,14 @@ class TransportLimits:
     ack_timeout_s: float = 180.0
     #: Server: an authenticated connection that sends nothing for this long is closed.
     idle_timeout_s: float = 3600.0
+    #: Server: payload bytes being received or handled at once, over all connections. A batch
+    #: waits (up to ``timeout_s``) for room before its payload buffer is allocated, so many
+    #: clients pushing max-size batches cannot exhaust the node's memory; a batch larger than
+    #: the budget runs alone. Peak memory is about 3x this (payload, records, encoder buffers).
+    max_inflight_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_payload_bytes", "max_records", "max_frames"):
+        for name in ("max_header_bytes", "max_payload_bytes", "max_records", "max_frames", "max_inflight_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TransportLimits.{name} must be an int >= 1, got {value!r}")

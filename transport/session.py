@@ -180,6 +180,37 @@ class ConnServer(TransportServer):
         self._sessions: set[_Session] = set()
         self._stopping = False
         self._address: ServerAddress | None = None
+        # In-flight payload budget (limits.max_inflight_bytes), shared by all connections.
+        self._inflight = 0
+        self._inflight_changed: asyncio.Condition | None = None  # created in the serving loop
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Payload bytes reserved by batches being received or handled now."""
+        return self._inflight
+
+    async def _reserve(self, nbytes: int) -> int:
+        """Wait for room for ``nbytes`` of payload in the in-flight budget; return what was taken.
+
+        A batch larger than the whole budget takes all of it (it runs alone) instead of waiting
+        forever. The caller must :meth:`_unreserve` what this returned, whatever happens.
+        """
+        budget = self.limits.max_inflight_bytes
+        take = min(nbytes, budget)
+        if self._inflight_changed is None:
+            self._inflight_changed = asyncio.Condition()
+        async with self._inflight_changed:
+            await self._inflight_changed.wait_for(lambda: self._inflight + take <= budget)
+            self._inflight += take
+        return take
+
+    async def _unreserve(self, taken: int) -> None:
+        if not taken:
+            return
+        assert self._inflight_changed is not None
+        async with self._inflight_changed:
+            self._inflight -= taken
+            self._inflight_changed.notify_all()
 
     @property
     def address(self) -> ServerAddress:
@@ -262,6 +293,15 @@ class ConnServer(TransportServer):
 
     async def _one_batch(self, conn: Conn, version: int, pre: Preamble) -> bool:
         """Receive, hand over and ack one batch; False when the connection must close."""
+        taken = [0]
+        try:
+            return await self._one_batch_budgeted(conn, version, pre, taken)
+        finally:
+            # Whatever happened (ack, error, peer vanished mid-transfer, cancellation), the
+            # payload buffer is unreferenced once we return: give its budget back.
+            await asyncio.shield(self._unreserve(taken[0]))
+
+    async def _one_batch_budgeted(self, conn: Conn, version: int, pre: Preamble, taken: list[int]) -> bool:
         limits = self.limits
         t = limits.timeout_s
         seq: int | None = None
@@ -270,6 +310,18 @@ class ConnServer(TransportServer):
             header = await recv_header(conn, pre, limits.max_header_bytes, t, "receiving a batch header")
             metas = check_batch_header(header, pre.payload_len, limits)
             seq = header["seq"]
+            try:
+                taken[0] = await asyncio.wait_for(self._reserve(pre.payload_len), t)
+            except TimeoutError:
+                # The payload was not consumed, so the stream is out of sync: fatal for this
+                # connection only. The client treats R3TimeoutError as "node busy/down" and
+                # fails over or retries.
+                err = R3TimeoutError(
+                    f"store node busy: no room for a {pre.payload_len}-byte batch within {t:g} s "
+                    f"(in-flight budget {limits.max_inflight_bytes} bytes)"
+                )
+                await self._send_error(conn, version, err, seq=seq, fatal=True)
+                return False
             payload = np.empty(pre.payload_len, dtype=np.uint8)
             views, start = [], 0
             for size in header["frames"]:

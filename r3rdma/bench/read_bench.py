@@ -25,6 +25,8 @@ from pathlib import Path
 
 from .synthetic import synthetic_records
 
+from ._progress import rounds_bar as _rounds
+
 __all__ = ["run_read_bench", "add_arguments", "main"]
 
 
@@ -78,7 +80,7 @@ def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = No
     try:
         ids = [r.request_id for r in records]
         reader_s, raw_s = [], []
-        for rnd in range(rounds):
+        for rnd in _rounds(rounds, "read"):
             http = FsspecStore.from_url(f"{url}/zarr", storage_options={"headers": {"Authorization": f"Bearer {token}"}}, read_only=True)
             t0 = time.perf_counter()
             got = RoutingReader(http).get_numpy("bench", ids)

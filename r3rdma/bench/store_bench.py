@@ -22,6 +22,8 @@ from ..local_store import LocalRoutingStore, zarr_codecs
 from ..pipeline import RoutingWriter
 from .synthetic import synthetic_records
 
+from ._progress import rounds_bar as _rounds
+
 __all__ = ["run_store_bench"]
 
 
@@ -43,7 +45,7 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
     total = sum(r.nbytes for r in records)
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
     ingest_s, raw_s = [], []
-    for rnd in range(rounds):
+    for rnd in _rounds(rounds, "store"):
         d = base / f"ingest-{rnd}"
         t0 = time.perf_counter()
         with LocalRoutingStore(d, zstd_level=zstd_level, chunk_rows=chunk_rows) as store:

@@ -1,0 +1,214 @@
+"""`r3rdma bench all`: every bench in one run, BENCHMARKS.md-ready tables and PNG plots.
+
+Runs store ingest (and its overhead vs writer batch size), transport (throughput vs message
+size), read, the codec study (bytes per token), store-node scaling (1/2/4 nodes on this
+machine) and, where a GPU is present, capture (overhead vs decode batch size). Each number is
+a ratio to its yardstick measured in the same run by the same program; the machine is named
+in every table and figure. A bench that fails is reported with its error and the others still
+run. Writes ``OUT/results.json``, ``OUT/tables.md`` and ``OUT/*.png``; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["run_all", "machine_info", "add_arguments", "main"]
+
+
+def machine_info() -> dict[str, Any]:
+    """Which machine the numbers come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    info: dict[str, Any] = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb,
+                            "os": platform.platform(), "python": platform.python_version(), "gpu": None}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    except Exception:  # noqa: BLE001 - no torch / broken driver: a CPU machine
+        pass
+    return info
+
+
+def machine_label(info: dict[str, Any]) -> str:
+    gpu = info.get("gpu") or "no GPU"
+    return f"{info['host']}: {info['cores']} x {info['cpu']}, {info.get('memory_gb')} GB, {gpu}"
+
+
+def _capture_runs(batches: list[int], quick: bool) -> list[dict[str, Any]]:
+    """`r3rdma bench capture` per decode batch size, in subprocesses (its own CUDA context)."""
+    rows = []
+    for batch in batches:
+        cmd = [sys.executable, "-m", "r3rdma", "bench", "capture", "--batch", str(batch), "--quiet"]
+        if quick:
+            cmd += ["--layers", "2", "--hidden", "256", "--steps", "4", "--rounds", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"bench capture --batch {batch} exited {proc.returncode}: {proc.stderr[-2000:]}")
+        rows.append(json.loads(lines[-1]))
+    return rows
+
+
+def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = False, skip: tuple[str, ...] = (),
+            capture: bool | None = None, progress: bool = True) -> dict[str, Any]:
+    from . import plots
+    from .codec_bench import markdown_table, run_codec_bench
+    from .read_bench import run_read_bench
+    from .scaling_bench import run_scaling_bench
+    from .store_bench import run_store_bench
+    from .transport_bench import run_transport_bench
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    label = machine_label(machine)
+    if capture is None:
+        capture = machine["gpu"] is not None
+    results: dict[str, Any] = {"machine": machine, "date": datetime.date.today().isoformat(), "quick": quick}
+    errors: dict[str, str] = {}
+    pngs: dict[str, str] = {}
+    timings: dict[str, float] = {}
+
+    def step(name: str, fn: Callable[[], Any]) -> None:
+        if name in skip:
+            return
+        if progress:
+            print(f"bench all: {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - report it and run the rest
+            errors[name] = f"{type(e).__name__}: {e}"
+            if progress:
+                traceback.print_exc(file=sys.stderr)
+        timings[name] = round(time.perf_counter() - t0, 1)
+
+    step("store", lambda: run_store_bench(requests=4 if quick else 96, rounds=1 if quick else 3, progress=False))
+    flushes = [1 << 18, 1 << 20] if quick else [1 << 19, 2 << 20, 8 << 20, 32 << 20]
+    step("store_batch", lambda: [run_store_bench(requests=3 if quick else 48, rounds=1 if quick else 2, flush_bytes=f,
+                                                 progress=False) for f in flushes])
+    step("transport", lambda: run_transport_bench(sizes_mb=(0.0625, 0.25) if quick else (0.0625, 0.25, 1, 4, 16, 64),
+                                                  rounds=1 if quick else 3, iterations=1 if quick else 4, progress=False))
+    step("read", lambda: run_read_bench(requests=4 if quick else 64, rounds=1 if quick else 3, progress=False))
+    step("codecs", lambda: run_codec_bench(quick=quick, repeats=1 if quick else 2, progress=progress))
+    step("scaling", lambda: run_scaling_bench(nodes=(1, 2) if quick else (1, 2, 4), mb_per_client=1 if quick else 48,
+                                              rounds=1 if quick else 2, progress=progress))
+    if capture:
+        step("capture", lambda: _capture_runs([8] if quick else [16, 64, 256], quick))
+
+    if "transport" in results:
+        pngs["transport"] = plots.plot_transport(results["transport"], out_dir / "transport_vs_message_size.png", label)
+    if "store_batch" in results:
+        pngs["batch_overhead"] = plots.plot_batch_overhead(results["store_batch"], results.get("capture", []),
+                                                           out_dir / "overhead_vs_batch_size.png", label)
+    if "scaling" in results:
+        pngs["scaling"] = plots.plot_scaling(results["scaling"], out_dir / "store_node_scaling.png", label)
+    if "codecs" in results:
+        pngs["codecs"] = plots.plot_codecs(results["codecs"], out_dir / "bytes_per_token.png", label)
+    results["errors"] = errors
+    results["pngs"] = pngs
+    results["seconds"] = timings
+    tables = markdown_tables(results)
+    (out_dir / "tables.md").write_text(tables)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    summary = {"bench": "all", "out": str(out_dir), "machine": label, "errors": errors, "pngs": pngs, "seconds": timings}
+    for name in ("store", "transport", "read", "scaling"):
+        if name in results:
+            summary[f"{name}_ratio"] = results[name]["ratio"]
+    if "capture" in results:
+        summary["capture_overhead_pct"] = {r["batch"]: r["overhead_pct"] for r in results["capture"]}
+    return summary
+
+
+def markdown_tables(results: dict[str, Any]) -> str:
+    """BENCHMARKS.md-ready sections from one `bench all` run."""
+    m = results["machine"]
+    label = machine_label(m)
+    when = results["date"]
+    out = [f"# r3rdma bench all, {when}", "", f"Machine: {label}.", ""]
+    if "store" in results:
+        s = results["store"]
+        out += ["## Store ingest", "", "| machine | requests | MB | ingest GB/s | raw zarr GB/s | ratio |", "|---|---|---|---|---|---|",
+                f"| {m['host']}, {when} | {s['requests']} | {s['bytes'] / 1e6:.0f} | {s['ingest_gbps']} | {s['raw_zarr_gbps']} | {s['ratio']} |", ""]
+    if "store_batch" in results:
+        out += ["## Store ingest overhead vs writer batch size", "", "| flush_bytes (MB) | ingest GB/s | raw zarr GB/s | ratio |", "|---|---|---|---|"]
+        out += [f"| {r['flush_bytes'] / (1 << 20):g} | {r['ingest_gbps']} | {r['raw_zarr_gbps']} | {r['ratio']} |" for r in results["store_batch"]]
+        out += [""]
+    if "transport" in results:
+        out += ["## Transport: push vs raw ucxx send, by message size", "", f"Path: {results['transport']['path']}.", "",
+                "| message MB | requests | push GB/s | raw ucxx GB/s | ratio |", "|---|---|---|---|---|"]
+        out += [f"| {r['bytes'] / (1 << 20):.3g} | {r['requests']} | {r['push_gbps']} | {r['raw_ucxx_gbps']} | {r['ratio']} |"
+                for r in results["transport"]["by_size"]]
+        out += [""]
+    if "read" in results:
+        r = results["read"]
+        out += ["## Read over HTTP", "", "| requests | file MB | reader GB/s | raw GET GB/s | ratio |", "|---|---|---|---|---|",
+                f"| {r['requests']} | {r['file_bytes'] / 1e6:.1f} | {r['reader_gbps']} | {r['raw_http_gbps']} | {r['ratio']} |", ""]
+    if "scaling" in results:
+        s = results["scaling"]
+        out += ["## Store-node scaling on one machine", "", f"{s['cpu_count']} cores; {s['mb_per_client']} MB per client, "
+                f"{s['batch_mb']} MB batches; median of {s['rounds']} round(s).", "",
+                "| nodes | aggregate GB/s | N x one node GB/s | ratio | per client GB/s |", "|---|---|---|---|---|"]
+        out += [f"| {r['nodes']} | {r['aggregate_gbps']} | {r['ideal_gbps']} | {r['ratio']} | {', '.join(map(str, r['per_client_gbps']))} |"
+                for r in s["by_nodes"]]
+        out += [""]
+    if "codecs" in results:
+        from .codec_bench import markdown_table
+
+        c = results["codecs"]
+        out += ["## Bytes per token by codec", "", "Sources: " + "; ".join(
+            f"{k} ({v['requests']} requests, {v['tokens']} tokens, {v['layers']} layers x top-{v['top_k']} of {v['num_experts']})"
+            for k, v in c["sources"].items()) + ".", "", markdown_table(c), ""]
+        if c.get("chunking"):
+            out += ["Inner chunk size (synthetic-skewed):", "", "| codec | chunk_rows | B/token | enc MB/s | dec MB/s |", "|---|---|---|---|---|"]
+            out += [f"| {r['codec']} | {r['chunk_rows']} | {r['bytes_per_token']} | {r['encode_mbps']} | {r['decode_mbps']} |" for r in c["chunking"]]
+            out += [""]
+    if "capture" in results:
+        out += ["## Capture overhead vs decode batch size (GPU)", "", "| device | batch | step ms off | step ms on | overhead % | CUDA graphs |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r.get('device')} | {r['batch']} | {r['step_ms_off']} | {r['step_ms_on']} | {r['overhead_pct']} | {r.get('cuda_graphs')} |"
+                for r in results["capture"]]
+        out += [""]
+    if results.get("errors"):
+        out += ["## Benches that failed", ""] + [f"- {k}: {v}" for k, v in results["errors"].items()] + [""]
+    if results.get("pngs"):
+        out += ["## Figures", ""] + [f"- {k}: `{v}`" for k, v in results["pngs"].items()] + [""]
+    return "\n".join(out)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="bench_results", help="directory for results.json, tables.md and PNGs")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, numbers mean nothing")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "read", "codecs", "scaling", "capture"])
+    parser.add_argument("--capture", choices=["auto", "on", "off"], default="auto", help="capture bench (default: when CUDA is available)")
+
+
+def main(args) -> int:
+    capture = {"auto": None, "on": True, "off": False}[args.capture]
+    summary = run_all(out=args.out, quick=args.quick, skip=tuple(args.skip), capture=capture)
+    print(json.dumps(summary))
+    return 0 if not summary["errors"] else 1

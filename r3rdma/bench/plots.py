@@ -1,0 +1,121 @@
+"""PNG figures of `r3rdma bench all` (matplotlib, Agg backend: no display needed).
+
+Every figure shows r3rdma's number next to its yardstick from the same run, and the ratio.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_transport", "plot_batch_overhead", "plot_scaling", "plot_codecs"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return str(path)
+
+
+def plot_transport(result: dict[str, Any], path: Path, machine: str) -> str:
+    """Push throughput vs message size, against raw ucxx sends of the same bytes."""
+    plt = _plt()
+    rows = result["by_size"]
+    mb = [r["bytes"] / (1 << 20) for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax.plot(mb, [r["push_gbps"] for r in rows], "o-", label="r3rdma push (validate, CRC, ack)")
+    ax.plot(mb, [r["raw_ucxx_gbps"] for r in rows], "s--", label="raw ucxx send (yardstick)")
+    ax.set_xscale("log")
+    ax.set_xlabel("message size (MB)")
+    ax.set_ylabel("GB/s")
+    ax.legend()
+    ax.set_title("transport throughput vs message size")
+    ax2.plot(mb, [r["ratio"] for r in rows], "o-")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_xscale("log")
+    ax2.set_ylim(0, max(1.1, max(r["ratio"] for r in rows) * 1.1))
+    ax2.set_xlabel("message size (MB)")
+    ax2.set_ylabel("push / raw")
+    ax2.set_title(machine, fontsize=8)
+    return _save(fig, path)
+
+
+def plot_batch_overhead(store_rows: list[dict[str, Any]], capture_rows: list[dict[str, Any]], path: Path, machine: str) -> str:
+    """Overhead vs batch size: store ingest vs raw zarr per writer batch size, and (GPU) the
+    decode step with capture on vs off per decode batch size."""
+    plt = _plt()
+    panels = 2 if capture_rows else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4), squeeze=False)
+    ax = axes[0][0]
+    mb = [r["flush_bytes"] / (1 << 20) for r in store_rows]
+    ax.plot(mb, [r["ratio"] for r in store_rows], "o-", label="ingest / raw zarr write")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_ylim(0, max(1.1, max(r["ratio"] for r in store_rows) * 1.1))
+    ax.set_xlabel("writer batch (flush_bytes, MB)")
+    ax.set_ylabel("throughput ratio")
+    ax.set_title(f"store ingest overhead vs batch size\n{machine}", fontsize=9)
+    ax.legend()
+    if capture_rows:
+        ax = axes[0][1]
+        batch = [r["batch"] for r in capture_rows]
+        ax.plot(batch, [r["step_ms_off"] / r["step_ms_on"] for r in capture_rows], "o-", label="step time off / on")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.1)
+        ax.set_xlabel("decode batch (sequences)")
+        ax.set_ylabel("speed ratio (capture on)")
+        ax.set_title(f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}", fontsize=9)
+        ax.legend()
+    return _save(fig, path)
+
+
+def plot_scaling(result: dict[str, Any], path: Path, machine: str) -> str:
+    """Aggregate ingest of N store nodes on one machine vs N x one node."""
+    plt = _plt()
+    rows = result["by_nodes"]
+    n = [r["nodes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(n, [r["aggregate_gbps"] for r in rows], "o-", label="aggregate, N nodes concurrently")
+    ax.plot(n, [r["ideal_gbps"] for r in rows], "s--", label="N x one node (yardstick)")
+    for r in rows:
+        ax.annotate(f"{r['ratio']:.2f}", (r["nodes"], r["aggregate_gbps"]), textcoords="offset points", xytext=(4, -12))
+    ax.set_xticks(n)
+    ax.set_xlabel("store nodes (one pushing client each)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"store-node scaling on one machine ({result.get('cpu_count')} cores)\n{machine}", fontsize=9)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_codecs(result: dict[str, Any], path: Path, machine: str) -> str:
+    """Stored bytes per token relative to raw uint8, per codec and routing source."""
+    plt = _plt()
+    import numpy as np
+
+    sources = list(result["sources"])
+    codecs = list(dict.fromkeys(r["codec"] for r in result["rows"]))
+    by = {(r["source"], r["codec"]): r["vs_uint8"] for r in result["rows"]}
+    fig, ax = plt.subplots(figsize=(max(8, len(codecs) * 0.6), 4.5))
+    width = 0.8 / max(1, len(sources))
+    x = np.arange(len(codecs))
+    for i, src in enumerate(sources):
+        ax.bar(x + i * width, [by.get((src, c), np.nan) for c in codecs], width, label=src)
+    ax.axhline(1.0, color="grey", lw=0.8, label="raw uint8")
+    ax.axhline(4.0, color="red", lw=0.8, ls="--", label="raw int32 (4.0); base64 int32 is 5.33")
+    ax.set_xticks(x + width * (len(sources) - 1) / 2, codecs, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("stored bytes / raw uint8 bytes")
+    ax.set_ylim(0, 1.5)
+    ax.set_title(f"bytes per token by codec (lower is better)\n{machine}", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

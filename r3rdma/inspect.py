@@ -1,0 +1,168 @@
+"""`r3rdma inspect`: what a rollout holds, and how its tokens spread over experts.
+
+``r3rdma inspect SOURCE ROLLOUT [--token-file F] [--png load.png]``: SOURCE is a local store
+root or a store node's ``http://host:port`` (several, comma-separated, for a rollout spread
+over nodes). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
+base64, layers, top-k, experts, per-layer expert load balance) and writes a heatmap of expert
+load per layer. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["RolloutSummary", "inspect_rollout", "plot_expert_load", "add_arguments", "main"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSummary:
+    rollout_id: str
+    sources: tuple[str, ...]
+    requests: int
+    tokens: int
+    rows_min: int
+    rows_median: float
+    rows_max: int
+    num_layers: int
+    layer_map: tuple[int, ...]
+    top_k: int
+    num_experts: int
+    dtype: str
+    stored_bytes: int
+    bytes_per_token: float
+    raw_uint8_bytes: int
+    raw_int32_bytes: int
+    base64_int32_bytes: int
+    max_load_over_mean: tuple[float, ...]  # per MoE layer: busiest expert's tokens / the mean
+    unused_experts: tuple[int, ...]  # per MoE layer
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str | None = None,
+                    batch_requests: int = 256, progress: bool | None = None) -> tuple[RolloutSummary, np.ndarray]:
+    """Summary of ``rollout_id`` and its expert load ``[num_layers, num_experts]`` (token counts)."""
+    from tqdm.auto import tqdm
+
+    from .reader import RoutingReader
+
+    if isinstance(sources, str):
+        sources = [s for s in sources.split(",") if s]
+    with RoutingReader(list(sources), token=token) as reader:
+        info = reader.info(rollout_id)
+        stored = sum(reader.stored_bytes(rollout_id).values())
+        load = np.zeros((info.num_layers, info.num_experts), dtype=np.int64)
+        lengths: list[int] = []
+        ids = list(info.request_ids)
+        show = sys.stderr.isatty() if progress is None else progress
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not show or len(ids) <= batch_requests,
+                  file=sys.stderr) as bar:
+            for first in range(0, len(ids), batch_requests):
+                chunk = reader.get_numpy(rollout_id, ids[first : first + batch_requests])
+                for array in chunk.values():
+                    lengths.append(array.shape[0])
+                    flat = array.astype(np.int64).transpose(1, 0, 2).reshape(info.num_layers, -1)  # [L, T*K]
+                    for layer in range(info.num_layers):
+                        load[layer] += np.bincount(flat[layer], minlength=info.num_experts)[: info.num_experts]
+                bar.update(len(chunk))
+    tokens = info.total_rows
+    ids_per_token = info.num_layers * info.top_k
+    mean = load.sum(axis=1, keepdims=True) / max(1, info.num_experts)
+    summary = RolloutSummary(
+        rollout_id=rollout_id,
+        sources=tuple(sources),
+        requests=len(ids),
+        tokens=tokens,
+        rows_min=min(lengths, default=0),
+        rows_median=float(np.median(lengths)) if lengths else 0.0,
+        rows_max=max(lengths, default=0),
+        num_layers=info.num_layers,
+        layer_map=info.layer_map,
+        top_k=info.top_k,
+        num_experts=info.num_experts,
+        dtype=info.dtype,
+        stored_bytes=stored,
+        bytes_per_token=round(stored / tokens, 2) if tokens else 0.0,
+        raw_uint8_bytes=tokens * ids_per_token,
+        raw_int32_bytes=tokens * ids_per_token * 4,
+        base64_int32_bytes=4 * math.ceil(tokens * ids_per_token * 4 / 3),
+        max_load_over_mean=tuple(round(float(m), 3) for m in (load.max(axis=1) / np.maximum(mean[:, 0], 1e-9))),
+        unused_experts=tuple(int(n) for n in (load == 0).sum(axis=1)),
+    )
+    return summary, load
+
+
+def plot_expert_load(load: np.ndarray, path: str | os.PathLike[str], *, title: str = "",
+                     layer_map: Sequence[int] | None = None) -> None:
+    """Heatmap of the share of each layer's routed tokens that went to each expert."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share = load / np.maximum(load.sum(axis=1, keepdims=True), 1)
+    layers, experts = load.shape
+    fig, ax = plt.subplots(figsize=(min(16, 3 + experts * 0.08), min(12, 2 + layers * 0.25)))
+    image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("decoder layer")
+    labels = list(layer_map) if layer_map is not None else list(range(layers))
+    step = max(1, layers // 24)
+    ax.set_yticks(range(0, layers, step), [str(labels[i]) for i in range(0, layers, step)])
+    ax.set_title(title or "expert load per layer")
+    fig.colorbar(image, ax=ax, label="share of the layer's routed tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="store root directory or store node URL http://host:port (comma-separated for several)")
+    parser.add_argument("rollout", help="rollout id")
+    parser.add_argument("--token-file", default=None, help="file with the store nodes' token (else R3_STORE_TOKEN)")
+    parser.add_argument("--png", default=None, help="write a heatmap of expert load per layer to this PNG file")
+
+
+def main(args) -> int:
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    elif os.environ.get("R3_STORE_TOKEN"):
+        token = os.environ["R3_STORE_TOKEN"]
+    summary, load = inspect_rollout(args.source, args.rollout, token=token)
+    s = summary
+    print(f"rollout {s.rollout_id} on {', '.join(s.sources)}")
+    print(f"  requests:  {s.requests}  (rows per request min {s.rows_min}, median {s.rows_median:g}, max {s.rows_max})")
+    print(f"  tokens:    {s.tokens}")
+    print(f"  geometry:  {s.num_layers} MoE layers {list(s.layer_map)}, top-{s.top_k} of {s.num_experts} experts, {s.dtype}")
+    print(f"  stored:    {_human(s.stored_bytes)} ({s.bytes_per_token} B/token); raw uint8 {_human(s.raw_uint8_bytes)}, "
+          f"int32 {_human(s.raw_int32_bytes)}, base64 int32 {_human(s.base64_int32_bytes)}")
+    if s.num_layers:
+        worst = int(np.argmax(s.max_load_over_mean))
+        print(f"  balance:   busiest expert / mean load: median {np.median(s.max_load_over_mean):.2f}, "
+              f"worst {s.max_load_over_mean[worst]:.2f} (layer {s.layer_map[worst]}); "
+              f"unused experts: {sum(s.unused_experts)} over all layers")
+    result = s.to_json()
+    if args.png:
+        plot_expert_load(load, args.png, title=f"expert load, rollout {s.rollout_id} ({s.tokens} tokens)", layer_map=s.layer_map)
+        print(f"  heatmap:   {args.png}")
+        result["png"] = args.png
+    print(json.dumps(result))
+    return 0

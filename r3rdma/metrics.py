@@ -1,0 +1,102 @@
+"""Prometheus metrics of the engine side: capturer, writer and push client counters.
+
+The counters live on the objects themselves (plain ints, updated without locks on the hot
+path); :class:`CaptureMetrics` is a prometheus-client collector that reads them at scrape
+time, so capturing costs nothing extra when nobody scrapes. Store nodes export their own
+metrics on their HTTP port (``/metrics``, see ``r3rdma.store.metrics``).
+
+```python
+from r3rdma.metrics import serve_capture_metrics
+server, thread = serve_capture_metrics(9464, capturer=capturer, writer=writer)  # GET :9464/metrics
+```
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CaptureMetrics", "capture_registry", "serve_capture_metrics"]
+
+# (attribute, metric name, help) read from each object when present.
+_CAPTURER_COUNTERS = [
+    ("rows_captured", "r3rdma_capture_rows", "Routing rows captured (token positions x steps)"),
+    ("requests_finished", "r3rdma_capture_requests_finished", "Requests finished and handed to the sink"),
+    ("requests_aborted", "r3rdma_capture_requests_aborted", "Requests aborted (their routing is dropped)"),
+    ("requests_preempted", "r3rdma_capture_requests_preempted", "Requests preempted (rows kept, recomputed later)"),
+]
+_CAPTURER_GAUGES = [
+    ("active_requests", "r3rdma_capture_active_requests", "Requests being tracked now"),
+    ("tracked_positions", "r3rdma_capture_tracked_positions", "Token positions being tracked now"),
+]
+_WRITER_COUNTERS = [
+    ("requests_committed", "r3rdma_writer_requests_committed", "Requests made durable by the store"),
+    ("bytes_committed", "r3rdma_writer_bytes_committed", "Routing bytes made durable by the store"),
+    ("commit_failures", "r3rdma_writer_commit_failures", "Batches whose commit failed (error raised to the engine)"),
+]
+_WRITER_GAUGES = [
+    ("queued_requests", "r3rdma_writer_queue_requests", "Push queue depth: finished requests waiting to be committed"),
+    ("queued_bytes", "r3rdma_writer_queue_bytes", "Bytes waiting to be committed"),
+    ("inflight_bytes", "r3rdma_writer_inflight_bytes", "Bytes queued or being committed (backpressure above max_inflight_bytes)"),
+]
+_CLIENT_COUNTERS = [
+    ("requests_pushed", "r3rdma_push_requests", "Requests pushed to store nodes and acked durable"),
+    ("bytes_pushed", "r3rdma_push_bytes", "Routing bytes pushed to store nodes and acked durable"),
+    ("failovers", "r3rdma_push_failovers", "Pushes to a node that failed and were retried on the next node"),
+]
+
+
+class CaptureMetrics(Collector):
+    """Collector reading the counters of a capturer, a :class:`RoutingWriter` and a
+    :class:`StoreNodesClient` (each optional; the client defaults to ``writer.store`` when
+    that is a store-node client). Attributes an object lacks are skipped."""
+
+    def __init__(self, capturer: Any = None, writer: Any = None, client: Any = None) -> None:
+        self.capturer = capturer
+        self.writer = writer
+        if client is None and writer is not None and hasattr(getattr(writer, "store", None), "bytes_pushed"):
+            client = writer.store
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        for obj, counters, gauges in (
+            (self.capturer, _CAPTURER_COUNTERS, _CAPTURER_GAUGES),
+            (self.writer, _WRITER_COUNTERS, _WRITER_GAUGES),
+            (self.client, _CLIENT_COUNTERS, []),
+        ):
+            if obj is None:
+                continue
+            for attr, name, doc in counters:
+                value = getattr(obj, attr, None)
+                if value is not None:
+                    yield CounterMetricFamily(name, doc, value=float(value))
+            for attr, name, doc in gauges:
+                value = getattr(obj, attr, None)
+                if value is not None:
+                    yield GaugeMetricFamily(name, doc, value=float(value))
+        if self.client is not None:
+            down_until = getattr(self.client, "_down_until", {})
+            now = time.monotonic()
+            nodes = getattr(self.client, "nodes", [])
+            yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(nodes)))
+            yield GaugeMetricFamily("r3rdma_push_nodes_down", "Store nodes in failover cool-down now",
+                                    value=float(sum(1 for t in down_until.values() if t > now)))
+
+
+def capture_registry(capturer: Any = None, writer: Any = None, client: Any = None) -> CollectorRegistry:
+    """A registry holding one :class:`CaptureMetrics` (own registry: no global state)."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(CaptureMetrics(capturer, writer, client))
+    return registry
+
+
+def serve_capture_metrics(port: int, *, addr: str = "127.0.0.1", capturer: Any = None, writer: Any = None,
+                          client: Any = None):
+    """Serve the metrics over HTTP (``GET /metrics``) from a daemon thread; returns
+    ``(server, thread)`` (``server.shutdown()`` stops it). Port 0 picks a free port:
+    ``server.server_port``."""
+    return start_http_server(port, addr=addr, registry=capture_registry(capturer, writer, client))

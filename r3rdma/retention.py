@@ -1,0 +1,132 @@
+"""Retention: delete rollouts on every store node (``r3rdma delete``).
+
+Deletion goes through each node's authenticated HTTP service (``DELETE /v1/rollouts/{id}``,
+``DELETE /v1/rollouts?older_than_s=N``), never around it: the node owns its root (it holds the
+writer lock) and removes a rollout's index first, so readers stop seeing it at once, then its
+arrays. A trainer that reads a deleted rollout gets :class:`~r3rdma.errors.UnknownRolloutError`.
+
+Every node is asked, in parallel; a node that cannot be reached makes the call raise after
+the others were done, so a retention run is either complete or says which nodes still hold data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any, Sequence
+
+from .errors import (
+    AuthenticationError,
+    ConfigError,
+    InvalidIdError,
+    R3Error,
+    StoreError,
+    TransportError,
+    UnknownRolloutError,
+)
+from .ids import validate_id
+
+__all__ = ["delete_rollout", "delete_older_than", "add_arguments", "main"]
+
+
+def delete_rollout(nodes: Sequence[str], rollout_id: str, *, token: str, timeout_s: float = 30.0) -> dict[str, bool]:
+    """Delete ``rollout_id`` (all its requests) on every node (``http://host:port``).
+
+    Returns, per node, whether it held the rollout. Raises :class:`UnknownRolloutError` if no
+    node held it, :class:`TransportError` if a node could not be reached (after asking all).
+    """
+    validate_id(rollout_id, "rollout_id")
+    results = _run(nodes, "DELETE", f"/v1/rollouts/{rollout_id}", token, timeout_s, missing_ok=True)
+    held = {node: body is not None for node, body in results.items()}
+    if not any(held.values()):
+        raise UnknownRolloutError(f"rollout {rollout_id!r} not found on any of {len(nodes)} store nodes")
+    return held
+
+
+def delete_older_than(nodes: Sequence[str], age_s: float, *, token: str, timeout_s: float = 30.0) -> dict[str, list[str]]:
+    """Delete, on every node, each rollout whose last commit is more than ``age_s`` s old.
+
+    Returns the deleted rollout ids per node.
+    """
+    if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or not age_s >= 0:
+        raise ConfigError(f"age_s must be a number >= 0, got {age_s!r}")
+    results = _run(nodes, "DELETE", f"/v1/rollouts?older_than_s={float(age_s)!r}", token, timeout_s, missing_ok=False)
+    return {node: list(body["deleted"]) for node, body in results.items()}
+
+
+def _run(nodes: Sequence[str], method: str, path: str, token: str, timeout_s: float, *, missing_ok: bool) -> dict[str, Any]:
+    if not nodes:
+        raise ConfigError("retention needs at least one store node URL (http://host:port)")
+    for node in nodes:
+        if not node.startswith(("http://", "https://")):
+            raise ConfigError(f"store node URL must be http(s)://host:port, got {node!r}")
+    return asyncio.run(_all(list(nodes), method, path, token, timeout_s, missing_ok))
+
+
+async def _all(nodes: list[str], method: str, path: str, token: str, timeout_s: float, missing_ok: bool) -> dict[str, Any]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(node: str) -> Any:
+            url = node.rstrip("/") + path
+            try:
+                async with session.request(method, url, headers=headers) as response:
+                    text = await response.text()
+                    status = response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise TransportError(f"{method} {node}{path.split('?')[0]}: {type(e).__name__}: {e}") from e
+            if status == 200:
+                return json.loads(text)
+            if status == 404 and missing_ok:
+                return None
+            message = f"{node}: HTTP {status}: {text.strip()[:500]}"
+            if status == 401:
+                raise AuthenticationError(f"{message} (check the store token)")
+            if status == 400:
+                raise InvalidIdError(message)
+            raise StoreError(message)
+
+        results = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
+    failed = [(n, r) for n, r in zip(nodes, results) if isinstance(r, BaseException)]
+    if failed:
+        first = failed[0][1]
+        done = [n for n, r in zip(nodes, results) if not isinstance(r, BaseException)]
+        summary = "; ".join(f"{n}: {r}" for n, r in failed)
+        cls = type(first) if isinstance(first, R3Error) else StoreError
+        raise cls(f"retention incomplete on {len(failed)} of {len(nodes)} nodes (done on {done}): {summary}") from first
+    return dict(zip(nodes, results))
+
+
+# -- CLI: r3rdma delete ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", required=True, help="comma-separated store node HTTP URLs (http://host:port)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--rollout", action="append", help="rollout id to delete on every node (repeatable)")
+    what.add_argument("--older-than-s", type=float, help="delete every rollout whose last commit is older than this")
+    parser.add_argument("--token-file", default=None, help="file holding the store token (else R3_STORE_TOKEN)")
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .transport import load_secret
+
+    try:
+        token = load_secret(args.token_file).decode()
+        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+        if args.rollout:
+            out: dict[str, Any] = {"deleted": {rid: delete_rollout(nodes, rid, token=token, timeout_s=args.timeout_s)
+                                               for rid in args.rollout}}
+        else:
+            out = {"deleted_older_than": delete_older_than(nodes, args.older_than_s, token=token, timeout_s=args.timeout_s)}
+    except R3Error as e:
+        print(f"r3rdma delete: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0

@@ -1,0 +1,69 @@
+"""`r3rdma inspect`: summary and expert-load heatmap of a rollout, local root and store node URL."""
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from r3rdma import LocalRoutingStore
+from r3rdma.cli import main as cli_main
+from r3rdma.inspect import inspect_rollout
+from r3rdma.store_client import StoreNodesClient
+
+from .store_nodes import new_token, start_node
+
+
+def _expected_load(records, layers, experts):
+    load = np.zeros((layers, experts), dtype=np.int64)
+    for r in records:
+        for layer in range(layers):
+            load[layer] += np.bincount(r.ids_TLK[:, layer].reshape(-1).astype(np.int64), minlength=experts)
+    return load
+
+
+def test_inspect_local_root_summary_and_png(tmp_path, make_record, capsys):
+    records = [make_record(f"q{i}", rows=10 + 7 * i, layers=3, k=2, num_experts=16) for i in range(6)]
+    with LocalRoutingStore(tmp_path / "root") as store:
+        store.commit(records[:3])
+        store.commit(records[3:])  # two batch arrays
+    summary, load = inspect_rollout(str(tmp_path / "root"), "roll-0")
+    assert summary.requests == 6
+    assert summary.tokens == sum(r.num_rows for r in records)
+    assert (summary.num_layers, summary.top_k, summary.num_experts, summary.dtype) == (3, 2, 16, "uint8")
+    assert (summary.rows_min, summary.rows_max) == (10, 45)
+    assert summary.raw_uint8_bytes == summary.tokens * 3 * 2 and summary.raw_int32_bytes == 4 * summary.raw_uint8_bytes
+    assert summary.stored_bytes > 0
+    np.testing.assert_array_equal(load, _expected_load(records, 3, 16))
+    assert load.sum() == summary.tokens * 3 * 2
+
+    png = tmp_path / "load.png"
+    assert cli_main(["inspect", str(tmp_path / "root"), "roll-0", "--png", str(png)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["requests"] == 6 and last["png"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_unknown_rollout_is_a_key_error(tmp_path, make_record):
+    with LocalRoutingStore(tmp_path / "root") as store:
+        store.commit([make_record("a")])
+    with pytest.raises(KeyError):
+        inspect_rollout(str(tmp_path / "root"), "nope")
+
+
+def test_inspect_store_node_url_with_token(tmp_path, make_record, capsys):
+    token = new_token()
+    node = start_node(tmp_path / "node", token)
+    try:
+        records = [make_record(f"r{i}", rows=30, layers=2, k=4, num_experts=32) for i in range(4)]
+        with StoreNodesClient([node.push_url], secret=token) as client:
+            client.commit(records)
+        summary, load = inspect_rollout(node.http_url, "roll-0", token=token)
+        assert summary.requests == 4 and summary.tokens == 120
+        np.testing.assert_array_equal(load, _expected_load(records, 2, 32))
+        token_file = tmp_path / "tok"
+        token_file.write_text(token + "\n")
+        assert cli_main(["inspect", node.http_url, "roll-0", "--token-file", str(token_file)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 120
+    finally:
+        node.stop(signal.SIGKILL)
