@@ -434,24 +434,44 @@ class RoutingCapturer:
         self._slot_valid[slots] = True
         gens = self._slot_gen[slots]
         # Host bookkeeping: position -> (slot, generation) for each request's kept tokens.
-        positions = np.repeat(step.starts, step.counts) + (np.arange(step.total) - np.repeat(np.cumsum(step.counts) - step.counts, step.counts))
-        owner = np.repeat(np.arange(len(step.request_ids)), step.counts)[token_idx]
-        positions = positions[token_idx]
-        bounds = np.flatnonzero(np.diff(owner)) + 1
-        for chunk in np.split(np.arange(token_idx.size), bounds):
-            rid = step.request_ids[owner[chunk[0]]]
-            if rid in step.retired:
-                # Finished, aborted or preempted while this step was in flight (overlap
-                # scheduling): the slot was written above, but the request keeps no state.
-                continue
-            state = self._requests.get(rid)
-            if state is None:
-                state = self._requests[rid] = _RequestState()
-            pos = positions[chunk]
-            state.ensure(int(pos.max()) + 1)
-            state.slots[pos] = slots[chunk]
-            state.gens[pos] = gens[chunk]
+        if keep is None:
+            # Every token kept: request i's tokens are one contiguous run of positions, so
+            # plain slices do (this is the decode hot path: no per-token index arrays).
+            ends = np.cumsum(step.counts).tolist()
+            begin = 0
+            for rid, start, end in zip(step.request_ids, step.starts.tolist(), ends):
+                state = self._state_for(rid, step)
+                if state is not None and end > begin:
+                    stop = start + end - begin
+                    state.ensure(stop)
+                    state.slots[start:stop] = slots[begin:end]
+                    state.gens[start:stop] = gens[begin:end]
+                begin = end
+        else:
+            positions = np.repeat(step.starts, step.counts) + (
+                np.arange(step.total) - np.repeat(np.cumsum(step.counts) - step.counts, step.counts)
+            )
+            owner = np.repeat(np.arange(len(step.request_ids)), step.counts)[token_idx]
+            positions = positions[token_idx]
+            bounds = np.flatnonzero(np.diff(owner)) + 1
+            for chunk in np.split(np.arange(token_idx.size), bounds):
+                state = self._state_for(step.request_ids[owner[chunk[0]]], step)
+                if state is not None:
+                    pos = positions[chunk]
+                    state.ensure(int(pos.max()) + 1)
+                    state.slots[pos] = slots[chunk]
+                    state.gens[pos] = gens[chunk]
         self.rows_captured += int(token_idx.size)
+
+    def _state_for(self, request_id: str, step: "_Step") -> "_RequestState | None":
+        if request_id in step.retired:
+            # Finished, aborted or preempted while this step was in flight (overlap
+            # scheduling): its slots were written, but the request keeps no state.
+            return None
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState()
+        return state
 
     def _gather_step(self, step: "_Step") -> None:
         """One all-gather per step: every rank's share of every layer's rows, as raw bytes.

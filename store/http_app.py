@@ -19,8 +19,10 @@ temporary files, never ``..``.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import math
 import os
 import re
 import shutil
@@ -29,9 +31,6 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-import asyncio
-import math
 
 from r3rdma.errors import InvalidIdError, R3Error, UnknownRolloutError
 from r3rdma.local_store import LocalRoutingStore, check_rollout_dir_name

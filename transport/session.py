@@ -322,7 +322,12 @@ class ConnServer(TransportServer):
                 )
                 await self._send_error(conn, version, err, seq=seq, fatal=True)
                 return False
-            payload = np.empty(pre.payload_len, dtype=np.uint8)
+            # Zeroed, not np.empty: UCX does not report a *shorter* message, so bytes a frame did
+            # not fill would otherwise be stale heap contents, possibly another client's earlier
+            # batch; with crc32c null (device payloads) the node computed the CRC over them and
+            # stored someone else's data. Zeros make a short frame fail its CRC instead (large
+            # buffers come zeroed from mmap, so this costs nothing there).
+            payload = np.zeros(pre.payload_len, dtype=np.uint8)
             views, start = [], 0
             for size in header["frames"]:
                 views.append(payload[start : start + size])
