@@ -70,13 +70,16 @@ def test_protocol_fuzz_total_and_store_consistent(fuzz_node):
     node, totals = fuzz_node
     if totals["frames"]:
         assert totals["frames"] >= EXAMPLES * FRAMES_PER_EXAMPLE
-    # Whatever the fuzzer got acknowledged reads back with verified checksums.
+    # Whatever got acknowledged reads back with verified checksums (a benign header mutation
+    # may legitimately store a batch's bytes under another valid id); the honest client's
+    # requests are bit-exact.
     with RoutingReader(str(node.root)) as reader:
         for rollout in rb._visible([node.root]):
             ids = list(reader.info(rollout).request_ids)
-            got = reader.get_numpy(rollout, ids)
-            for rid in ids:
-                assert np.array_equal(got[rid], rb.make_record(rollout, rid).ids_TLK)
+            got = reader.get_numpy(rollout, ids)  # raises CorruptDataError on any CRC mismatch
+            if rollout == "legit":
+                for rid in ids:
+                    assert np.array_equal(got[rid], rb.make_record(rollout, rid).ids_TLK)
 
 
 def test_http_fuzz(fuzz_node):

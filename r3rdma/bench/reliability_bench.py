@@ -209,7 +209,7 @@ def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
 
 
 def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: set[tuple[str, str]],
-            *, read_bytes: bool = True) -> dict[str, int]:
+            *, read_bytes: bool = True, exact: bool = True) -> dict[str, int]:
     """Check acknowledged requests against the roots; return loss / phantom / corrupt counts.
 
     Reads every visible request back through :class:`RoutingReader` (checksums verified) and
@@ -227,9 +227,10 @@ def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: se
             for i in range(0, len(ids), 256):
                 part = ids[i : i + 256]
                 if read_bytes:
-                    got = reader.get_numpy(ro, part)
+                    got = reader.get_numpy(ro, part)  # CRC-32C of every segment verified
                     for rid in part:
-                        if not np.array_equal(got[rid], make_record(ro, rid).ids_TLK):
+                        # Records made with default rows are reproducible: compare the bytes.
+                        if exact and not np.array_equal(got[rid], make_record(ro, rid).ids_TLK):
                             corrupt += 1
                 for rid in part:
                     want = acked.get((ro, rid))
@@ -951,7 +952,9 @@ def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int 
         for n in nodes:
             n.stop()
     acked = out.pop("_acked")
-    check = _verify(roots, acked, set(acked), read_bytes=verify_bytes)
+    # Load records have random lengths: read back with CRC verification, compare CRCs with
+    # what was acknowledged (bit-exact up to CRC-32C).
+    check = _verify(roots, acked, set(acked), read_bytes=verify_bytes, exact=False)
     out.update({
         "acked_lost": check["lost"], "corrupt": check["corrupt"], "phantom": check["phantom"],
         "inflight_budget_mb": inflight_mb,
