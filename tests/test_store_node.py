@@ -1,5 +1,6 @@
 """Store nodes in separate processes: UCX ingest over TCP loopback, HTTP reads, failover, drain."""
 
+import json
 import signal
 
 import aiohttp
@@ -150,3 +151,34 @@ def test_public_read(tmp_path, make_record):
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["p"])["p"], make_record("p").ids_TLK)
     finally:
         node.stop(signal.SIGKILL)
+
+
+def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path, make_record):
+    """Batches that wait for a running commit are committed together (one array, one index
+    replace); when the merged commit is refused, each batch gets its own answer."""
+    import asyncio
+
+    from r3rdma.store import StoreNode
+
+    async def run():
+        node = StoreNode(tmp_path, secret=new_token())
+        try:
+            ok = await asyncio.gather(*(node._ingest([make_record(f"g{i}")]) for i in range(4)))
+            mixed = await asyncio.gather(
+                node._ingest([make_record("c", seed=1)]),
+                node._ingest([make_record("g0", seed=99)]),  # conflicts with the stored g0
+                node._ingest([make_record("d")]),
+                return_exceptions=True,
+            )
+        finally:
+            node.store.close()
+        return ok, mixed
+
+    ok, mixed = asyncio.run(asyncio.wait_for(run(), 60))
+    assert ok == [None] * 4
+    assert mixed[0] is None and mixed[2] is None and isinstance(mixed[1], DuplicateRequestError)
+    index = json.loads((tmp_path / "roll-0" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    assert len({index["requests"][f"g{i}"]["segments"][0]["array"] for i in range(4)}) == 1  # one commit
+    reader = RoutingReader(tmp_path)
+    np.testing.assert_array_equal(reader.get_numpy("roll-0", ["g0"])["g0"], make_record("g0").ids_TLK)
+    assert set(reader.info("roll-0").request_ids) == {"g0", "g1", "g2", "g3", "c", "d"}
