@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .integrations.hf_capture import attach_capturer, capturer_for_model
 from .integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest

@@ -28,7 +28,6 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from .errors import (
-    DuplicateRequestError,
     InvalidIdError,
     R3Error,
     SegmentError,

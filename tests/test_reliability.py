@@ -13,7 +13,7 @@ import pytest
 
 from r3rdma import RoutingReader
 from r3rdma.bench import reliability_bench as rb
-from r3rdma.errors import AuthenticationError, R3Error, StoreError
+from r3rdma.errors import AuthenticationError
 from r3rdma.records import RequestRecord
 from r3rdma.store_client import StoreNodesClient
 from r3rdma.transport import TransportLimits, UcxxClient, configure_ucx_env

@@ -20,7 +20,7 @@ from r3rdma.errors import (
 )
 from r3rdma.records import RequestRecord
 from r3rdma.transport import PackedBatch, RecordMeta, TransportLimits
-from r3rdma.transport.frames import Kind, Preamble
+from r3rdma.transport.frames import Kind
 from r3rdma.transport.session import recv_header, recv_preamble, send_message
 from r3rdma.transport.testing import LoopbackHarness, UcxxProcessHarness
 

@@ -76,7 +76,7 @@ def _capture_runs(batches: list[int], quick: bool) -> list[dict[str, Any]]:
 def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = False, skip: tuple[str, ...] = (),
             capture: bool | None = None, progress: bool = True) -> dict[str, Any]:
     from . import plots
-    from .codec_bench import markdown_table, run_codec_bench
+    from .codec_bench import run_codec_bench
     from .read_bench import run_read_bench
     from .scaling_bench import run_scaling_bench
     from .store_bench import run_store_bench

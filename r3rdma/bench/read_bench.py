@@ -12,34 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import select
-import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ..store.process import new_token, spawn_node
 from .synthetic import synthetic_records
 
 from ._progress import rounds_bar as _rounds
 
 __all__ = ["run_read_bench", "add_arguments", "main"]
-
-
-def _start_node(root: Path, token_file: Path) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "r3rdma.store.cli", "--root", str(root), "--token-file", str(token_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    ready, _, _ = select.select([proc.stdout], [], [], 120)
-    if not ready:
-        proc.kill()
-        raise TimeoutError("store node did not start in 120 s")
-    return proc, json.loads(proc.stdout.readline())["http_port"]
 
 
 async def _raw_get_all(base: str, token: str, paths: list[str], concurrency: int) -> int:
@@ -70,13 +54,11 @@ def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = No
     with LocalRoutingStore(store_root) as store:
         for i in range(0, len(records), 16):  # a few MB-sized batches, as a writer commits them
             store.commit(records[i : i + 16])
-    token = secrets.token_hex(32)
-    token_file = base / "token"
-    token_file.write_text(token)
+    token = new_token()
     files = sorted(str(p.relative_to(store_root)) for p in (store_root / "bench").rglob("*") if p.is_file())
     shard_bytes = sum((store_root / f).stat().st_size for f in files)
-    proc, port = _start_node(store_root, token_file)
-    url = f"http://127.0.0.1:{port}"
+    node = spawn_node(store_root, token)
+    url = node.http_url
     try:
         ids = [r.request_id for r in records]
         reader_s, raw_s = [], []
@@ -93,8 +75,7 @@ def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = No
                 print(f"round {rnd + 1}/{rounds}: reader {shard_bytes / reader_s[-1] / 1e9:.3f} GB/s, raw GET {shard_bytes / raw_s[-1] / 1e9:.3f} GB/s",
                       file=sys.stderr, flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        node.stop()
     reader_gbps = shard_bytes / statistics.median(reader_s) / 1e9
     raw_gbps = shard_bytes / statistics.median(raw_s) / 1e9
     return {

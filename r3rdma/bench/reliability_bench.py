@@ -27,9 +27,7 @@ import json
 import os
 import random
 import secrets
-import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +38,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from r3rdma.store.process import NodeProcess, new_token, spawn_node
+
 __all__ = [
-    "NodeProc",
-    "spawn_node",
     "make_record",
     "crash_cycles",
     "fuzz_node",
@@ -54,119 +52,6 @@ __all__ = [
 ]
 
 LAYERS, TOP_K, EXPERTS = 8, 4, 64
-
-
-# -- store node subprocesses -------------------------------------------------------------------
-
-
-@dataclass
-class NodeProc:
-    """A running ``r3rdma-store`` subprocess (stderr goes to ``log``)."""
-
-    proc: subprocess.Popen
-    root: Path
-    host: str
-    ucx_port: int
-    http_port: int
-    token: str
-    log: Path
-
-    @property
-    def push_url(self) -> str:
-        return f"{self.host}:{self.ucx_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def _status(self, key: str) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    def rss(self) -> int:
-        """Resident memory now, bytes."""
-        return self._status("VmRSS")
-
-    def peak_rss(self) -> int:
-        """Peak resident memory since start (VmHWM), bytes."""
-        return self._status("VmHWM")
-
-    def kill(self) -> None:
-        if self.alive:
-            self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-
-def new_token() -> str:
-    return secrets.token_hex(32)
-
-
-def spawn_node(
-    root: str | os.PathLike[str],
-    token: str,
-    *extra: str,
-    fsize_limit: int | None = None,
-    timeout: float = 60.0,
-) -> NodeProc:
-    """Start a store node on ``root`` (ports picked by the OS); return once it printed ready.
-
-    ``fsize_limit``: run it under ``RLIMIT_FSIZE`` with SIGXFSZ ignored, so writing past the
-    limit fails with EFBIG (a stand-in for a full disk that needs no mount).
-    """
-    root = Path(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    token_file = root.parent / f".{root.name}.token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    log = root.parent / f"{root.name}.log"
-    args = ["--root", str(root), "--token-file", str(token_file), *extra]
-    if fsize_limit is None:
-        cmd = [sys.executable, "-m", "r3rdma.store.cli", *args]
-    else:
-        # Set the limit in the child itself (preexec_fn is unsafe with the UCX threads here).
-        boot = (
-            "import resource, signal, sys, runpy; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({int(fsize_limit)}, {int(fsize_limit)})); "
-            "sys.argv = ['r3rdma-store'] + sys.argv[1:]; runpy.run_module('r3rdma.store.cli', run_name='__main__')"
-        )
-        cmd = [sys.executable, "-c", boot, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("R3_STORE_TOKEN", None)
-    if fsize_limit is not None:
-        # UCX's posix shared-memory transport backs its pools with files, which the limit
-        # would break; this node speaks TCP only (peers negotiate it).
-        env["UCX_TLS"] = "tcp,self"
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            proc.kill()
-            raise TimeoutError(f"store node on {root} not ready in {timeout} s; log: {log}")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"store node on {root} exited with {proc.wait()}: {log.read_text()[-2000:]}")
-        try:
-            info = json.loads(line)
-        except ValueError:
-            print(f"store node stdout: {line!r}", file=sys.stderr)
-            continue
-        if isinstance(info, dict) and info.get("event") == "ready":
-            return NodeProc(proc, root, info["host"], info["ucx_port"], info["http_port"], token, log)
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -593,7 +478,7 @@ class FuzzStats:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
-async def _fuzz(node: NodeProc, frames: Sequence[FuzzFrame], concurrency: int, reply_timeout: float,
+async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int, reply_timeout: float,
                 stats: FuzzStats) -> None:
     import r3rdma.errors as errors
     from r3rdma.errors import R3Error, R3TimeoutError, TransportError
@@ -723,7 +608,7 @@ async def _fuzz(node: NodeProc, frames: Sequence[FuzzFrame], concurrency: int, r
         await legit_task
 
 
-def fuzz_node(node: NodeProc, frames: Sequence[FuzzFrame], *, concurrency: int = 8,
+def fuzz_node(node: NodeProcess, frames: Sequence[FuzzFrame], *, concurrency: int = 8,
               reply_timeout: float = 10.0) -> FuzzStats:
     """Send ``frames`` to ``node`` over ``concurrency`` connections; a legit client pushes alongside."""
     from r3rdma.transport import configure_ucx_env
@@ -766,7 +651,7 @@ async def _http_one(host: str, port: int, request: bytes, timeout: float) -> int
         writer.close()
 
 
-async def _fuzz_http(node: NodeProc, rng: random.Random, n: int, rollout: str, concurrency: int) -> dict[str, Any]:
+async def _fuzz_http(node: NodeProcess, rng: random.Random, n: int, rollout: str, concurrency: int) -> dict[str, Any]:
     statuses: dict[int, int] = {}
     failures: list[str] = []
     sem = asyncio.Semaphore(concurrency)
@@ -813,7 +698,7 @@ async def _fuzz_http(node: NodeProc, rng: random.Random, n: int, rollout: str, c
     return {"requests": n, "statuses": {str(k): v for k, v in sorted(statuses.items())}, "failures": failures}
 
 
-def fuzz_http(node: NodeProc, n: int = 2000, *, seed: int = 0, rollout: str = "legit", concurrency: int = 16) -> dict[str, Any]:
+def fuzz_http(node: NodeProcess, n: int = 2000, *, seed: int = 0, rollout: str = "legit", concurrency: int = 16) -> dict[str, Any]:
     """``n`` raw HTTP requests with bad paths, ranges, methods and tokens; no 5xx, no leak."""
     out = asyncio.run(_fuzz_http(node, random.Random(seed), n, rollout, concurrency))
     out["node_crashed"] = not node.alive
@@ -873,7 +758,7 @@ def disk_full(work: Path, *, limit: int = 256 << 10) -> dict[str, Any]:
 # -- load --------------------------------------------------------------------------------------
 
 
-async def _load(nodes: list[NodeProc], clients: int, duration_s: float, batch: int, seed: int,
+async def _load(nodes: list[NodeProcess], clients: int, duration_s: float, batch: int, seed: int,
                 timeout_s: float) -> dict[str, Any]:
     from r3rdma.errors import R3Error
     from r3rdma.transport import TransportLimits, UcxxClient
@@ -887,7 +772,6 @@ async def _load(nodes: list[NodeProc], clients: int, duration_s: float, batch: i
     deadline = time.monotonic() + duration_s
 
     async def client(p: int) -> None:
-        nonlocal nbytes
         rng = random.Random(seed * 1000 + p)
         conns = [UcxxClient(n.host, n.ucx_port, secret=n.token, limits=limits) for n in nodes]
         k = 0
@@ -969,7 +853,7 @@ def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int 
 # -- auth / token hygiene ----------------------------------------------------------------------
 
 
-def token_leaks(node: NodeProc, *others: str) -> list[str]:
+def token_leaks(node: NodeProcess, *others: str) -> list[str]:
     """Places the node's token (or ``others``) appear in its log or its stdout."""
     text = node.log.read_text(errors="replace")
     return [t[:8] + "..." for t in (node.token, *others) if t and t in text]
