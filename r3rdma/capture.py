@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .errors import CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
+from .errors import ConfigError, CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
 from .ids import validate_id
 from .kernels import gather_rows, graph_regime, record_layer, table_dtype, write_step_rows
 from .records import RequestRecord, routing_dtype
@@ -99,6 +99,12 @@ class RoutingCapturer:
             On CUDA with a sink, ``finish_request`` gathers on the GPU, starts an asynchronous
             copy into pinned host memory and returns None at once; a finisher thread hands the
             record to the sink when the copy has landed (:meth:`flush` waits for that).
+        transfer_mode: how finished rows leave the GPU (:mod:`r3rdma.transfer`): ``staged``
+            (pinned host copy, the default, and what ``auto`` means without a probe result) or
+            ``gpu_direct`` (the device rows themselves go to a sink that takes them, a
+            :class:`~r3rdma.pipeline.RoutingWriter` over a
+            :class:`~r3rdma.store_client.StoreNodesClient`, and UCX reads device memory). With a
+            sink that cannot take device rows, ``gpu_direct`` is refused at construction.
         pin_memory: a CPU slot table in pinned host memory.
         tp_group: a tensor-parallel process group whose ranks split each step's MoE tokens
             (sequence-parallel MoE): rank ``r`` of ``P`` routes tokens ``[r*c, min((r+1)*c, T))``
@@ -126,6 +132,7 @@ class RoutingCapturer:
         pin_memory: bool = False,
         expert_map: torch.Tensor | Sequence[int] | None = None,
         tp_group: "torch.distributed.ProcessGroup | None" = None,
+        transfer_mode: str = "staged",
     ) -> None:
         self.layer_map = tuple(int(x) for x in layer_map)
         if not self.layer_map:
@@ -150,6 +157,16 @@ class RoutingCapturer:
             self.table_SLK = torch.zeros(shape, dtype=dtype, device=self.device)
         self._step_buf = torch.zeros((0, len(self.layer_map), self.top_k), dtype=dtype, device=self.device)
         self._cuda = self.device.type == "cuda"
+        if transfer_mode == "auto":
+            transfer_mode = "staged"  # auto without a probe result (see r3rdma.transfer)
+        if transfer_mode not in ("staged", "gpu_direct"):
+            raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
+        if transfer_mode == "gpu_direct" and not getattr(sink, "accepts_device_rows", False):
+            raise ConfigError(
+                "transfer_mode 'gpu_direct' needs a sink that pushes device memory (a RoutingWriter over a "
+                f"StoreNodesClient); {type(sink).__name__} does not"
+            )
+        self.transfer_mode = transfer_mode
         self._rows_buf = torch.zeros(0, dtype=torch.int64, device=self.device)  # graphed router_rows
         self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
         self._finisher: _Finisher | None = None
@@ -587,9 +604,17 @@ class RoutingCapturer:
                     num_experts=self.num_experts, start_row=start_row, final=final, total_rows=total_rows)
         self.requests_finished += 1
         if self._cuda and self.sink is not None:
-            from .transfer import stage_to_host
+            from .transfer import DeviceRows, stage_to_host
 
             self._raise_finisher_error()
+            if self.transfer_mode == "gpu_direct":
+                # The gathered device rows are the payload; the pusher waits on `ready`
+                # (a CUDA event) in its own thread before UCX reads them.
+                rows = gather_rows(self.table_SLK, self._to_device(slots))
+                ready = torch.cuda.Event()
+                ready.record()
+                self.sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **meta))
+                return None
             # Gather on the GPU, copy to pinned host memory asynchronously, and let the
             # finisher thread wait for the copy and hand the record over: no sync here.
             staged = stage_to_host(gather_rows(self.table_SLK, self._to_device(slots)))

@@ -47,6 +47,12 @@ class RoutingWriter:
 
     accepts_deferred = True
 
+    @property
+    def accepts_device_rows(self) -> bool:
+        """Whether ``submit`` takes :class:`~r3rdma.transfer.DeviceRows` (GPU-direct pushes):
+        only when the store can push device memory (``commit_device``)."""
+        return hasattr(self.store, "commit_device")
+
     def __init__(
         self,
         store: RecordStore,
@@ -172,8 +178,12 @@ class RoutingWriter:
                 self._first_enqueued = time.monotonic()
             error: BaseException | None = None
             try:
-                batch = [r if isinstance(r, RequestRecord) else r.result() for r in batch]
-                self.store.commit(batch)
+                device = [r for r in batch if getattr(r, "on_device", False)]
+                host = [r if isinstance(r, RequestRecord) else r.result() for r in batch if not getattr(r, "on_device", False)]
+                if host:
+                    self.store.commit(host)
+                if device:
+                    self.store.commit_device(device)  # GPU-direct: UCX reads device memory
             except BaseException as e:  # handed to the engine thread at its next call
                 error = e
             with self._cond:

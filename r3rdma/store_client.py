@@ -94,6 +94,17 @@ class StoreNodesClient:
             future.cancel()
             raise R3TimeoutError(f"pushing {len(records)} requests took over {self._commit_timeout} s") from e
 
+    def commit_device(self, items) -> PushStats:
+        """Push :class:`~r3rdma.transfer.DeviceRows` GPU-direct: the device buffers are the UCX
+        payload (each item's ``ready`` event is waited on first). Same placement and failover
+        as :meth:`commit`."""
+        future = asyncio.run_coroutine_threadsafe(self._commit(list(items), device=True), self._loop)
+        try:
+            return future.result(self._commit_timeout)
+        except TimeoutError as e:
+            future.cancel()
+            raise R3TimeoutError(f"pushing {len(items)} requests took over {self._commit_timeout} s") from e
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
@@ -114,7 +125,7 @@ class StoreNodesClient:
 
     # -- async core -------------------------------------------------------------------------
 
-    async def _commit(self, records: list[RequestRecord]) -> PushStats:
+    async def _commit(self, records: list, device: bool = False) -> PushStats:
         failed: set[str] = set()
         pending = records
         failovers = 0
@@ -130,7 +141,7 @@ class StoreNodesClient:
             for record in pending:
                 node = rendezvous_order(usable, f"{record.rollout_id}/{record.request_id}")[0]
                 groups.setdefault(node, []).append(record)
-            results = await asyncio.gather(*(self._push_node(n, g) for n, g in groups.items()), return_exceptions=True)
+            results = await asyncio.gather(*(self._push_node(n, g, device) for n, g in groups.items()), return_exceptions=True)
             pending = []
             for (node, group), result in zip(groups.items(), results):
                 if _node_failure(result):
@@ -147,7 +158,7 @@ class StoreNodesClient:
         self.bytes_pushed += total
         return PushStats(len(records), total, failovers)
 
-    async def _push_node(self, node: str, records: list[RequestRecord]) -> None:
+    async def _push_node(self, node: str, records: list, device: bool = False) -> None:
         from .transport import UcxxClient
 
         client = self._clients.get(node)
@@ -157,7 +168,12 @@ class StoreNodesClient:
             self._clients[node] = client
         try:
             for chunk in _chunks(records, self._limits.max_payload_bytes, self._limits.max_records):
-                await client.push(chunk)
+                if device:
+                    from .transfer import push_device_rows
+
+                    await push_device_rows(client, chunk, "gpu_direct")
+                else:
+                    await client.push(chunk)
         except BaseException as e:
             if not _node_failure(e):
                 raise

@@ -30,7 +30,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -140,6 +140,9 @@ class DeviceRows:
     ``ready`` is an event recorded on the producing stream after the rows were written; the
     sender waits on it before UCX reads the buffer.
     """
+
+    #: Tells pipelines apart from host records without importing torch there.
+    on_device: ClassVar[bool] = True
 
     rollout_id: str
     request_id: str

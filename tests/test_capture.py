@@ -213,3 +213,13 @@ def test_failed_forward_cancels_step():
     cap.begin_step(["a"], [0], [1], [0])
     cap.cancel_step()
     run_step(cap, ["a"], [0], [1], [0])  # a fresh step works
+
+
+def test_gpu_direct_needs_a_sink_that_pushes_device_memory():
+    from r3rdma import ConfigError
+
+    with pytest.raises(ConfigError, match="gpu_direct' needs a sink"):
+        RoutingCapturer(layer_map=(0,), top_k=2, num_experts=16, num_slots=8, sink=ListSink(), transfer_mode="gpu_direct")
+    with pytest.raises(ConfigError, match="transfer_mode must be"):
+        RoutingCapturer(layer_map=(0,), top_k=2, num_experts=16, num_slots=8, transfer_mode="rdma")
+    assert RoutingCapturer(layer_map=(0,), top_k=2, num_experts=16, num_slots=8, transfer_mode="auto").transfer_mode == "staged"

@@ -273,3 +273,34 @@ def test_writer_flush_covers_records_whose_copy_is_in_flight(tmp_path):
     for rid in ids:
         want = np.stack([fake_topk([rid], [0], [40], layer, 2, 16).numpy() for layer in (0, 1)], axis=1)
         np.testing.assert_array_equal(got[rid], want)
+
+
+def test_gpu_direct_push_to_a_store_node(tmp_path):
+    """transfer_mode="gpu_direct": finished rows stay on the GPU until UCX sends them to a store
+    node (a subprocess, TCP loopback); they read back bit-exact."""
+    from r3rdma import RoutingReader, RoutingWriter
+    from r3rdma.store_client import StoreNodesClient
+    from tests.store_nodes import new_token, start_node
+
+    node = start_node(tmp_path / "node", new_token())
+    try:
+        client = StoreNodesClient([node.push_url], secret=node.token)
+        with RoutingWriter(client, flush_interval_s=0) as writer:
+            cap = RoutingCapturer(layer_map=(0, 1), top_k=2, num_experts=300, num_slots=4096, sink=writer,
+                                  device="cuda", transfer_mode="gpu_direct")
+            ids = [f"d{i}" for i in range(20)]
+            for i, rid in enumerate(ids):
+                slots = list(range(i * 50, i * 50 + 50))
+                cap.begin_step([rid], [0], [50], slots)
+                for layer in cap.layer_map:
+                    cap.record(layer, fake_topk([rid], [0], [50], layer, 2, 300).cuda())
+                cap.end_step()
+                assert cap.finish_request(rid, prompt_len=50, generated_len=1) is None
+            writer.flush(timeout=120)
+        client.close()
+        got = RoutingReader(node.root).get_numpy("default", ids)  # node stays up: reading its root is fine
+    finally:
+        node.stop()
+    for rid in ids:
+        want = np.stack([fake_topk([rid], [0], [50], layer, 2, 300).numpy() for layer in (0, 1)], axis=1)
+        np.testing.assert_array_equal(got[rid].astype(np.int64), want)
