@@ -99,8 +99,10 @@ class RoutingCapturer:
             On CUDA with a sink, ``finish_request`` gathers on the GPU, starts an asynchronous
             copy into pinned host memory and returns None at once; a finisher thread hands the
             record to the sink when the copy has landed (:meth:`flush` waits for that).
-        transfer_mode: how finished rows leave the GPU (:mod:`r3rdma.transfer`): ``staged``
-            (pinned host copy, the default, and what ``auto`` means without a probe result) or
+        transfer_mode: how finished rows leave the GPU (:mod:`r3rdma.transfer`): ``auto``
+            (measure both against the sink's first store node at construction and keep the
+            faster; ``staged`` when the sink is not a store-node pusher or off CUDA), ``staged``
+            (pinned host copy, the default) or
             ``gpu_direct`` (the device rows themselves go to a sink that takes them, a
             :class:`~r3rdma.pipeline.RoutingWriter` over a
             :class:`~r3rdma.store_client.StoreNodesClient`, and UCX reads device memory). With a
@@ -157,8 +159,14 @@ class RoutingCapturer:
             self.table_SLK = torch.zeros(shape, dtype=dtype, device=self.device)
         self._step_buf = torch.zeros((0, len(self.layer_map), self.top_k), dtype=dtype, device=self.device)
         self._cuda = self.device.type == "cuda"
+        self.transfer_probe = None
         if transfer_mode == "auto":
-            transfer_mode = "staged"  # auto without a probe result (see r3rdma.transfer)
+            # Measured once, at start-up, against the sink's first store node when the sink can
+            # push device memory; otherwise (local store, CPU) staged, as r3rdma.transfer says.
+            transfer_mode = "staged"
+            if self._cuda and getattr(sink, "accepts_device_rows", False):
+                self.transfer_probe = sink.probe_transfer_mode(device=self.device)
+                transfer_mode = self.transfer_probe.mode
         if transfer_mode not in ("staged", "gpu_direct"):
             raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
         if transfer_mode == "gpu_direct" and not getattr(sink, "accepts_device_rows", False):

@@ -53,6 +53,10 @@ class RoutingWriter:
         only when the store can push device memory (``commit_device``)."""
         return hasattr(self.store, "commit_device")
 
+    def probe_transfer_mode(self, device=None, config=None):
+        """The store's transfer-mode probe (see :meth:`StoreNodesClient.probe_transfer_mode`)."""
+        return self.store.probe_transfer_mode(device=device, config=config)
+
     def __init__(
         self,
         store: RecordStore,

@@ -105,6 +105,22 @@ class StoreNodesClient:
             future.cancel()
             raise R3TimeoutError(f"pushing {len(items)} requests took over {self._commit_timeout} s") from e
 
+    def probe_transfer_mode(self, device=None, config=None):
+        """Measure GPU-direct against staged pushes to the first store node (probe batches are
+        acknowledged and dropped by the node); return a :class:`~r3rdma.transfer.ProbeResult`."""
+        from .transfer import probe_transfer_mode
+        from .transport import UcxxClient
+
+        async def run():
+            host, port = parse_node_url(self.nodes[0])
+            client = UcxxClient(host, port, secret=self._secret, limits=self._limits)
+            try:
+                return await probe_transfer_mode(client, device=device, config=config)
+            finally:
+                await client.close()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(self._commit_timeout)
+
     def close(self) -> None:
         if self._loop.is_closed():
             return

@@ -232,8 +232,12 @@ def resolve_transfer_mode(config: TransferConfig | None = None, *, probe: ProbeR
     return probe.mode if probe is not None else "staged"
 
 
+#: Store nodes acknowledge batches of this rollout without storing them: probe traffic.
+PROBE_ROLLOUT_ID = "r3rdma-transfer-probe"
+
+
 async def probe_transfer_mode(client, *, device: torch.device | str | None = None, config: TransferConfig | None = None,
-                              rollout_id: str = "r3probe") -> ProbeResult:
+                              rollout_id: str = PROBE_ROLLOUT_ID) -> ProbeResult:
     """Push the same bytes both ways to ``client`` (a connected TransportClient) and pick the faster.
 
     Point ``client`` at a sink that discards (a UcxxServer whose handler returns at once) or at

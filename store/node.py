@@ -16,6 +16,9 @@ from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, UcxxServer
 
 from .http_app import make_http_app
+
+# Kept here rather than imported from r3rdma.transfer, which needs torch (store nodes do not).
+PROBE_ROLLOUT_ID = "r3rdma-transfer-probe"
 from .metrics import NodeMetrics, bind_node_gauges
 
 __all__ = ["StoreNode", "NodeAddress"]
@@ -81,6 +84,8 @@ class StoreNode:
         together in one write + fsync + index replace. Each commit costs a few fsyncs
         (~40 ms here), so with many clients one-at-a-time commits queue up behind each other.
         """
+        if records and all(r.rollout_id == PROBE_ROLLOUT_ID for r in records):
+            return  # transfer-mode probe (r3rdma.transfer): received and checked, not stored
         started = time.perf_counter()
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((records, done))

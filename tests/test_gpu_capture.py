@@ -275,9 +275,11 @@ def test_writer_flush_covers_records_whose_copy_is_in_flight(tmp_path):
         np.testing.assert_array_equal(got[rid], want)
 
 
-def test_gpu_direct_push_to_a_store_node(tmp_path):
+@pytest.mark.parametrize("mode", ["gpu_direct", "auto"])
+def test_gpu_direct_push_to_a_store_node(tmp_path, mode):
     """transfer_mode="gpu_direct": finished rows stay on the GPU until UCX sends them to a store
-    node (a subprocess, TCP loopback); they read back bit-exact."""
+    node (a subprocess, TCP loopback); they read back bit-exact. "auto" probes both paths against
+    the node at construction, keeps the faster, and the node stores none of the probe traffic."""
     from r3rdma import RoutingReader, RoutingWriter
     from r3rdma.store_client import StoreNodesClient
     from tests.store_nodes import new_token, start_node
@@ -287,7 +289,11 @@ def test_gpu_direct_push_to_a_store_node(tmp_path):
         client = StoreNodesClient([node.push_url], secret=node.token)
         with RoutingWriter(client, flush_interval_s=0) as writer:
             cap = RoutingCapturer(layer_map=(0, 1), top_k=2, num_experts=300, num_slots=4096, sink=writer,
-                                  device="cuda", transfer_mode="gpu_direct")
+                                  device="cuda", transfer_mode=mode)
+            if mode == "auto":
+                probe = cap.transfer_probe
+                assert probe is not None and cap.transfer_mode == probe.mode in ("gpu_direct", "staged")
+                print("transfer probe:", probe.to_json())
             ids = [f"d{i}" for i in range(20)]
             for i, rid in enumerate(ids):
                 slots = list(range(i * 50, i * 50 + 50))
@@ -304,3 +310,4 @@ def test_gpu_direct_push_to_a_store_node(tmp_path):
     for rid in ids:
         want = np.stack([fake_topk([rid], [0], [50], layer, 2, 300).numpy() for layer in (0, 1)], axis=1)
         np.testing.assert_array_equal(got[rid].astype(np.int64), want)
+    assert sorted(p.name for p in node.root.iterdir() if p.is_dir()) == ["default"]  # no probe rollout

@@ -182,3 +182,17 @@ def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path
     reader = RoutingReader(tmp_path)
     np.testing.assert_array_equal(reader.get_numpy("roll-0", ["g0"])["g0"], make_record("g0").ids_TLK)
     assert set(reader.info("roll-0").request_ids) == {"g0", "g1", "g2", "g3", "c", "d"}
+
+
+def test_transfer_probe_batches_are_acked_but_not_stored(two_nodes, make_record):
+    from r3rdma import UnknownRolloutError
+    from r3rdma.transfer import PROBE_ROLLOUT_ID
+
+    node = two_nodes[0]
+    with StoreNodesClient([node.push_url], secret=node.token) as client:
+        client.commit([make_record("p0", rollout_id=PROBE_ROLLOUT_ID)])
+        client.commit([make_record("real")])
+    assert not (node.root / PROBE_ROLLOUT_ID).exists()
+    with pytest.raises(UnknownRolloutError):
+        RoutingReader(http_store(node)).info(PROBE_ROLLOUT_ID)
+    assert RoutingReader(http_store(node)).info("roll-0").request_ids == ("real",)
