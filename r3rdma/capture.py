@@ -107,7 +107,10 @@ class RoutingCapturer:
             :class:`~r3rdma.pipeline.RoutingWriter` over a
             :class:`~r3rdma.store_client.StoreNodesClient`, and UCX reads device memory). With a
             sink that cannot take device rows, ``gpu_direct`` is refused at construction.
-        pin_memory: a CPU slot table in pinned host memory.
+        pin_memory: keep the slot table in pinned host memory. On CUDA it is mapped into the
+            device's address space (UVA), so the same kernels write it over PCIe: no HBM for
+            the table (it can be large: slots x layers x top-k), at the price of slower
+            scatters and gathers.
         tp_group: a tensor-parallel process group whose ranks split each step's MoE tokens
             (sequence-parallel MoE): rank ``r`` of ``P`` routes tokens ``[r*c, min((r+1)*c, T))``
             with ``c = ceil(T/P)``, and ``end_step`` all-gathers the step's rows of all layers in
@@ -153,8 +156,15 @@ class RoutingCapturer:
         self._moe_index = {layer: i for i, layer in enumerate(self.layer_map)}
         dtype = table_dtype(num_experts)
         shape = (self.num_slots, len(self.layer_map), self.top_k)
+        self._host_table: torch.Tensor | None = None
         if pin_memory and self.device.type == "cpu":
             self.table_SLK = torch.zeros(shape, dtype=dtype).pin_memory()
+        elif pin_memory:
+            # Pinned memory from cudaHostAlloc is mapped, and with unified addressing its host
+            # pointer is valid on the device: a CUDA tensor over the same bytes lets the usual
+            # kernels (torch and Triton) write it. _host_table keeps the allocation alive.
+            self._host_table = torch.zeros(shape, dtype=dtype).pin_memory()
+            self.table_SLK = _device_view_of_pinned(self._host_table, self.device)
         else:
             self.table_SLK = torch.zeros(shape, dtype=dtype, device=self.device)
         self._step_buf = torch.zeros((0, len(self.layer_map), self.top_k), dtype=dtype, device=self.device)
@@ -781,6 +791,24 @@ class _Step:
         self.total = int(slots.shape[0])
         self.recorded = [False] * num_layers
         self.covered = [0] * num_layers  # tokens recorded so far per layer (chunked MoE)
+
+
+class _PinnedOnDevice:
+    """``__cuda_array_interface__`` of pinned host memory, for torch.as_tensor(device="cuda")."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4"}[host.dtype]
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": typestr, "data": (host.data_ptr(), False),
+            "version": 3, "strides": None, "stream": None,
+        }
+
+
+def _device_view_of_pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    view = torch.as_tensor(_PinnedOnDevice(host), device=device)
+    if view.data_ptr() != host.data_ptr() or view.device.type != "cuda":
+        raise ConfigError("pinned host slot table: this CUDA setup does not map pinned memory into the device (no UVA)")
+    return view
 
 
 def _make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:

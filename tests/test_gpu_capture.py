@@ -311,3 +311,28 @@ def test_gpu_direct_push_to_a_store_node(tmp_path, mode):
         want = np.stack([fake_topk([rid], [0], [50], layer, 2, 300).numpy() for layer in (0, 1)], axis=1)
         np.testing.assert_array_equal(got[rid].astype(np.int64), want)
     assert sorted(p.name for p in node.root.iterdir() if p.is_dir()) == ["default"]  # no probe rollout
+
+
+def test_pinned_host_slot_table_on_cuda():
+    """pin_memory=True on CUDA: the table lives in pinned host memory mapped into the device;
+    the step path stays kernels-only (no host sync) and the stored rows are the same."""
+    rows = {}
+    for pin in (False, True):
+        sink = ListSink()
+        cap = _sync_free(RoutingCapturer(layer_map=(0, 3), top_k=2, num_experts=300, num_slots=512, sink=sink,
+                                         device="cuda", pin_memory=pin))
+        assert cap.table_SLK.is_cuda
+        for step in range(3):
+            cap.begin_step(["a", "b"], [step * 4, step * 4], [4, 4], [step * 4 + i for i in range(4)] + [200 + step * 4 + i for i in range(4)])
+            for layer in cap.layer_map:
+                cap.record(layer, fake_topk(["a", "b"], [step * 4] * 2, [4, 4], layer, 2, 300).cuda())
+            cap.end_step()
+        cap.finish_request("a", prompt_len=12, generated_len=1)
+        cap.finish_request("b", prompt_len=12, generated_len=1)
+        cap.close()
+        rows[pin] = {r.request_id: r.ids_TLK for r in sink.records}
+        if pin:
+            assert cap._host_table is not None and cap._host_table.is_pinned()
+            assert cap.table_SLK.data_ptr() == cap._host_table.data_ptr()
+    for rid in ("a", "b"):
+        np.testing.assert_array_equal(rows[True][rid], rows[False][rid])
