@@ -10,7 +10,7 @@ import numpy as np
 from .errors import ShapeMismatchError
 from .ids import validate_id
 
-__all__ = ["RequestRecord", "routing_dtype", "checksum"]
+__all__ = ["RequestRecord", "routing_dtype", "checksum", "batches_by_size"]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -122,3 +122,18 @@ class RequestRecord:
     @property
     def nbytes(self) -> int:
         return int(self.ids_TLK.nbytes)
+
+
+def batches_by_size(items, max_bytes: int, max_items: int | None = None):
+    """Split ``items`` (anything with ``nbytes``) into consecutive runs of at most ``max_bytes``
+    (and ``max_items``); an item larger than ``max_bytes`` forms a batch of its own."""
+    batch: list = []
+    size = 0
+    for item in items:
+        if batch and (size + item.nbytes > max_bytes or (max_items is not None and len(batch) >= max_items)):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item.nbytes
+    if batch:
+        yield batch

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import AuthenticationError, ConfigError, R3Error, R3TimeoutError, TransportError
-from .records import RequestRecord
+from .records import RequestRecord, batches_by_size
 
 __all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url"]
 
@@ -183,7 +183,7 @@ class StoreNodesClient:
             client = UcxxClient(host, port, secret=self._secret, limits=self._limits)
             self._clients[node] = client
         try:
-            for chunk in _chunks(records, self._limits.max_payload_bytes, self._limits.max_records):
+            for chunk in batches_by_size(records, self._limits.max_payload_bytes, self._limits.max_records):
                 if device:
                     from .transfer import push_device_rows
 
@@ -210,16 +210,3 @@ def _node_failure(error: object) -> bool:
     if isinstance(error, (TransportError, R3TimeoutError)):
         return True
     return isinstance(error, OSError) and not isinstance(error, R3Error)
-
-
-def _chunks(records: list[RequestRecord], max_bytes: int, max_records: int):
-    chunk: list[RequestRecord] = []
-    size = 0
-    for record in records:
-        if chunk and (size + record.nbytes > max_bytes or len(chunk) >= max_records):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(record)
-        size += record.nbytes
-    if chunk:
-        yield chunk

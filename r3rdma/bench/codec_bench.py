@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..records import RequestRecord
+from ..records import RequestRecord, batches_by_size
 from .synthetic import synthetic_records
 
 __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_arguments", "main"]
@@ -130,16 +130,7 @@ def routing_sources(*, quick: bool = False, large: bool = True, seed: int = 0) -
 
 
 def _batches(records: Sequence[RequestRecord], flush_bytes: int) -> list[np.ndarray]:
-    out, batch, size = [], [], 0
-    for r in records:
-        if batch and size + r.nbytes > flush_bytes:
-            out.append(np.concatenate(batch))
-            batch, size = [], 0
-        batch.append(r.ids_TLK)
-        size += r.nbytes
-    if batch:
-        out.append(np.concatenate(batch))
-    return out
+    return [np.concatenate([r.ids_TLK for r in batch]) for batch in batches_by_size(records, flush_bytes)]
 
 
 def _write(data: np.ndarray, compressors: list[Any], chunk_rows: int):

@@ -48,7 +48,8 @@ def _client_records(client: int, total_bytes: int, seed: int):
 async def _client_main(address: str, token_file: str, client: int, total_bytes: int, batch_bytes: int) -> None:
     from r3rdma.transport import TransportLimits, UcxxClient, load_secret
 
-    from ..store_client import _chunks, parse_node_url
+    from ..records import batches_by_size
+    from ..store_client import parse_node_url
 
     host, port = parse_node_url(address)
     records = _client_records(client, total_bytes, seed=client)
@@ -60,7 +61,7 @@ async def _client_main(address: str, token_file: str, client: int, total_bytes: 
         print(json.dumps({"event": "ready"}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start = time.time()
-        for batch in _chunks(records, batch_bytes, 10_000):
+        for batch in batches_by_size(records, batch_bytes, 10_000):
             await ucx.push(batch)
         end = time.time()
     print(json.dumps({"event": "done", "start": start, "end": end, "bytes": sum(r.nbytes for r in records),

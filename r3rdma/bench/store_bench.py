@@ -20,23 +20,12 @@ from zarr.storage import LocalStore
 
 from ..local_store import LocalRoutingStore, zarr_codecs
 from ..pipeline import RoutingWriter
+from ..records import batches_by_size
 from .synthetic import synthetic_records
 
 from ._progress import rounds_bar as _rounds
 
 __all__ = ["run_store_bench"]
-
-
-def _batches(records, flush_bytes):
-    batch, size = [], 0
-    for r in records:
-        if batch and size + r.nbytes > flush_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(r)
-        size += r.nbytes
-    if batch:
-        yield batch
 
 
 def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8 << 20, zstd_level: int = 3,
@@ -59,7 +48,7 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
         d = base / f"raw-{rnd}"
         t0 = time.perf_counter()
         store = LocalStore(d)
-        for n, batch in enumerate(_batches(records, flush_bytes)):
+        for n, batch in enumerate(batches_by_size(records, flush_bytes)):
             import numpy as np
 
             data = np.concatenate([r.ids_TLK for r in batch])
