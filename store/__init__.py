@@ -2,6 +2,7 @@
 
 from .http_app import make_http_app
 from .metrics import NodeMetrics
-from .node import NodeAddress, StoreNode
+from .address import NodeAddress
+from .node import StoreNode
 
 __all__ = ["NodeAddress", "NodeMetrics", "StoreNode", "make_http_app"]

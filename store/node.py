@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -15,6 +14,7 @@ from r3rdma.local_store import CommitResult, LocalRoutingStore
 from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, UcxxServer
 
+from .address import NodeAddress
 from .http_app import make_http_app
 
 # Kept here rather than imported from r3rdma.transfer, which needs torch (store nodes do not).
@@ -24,21 +24,6 @@ from .metrics import NodeMetrics, bind_node_gauges
 __all__ = ["StoreNode", "NodeAddress"]
 
 log = logging.getLogger("r3rdma.store")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAddress:
-    host: str
-    ucx_port: int
-    http_port: int
-
-    @property
-    def push_url(self) -> str:
-        return f"{self.host}:{self.ucx_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
 
 
 class StoreNode:

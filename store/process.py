@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .address import NodeAddress
+
 __all__ = ["NodeProcess", "spawn_node", "new_token"]
 
 
@@ -26,19 +28,15 @@ class NodeProcess:
 
     proc: subprocess.Popen
     root: Path
-    host: str
-    ucx_port: int
-    http_port: int
+    address: NodeAddress
     token: str
     log: Path
 
-    @property
-    def push_url(self) -> str:
-        return f"{self.host}:{self.ucx_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+    host = property(lambda self: self.address.host)
+    ucx_port = property(lambda self: self.address.ucx_port)
+    http_port = property(lambda self: self.address.http_port)
+    push_url = property(lambda self: self.address.push_url)
+    http_url = property(lambda self: self.address.http_url)
 
     @property
     def alive(self) -> bool:
@@ -128,4 +126,4 @@ def spawn_node(
             print(f"store node stdout: {line!r}", file=sys.stderr)
             continue
         if isinstance(info, dict) and info.get("event") == "ready":
-            return NodeProcess(proc, root, info["host"], info["ucx_port"], info["http_port"], token, log)
+            return NodeProcess(proc, root, NodeAddress(info["host"], info["ucx_port"], info["http_port"]), token, log)
