@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-import google_crc32c  # a dependency of zarr (its crc32c codec)
+import crc32c
 import numpy as np
 
 from .errors import ShapeMismatchError
 from .ids import validate_id
 
-__all__ = ["RequestRecord", "routing_dtype", "checksum", "batches_by_size"]
+__all__ = ["RequestRecord", "routing_dtype", "checksum", "buffer_checksum", "batches_by_size"]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -31,7 +31,17 @@ def routing_dtype(num_experts: int) -> np.dtype:
 def checksum(ids_TLK: np.ndarray) -> int:
     """CRC-32C of the C-order bytes of a routing array; stored in the rollout index."""
     # Hashes the array's buffer in place: a tobytes() copy cost 4x the CRC itself.
-    return int(google_crc32c.value(np.ascontiguousarray(ids_TLK).reshape(-1).view(np.uint8)))
+    return buffer_checksum(np.ascontiguousarray(ids_TLK).reshape(-1).view(np.uint8))
+
+
+def buffer_checksum(buf) -> int:
+    """CRC-32C of a contiguous buffer (same value as zarr's crc32c codec, google_crc32c).
+
+    The ``crc32c`` package, not google_crc32c: it is ~1.3x faster here (SSE4.2, 3-way) and
+    releases the GIL, so a store node hashes a batch in worker threads while UCX and its
+    event loop keep receiving the next frames (google_crc32c holds the GIL throughout).
+    """
+    return int(crc32c.crc32c(buf))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -63,8 +73,11 @@ class RequestRecord:
     crc32c: int = field(default=-1)
     final: bool = True
     total_rows: int | None = None
+    #: The caller already hashed exactly these bytes and ``crc32c`` is the result (a store node
+    #: verifies batches frame by frame off its event loop); skips hashing them again here.
+    checksum_verified: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checksum_verified: bool = False) -> None:
         validate_id(self.rollout_id, "rollout_id")
         validate_id(self.request_id, "request_id")
         ids = self.ids_TLK
@@ -99,6 +112,8 @@ class RequestRecord:
         if not ids.flags.c_contiguous:
             object.__setattr__(self, "ids_TLK", np.ascontiguousarray(ids))
         object.__setattr__(self, "layer_map", tuple(int(x) for x in self.layer_map))
+        if checksum_verified and self.crc32c != -1:
+            return
         crc = checksum(self.ids_TLK)
         if self.crc32c not in (-1, crc):
             raise ShapeMismatchError(

@@ -15,7 +15,8 @@ import signal
 import sys
 
 from r3rdma.errors import R3Error
-from r3rdma.transport import TransportLimits, load_secret
+from r3rdma.transport import TransportLimits, configure_ucx_env, load_secret
+from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV
 
 from .node import StoreNode
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_LogHygiene())
     try:
+        configure_ucx_env(STORE_NODE_UCX_ENV)  # before anything imports ucxx
         return asyncio.run(_serve(args))
     except R3Error as e:
         print(f"r3rdma-store: {e}", file=sys.stderr)

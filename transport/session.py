@@ -44,6 +44,7 @@ from .frames import (
     unpack_header,
 )
 from .limits import TransportLimits
+from .receive import FrameHasher, ReceiveBuffers
 
 __all__ = ["timed", "ConnServer", "ConnClient"]
 
@@ -183,6 +184,7 @@ class ConnServer(TransportServer):
         # In-flight payload budget (limits.max_inflight_bytes), shared by all connections.
         self._inflight = 0
         self._inflight_changed: asyncio.Condition | None = None  # created in the serving loop
+        self.buffers = ReceiveBuffers(max_cached_bytes=self.limits.max_inflight_bytes)
 
     @property
     def inflight_bytes(self) -> int:
@@ -322,18 +324,6 @@ class ConnServer(TransportServer):
                 )
                 await self._send_error(conn, version, err, seq=seq, fatal=True)
                 return False
-            # Zeroed, not np.empty: UCX does not report a *shorter* message, so bytes a frame did
-            # not fill would otherwise be stale heap contents, possibly another client's earlier
-            # batch; with crc32c null (device payloads) the node computed the CRC over them and
-            # stored someone else's data. Zeros make a short frame fail its CRC instead (large
-            # buffers come zeroed from mmap, so this costs nothing there).
-            payload = np.zeros(pre.payload_len, dtype=np.uint8)
-            views, start = [], 0
-            for size in header["frames"]:
-                views.append(payload[start : start + size])
-                start += size
-            # Posted at once, in order (see send_message).
-            await timed(asyncio.gather(*(conn.recv_into(v) for v in views)), t, "receiving payload frames")
         except (TransportError, R3TimeoutError) as e:
             log.info("batch from %s aborted: %s", conn.peer, e)
             return False
@@ -341,16 +331,57 @@ class ConnServer(TransportServer):
             log.warning("protocol violation by %s: %s", conn.peer, e)
             await self._send_error(conn, version, e, seq=seq, fatal=True)
             return False
-
-        # The message was consumed entirely: errors from here on leave the stream in sync.
+        base = self.buffers.take(pre.payload_len)
         try:
-            records = decode_batch(metas, payload)
-            await timed(self._handler(records), limits.handler_timeout_s, "handler (durable write)")
-        except R3Error as e:
-            return await self._send_error(conn, version, e, seq=seq, fatal=False)
-        except Exception as e:  # a bug in the handler: report it typed, keep serving
-            log.exception("handler failed on a batch from %s", conn.peer)
-            return await self._send_error(conn, version, e, seq=seq, fatal=False)
+            return await self._receive_and_handle(conn, version, pre, seq, metas, header["frames"], base)
+        finally:
+            self.buffers.give_back(base)  # kept by the pool only if no record still views it
+
+    async def _receive_and_handle(
+        self, conn: Conn, version: int, pre: Preamble, seq: int, metas: list, frame_sizes: list[int], base: np.ndarray
+    ) -> bool:
+        limits = self.limits
+        t = limits.timeout_s
+        payload = base[: pre.payload_len]
+        if any(m.crc32c is None for m in metas):
+            # UCX does not report a *shorter* message, so bytes a frame did not fill keep what
+            # the buffer held before: possibly another client's earlier batch. A request with
+            # a sender checksum catches that; one without (device payloads, hashed here) would
+            # be stored with someone else's bytes, so zeros make a short frame fail instead.
+            payload.fill(0)
+        views, start = [], 0
+        for size in frame_sizes:
+            views.append(payload[start : start + size])
+            start += size
+        hasher = FrameHasher(metas, frame_sizes, payload)
+
+        async def receive(i: int, view: np.ndarray) -> None:
+            await conn.recv_into(view)
+            hasher.frame_done(i)  # hash its requests in a thread while later frames arrive
+
+        try:
+            try:
+                # Posted at once, in order (see send_message).
+                await timed(asyncio.gather(*(receive(i, v) for i, v in enumerate(views))), t, "receiving payload frames")
+            except (TransportError, R3TimeoutError) as e:
+                log.info("batch from %s aborted: %s", conn.peer, e)
+                return False
+            except R3Error as e:  # ProtocolError: the stream can no longer be trusted
+                log.warning("protocol violation by %s: %s", conn.peer, e)
+                await self._send_error(conn, version, e, seq=seq, fatal=True)
+                return False
+
+            # The message was consumed entirely: errors from here on leave the stream in sync.
+            try:
+                records = decode_batch(metas, payload, await hasher.results())
+                await timed(self._handler(records), limits.handler_timeout_s, "handler (durable write)")
+            except R3Error as e:
+                return await self._send_error(conn, version, e, seq=seq, fatal=False)
+            except Exception as e:  # a bug in the handler: report it typed, keep serving
+                log.exception("handler failed on a batch from %s", conn.peer)
+                return await self._send_error(conn, version, e, seq=seq, fatal=False)
+        finally:
+            await hasher.settle()  # no hashing thread may still read the buffer
         ack = {"seq": seq, "requests": len(metas), "bytes": pre.payload_len}
         try:
             await send_message(conn, version, Kind.ACK, ack, timeout=t)

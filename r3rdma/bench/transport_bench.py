@@ -27,7 +27,10 @@ __all__ = ["run_transport_bench", "add_arguments", "main"]
 
 
 async def _serve(secret: str) -> None:
-    from r3rdma.transport import TransportLimits, UcxxServer
+    from r3rdma.transport import TransportLimits, UcxxServer, configure_ucx_env
+    from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV
+
+    configure_ucx_env(STORE_NODE_UCX_ENV)  # progress UCX as a store node does (both sinks)
     from r3rdma.transport.raw_baseline import RawSinkServer
 
     async def discard(_records) -> None:
@@ -62,7 +65,10 @@ def _records_of_size(total: int, seed: int):
     return records
 
 
-async def _client(push_port: int, raw_port: int, secret: str, sizes: list[int], rounds: int, iterations: int, progress: bool):
+async def _client(
+    push_port: int, raw_port: int, secret: str, sizes: list[int], rounds: int, iterations: int, bytes_per_round: int,
+    progress: bool,
+):
     from r3rdma.transport import TransportLimits, UcxxClient
     from r3rdma.transport.raw_baseline import raw_push
 
@@ -76,23 +82,28 @@ async def _client(push_port: int, raw_port: int, secret: str, sizes: list[int], 
             push_s, raw_s = [], []
             for _ in range(2):  # warm-up both paths
                 await client.push(records)
+            # Rounds of a few pushes of 1 MiB last milliseconds and measured scheduler noise:
+            # each round moves at least bytes_per_round (default 64 MiB) on each path.
+            pushes = max(iterations, -(-bytes_per_round // nbytes))
             for rnd in range(rounds):
                 t0 = asyncio.get_running_loop().time()
-                for _ in range(iterations):
+                for _ in range(pushes):
                     await client.push(records)
                 push_s.append(asyncio.get_running_loop().time() - t0)
-                raw = await raw_push("127.0.0.1", raw_port, payload, iterations, warmup=1)
+                raw = await raw_push("127.0.0.1", raw_port, payload, pushes, warmup=1)
                 raw_s.append(raw.seconds)
-            push = nbytes * iterations / statistics.median(push_s) / 1e9
-            rawg = nbytes * iterations / statistics.median(raw_s) / 1e9
-            row = {"bytes": nbytes, "requests": len(records), "push_gbps": round(push, 4), "raw_ucxx_gbps": round(rawg, 4), "ratio": round(push / rawg, 3)}
+            push = nbytes * pushes / statistics.median(push_s) / 1e9
+            rawg = nbytes * pushes / statistics.median(raw_s) / 1e9
+            row = {"bytes": nbytes, "requests": len(records), "pushes_per_round": pushes, "push_gbps": round(push, 4), "raw_ucxx_gbps": round(rawg, 4), "ratio": round(push / rawg, 3)}
             if progress:
                 print(json.dumps(row), file=sys.stderr, flush=True)
             results.append(row)
     return results
 
 
-def run_transport_bench(*, sizes_mb=(1, 8, 64), rounds: int = 3, iterations: int = 4, progress: bool = True) -> dict:
+def run_transport_bench(
+    *, sizes_mb=(1, 8, 64), rounds: int = 5, iterations: int = 4, mb_per_round: float = 64, progress: bool = True
+) -> dict:
     secret = secrets.token_hex(32)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     server = subprocess.Popen([sys.executable, "-m", "r3rdma.bench.transport_bench", "--serve", secret],
@@ -103,7 +114,9 @@ def run_transport_bench(*, sizes_mb=(1, 8, 64), rounds: int = 3, iterations: int
             raise TimeoutError("bench server did not start in 120 s")
         ports = json.loads(server.stdout.readline())
         sizes = [int(mb * (1 << 20)) for mb in sizes_mb]
-        rows = asyncio.run(_client(ports["push_port"], ports["raw_port"], secret, sizes, rounds, iterations, progress))
+        rows = asyncio.run(_client(
+            ports["push_port"], ports["raw_port"], secret, sizes, rounds, iterations, int(mb_per_round * (1 << 20)), progress
+        ))
     finally:
         server.stdin.close()
         try:
@@ -118,12 +131,15 @@ def run_transport_bench(*, sizes_mb=(1, 8, 64), rounds: int = 3, iterations: int
 
 def add_arguments(parser) -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 8, 64], help="batch sizes to measure; the last is headlined")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=4, help="pushes per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=4, help="pushes per round, at least")
+    parser.add_argument("--mb-per-round", type=float, default=64, help="each round pushes at least this much per path")
 
 
 def main(args) -> int:
-    print(json.dumps(run_transport_bench(sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations)))
+    print(json.dumps(run_transport_bench(
+        sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations, mb_per_round=args.mb_per_round
+    )))
     return 0
 
 
