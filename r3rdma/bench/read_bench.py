@@ -42,16 +42,16 @@ async def _raw_get_all(base: str, token: str, paths: list[str], concurrency: int
     return total
 
 
-def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = None, progress: bool = True) -> dict:
-    from zarr.storage import FsspecStore
-
+def run_read_bench(
+    *, requests: int = 64, rounds: int = 3, root: str | None = None, zstd_level: int = 3, progress: bool = True
+) -> dict:
     from ..local_store import LocalRoutingStore
     from ..reader import RoutingReader
 
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-read-"))
     store_root = base / "node"
     records = synthetic_records(requests, rollout_id="bench", seed=1)
-    with LocalRoutingStore(store_root) as store:
+    with LocalRoutingStore(store_root, zstd_level=zstd_level) as store:
         for i in range(0, len(records), 16):  # a few MB-sized batches, as a writer commits them
             store.commit(records[i : i + 16])
     token = new_token()
@@ -63,9 +63,9 @@ def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = No
         ids = [r.request_id for r in records]
         reader_s, raw_s = [], []
         for rnd in _rounds(rounds, "read"):
-            http = FsspecStore.from_url(f"{url}/zarr", storage_options={"headers": {"Authorization": f"Bearer {token}"}}, read_only=True)
             t0 = time.perf_counter()
-            got = RoutingReader(http).get_numpy("bench", ids)
+            with RoutingReader(url, token=token) as reader:  # as a trainer opens it: a fresh index
+                got = reader.get_numpy("bench", ids)
             reader_s.append(time.perf_counter() - t0)
             assert sum(a.nbytes for a in got.values()) == sum(r.nbytes for r in records)
             t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def run_read_bench(*, requests: int = 64, rounds: int = 3, root: str | None = No
     reader_gbps = shard_bytes / statistics.median(reader_s) / 1e9
     raw_gbps = shard_bytes / statistics.median(raw_s) / 1e9
     return {
-        "bench": "read", "requests": requests, "files": len(files), "file_bytes": shard_bytes,
+        "bench": "read", "requests": requests, "zstd_level": zstd_level, "files": len(files), "file_bytes": shard_bytes,
         "routing_bytes": sum(r.nbytes for r in records),
         "reader_gbps": round(reader_gbps, 4), "raw_http_gbps": round(raw_gbps, 4), "ratio": round(reader_gbps / raw_gbps, 3),
         "reader_routing_gbps": round(sum(r.nbytes for r in records) / statistics.median(reader_s) / 1e9, 4),
@@ -90,8 +90,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--root", default=None, help="scratch directory (default: temporary)")
+    parser.add_argument("--zstd-level", type=int, default=3, help="compression of the store read (0: none; default: the store's)")
 
 
 def main(args) -> int:
-    print(json.dumps(run_read_bench(requests=args.requests, rounds=args.rounds, root=args.root)))
+    print(json.dumps(run_read_bench(requests=args.requests, rounds=args.rounds, root=args.root, zstd_level=args.zstd_level)))
     return 0

@@ -1,0 +1,88 @@
+"""The parallel shard decoder of remote reads must return exactly what zarr-python returns
+for every layout r3rdma writes, refuse damage with CorruptDataError, and decline anything else."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec
+from zarr.storage import LocalStore
+
+from r3rdma.errors import CorruptDataError
+from r3rdma.local_store import zarr_codecs
+from r3rdma.shard_codec import ShardDecoder
+
+
+def write(tmp_path, data, *, chunk, shard, level, compressors=None):
+    zarr.create_array(
+        LocalStore(tmp_path), name="a", data=data, chunks=(chunk, *data.shape[1:]), shards=(shard, *data.shape[1:]),
+        compressors=zarr_codecs(level) if compressors is None else compressors,
+        dimension_names=("token", "layer", "k"), fill_value=0,
+    )
+    meta = json.loads((tmp_path / "a" / "zarr.json").read_text())
+    return meta, zarr.open_array(LocalStore(tmp_path), path="a", mode="r")[:]
+
+
+def decode_all(tmp_path, meta):
+    decoder = ShardDecoder.of(meta)
+    assert decoder is not None
+    out = np.full(decoder.shape, 255, dtype=decoder.dtype)
+    for s in range(decoder.num_shards):
+        path = tmp_path / "a" / "c" / str(s) / "0" / "0"
+        decoder.decode_into(out, s, path.read_bytes() if path.exists() else None, "test")
+    return out
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("dtype,experts", [(np.uint8, 128), (np.uint16, 1000), (np.int32, 70000)])
+@pytest.mark.parametrize("rows,chunk,shard_chunks", [(1, 1, 1), (37, 8, 5), (100, 7, 3), (64, 16, 4)])
+def test_same_bytes_as_zarr(tmp_path, level, dtype, experts, rows, chunk, shard_chunks):
+    rng = np.random.default_rng(rows * 31 + chunk)
+    data = rng.integers(0, experts, (rows, 5, 4)).astype(dtype)
+    data[: min(rows, chunk)] = 0  # an all-fill inner chunk: zarr leaves it out of the shard
+    meta, want = write(tmp_path, data, chunk=chunk, shard=chunk * shard_chunks, level=level)
+    got = decode_all(tmp_path, meta)
+    assert got.dtype == want.dtype and np.array_equal(got, want) and np.array_equal(got, data)
+
+
+def _one_shard(tmp_path, level=3):
+    data = np.random.default_rng(0).integers(0, 128, (50, 4, 2)).astype(np.uint8)
+    meta, _ = write(tmp_path, data, chunk=10, shard=50, level=level)
+    return meta, tmp_path / "a" / "c" / "0" / "0" / "0"
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("where", ["chunk", "index", "truncated"])
+def test_damage_is_corrupt_data(tmp_path, where, level):
+    meta, path = _one_shard(tmp_path, level)
+    blob = bytearray(path.read_bytes())
+    if where == "chunk":
+        blob[5] ^= 0xFF
+    elif where == "index":
+        blob[-10] ^= 0x01
+    else:
+        blob = blob[:40]
+    decoder = ShardDecoder.of(meta)
+    out = np.empty(decoder.shape, decoder.dtype)
+    with pytest.raises(CorruptDataError, match="test-array"):
+        decoder.decode_into(out, 0, bytes(blob), "test-array")
+
+
+def test_other_layouts_are_left_to_zarr(tmp_path):
+    meta, _ = _one_shard(tmp_path)
+    assert ShardDecoder.of(meta) is not None
+    other = json.loads(json.dumps(meta))
+    other["codecs"][0]["configuration"]["codecs"][1] = {"name": "blosc", "configuration": {}}
+    assert ShardDecoder.of(other) is None
+    other = json.loads(json.dumps(meta))
+    other["chunk_key_encoding"] = {"name": "v2", "configuration": {"separator": "."}}
+    assert ShardDecoder.of(other) is None
+    other = json.loads(json.dumps(meta))
+    other["codecs"][0]["configuration"]["index_location"] = "start"
+    assert ShardDecoder.of(other) is None
+    assert ShardDecoder.of({"not": "zarr"}) is None
+    meta_blosc, _ = write(tmp_path / "b", np.zeros((8, 2, 2), np.uint8), chunk=4, shard=8, level=0, compressors=[BloscCodec()])
+    assert ShardDecoder.of(meta_blosc) is None
