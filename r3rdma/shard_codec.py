@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import zstandard
 
 from .errors import CorruptDataError
 from .records import buffer_checksum
@@ -49,9 +48,11 @@ def _chunk_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
+def _decompressor():
     d = getattr(_local, "zstd", None)
     if d is None:
+        import zstandard  # here, not at import: store nodes and engines never decode shards
+
         d = _local.zstd = zstandard.ZstdDecompressor()
     return d
 
@@ -148,6 +149,8 @@ class ShardDecoder:
             raise CorruptDataError(f"{where} fails its crc32c")
         full = self.chunk_rows * self.row_bytes  # edge chunks are stored padded to full size
         if self.zstd:
+            import zstandard  # imported once by _decompressor; a dict lookup here
+
             try:
                 raw = _decompressor().decompress(body, max_output_size=full)
             except zstandard.ZstdError as e:
