@@ -347,7 +347,7 @@ class ConnServer(TransportServer):
             # UCX does not report a *shorter* message, so bytes a frame did not fill keep what
             # the buffer held before: possibly another client's earlier batch. A request with
             # a sender checksum catches that; one without (device payloads, hashed here) would
-            # be stored with someone else's bytes, so zeros make a short frame fail instead.
+            # be stored with someone else's bytes. Zeroed, a short frame stores zeros instead.
             payload.fill(0)
         views, start = [], 0
         for size in frame_sizes:
