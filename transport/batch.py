@@ -237,9 +237,9 @@ def decode_batch(
     """Rebuild RequestRecords over ``payload`` (uint8, already received); checksums re-checked.
 
     ``hashed[i]``, when given, is the CRC-32C the receiver computed over request i's bytes
-    (a :class:`~.receive.FrameHasher` result); otherwise each request is hashed here. Records are views into
-    ``payload`` where alignment allows (no copy). A checksum mismatch raises
-    :class:`CorruptDataError` for the whole batch.
+    (a :class:`~.receive.FrameHasher` result); otherwise each request is hashed here.
+    Records are views into ``payload`` where alignment allows (no copy). A checksum mismatch
+    raises :class:`CorruptDataError` for the whole batch.
     """
     assert payload.dtype == np.uint8 and payload.ndim == 1
     records = []
