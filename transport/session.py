@@ -324,13 +324,8 @@ class ConnServer(TransportServer):
                 )
                 await self._send_error(conn, version, err, seq=seq, fatal=True)
                 return False
-        except (TransportError, R3TimeoutError) as e:
-            log.info("batch from %s aborted: %s", conn.peer, e)
-            return False
-        except R3Error as e:  # ProtocolError: the stream can no longer be trusted
-            log.warning("protocol violation by %s: %s", conn.peer, e)
-            await self._send_error(conn, version, e, seq=seq, fatal=True)
-            return False
+        except R3Error as e:
+            return await self._stream_broken(conn, version, e, seq)
         base = self.buffers.take(pre.payload_len)
         try:
             return await self._receive_and_handle(conn, version, pre, seq, metas, header["frames"], base)
@@ -363,13 +358,8 @@ class ConnServer(TransportServer):
             try:
                 # Posted at once, in order (see send_message).
                 await timed(asyncio.gather(*(receive(i, v) for i, v in enumerate(views))), t, "receiving payload frames")
-            except (TransportError, R3TimeoutError) as e:
-                log.info("batch from %s aborted: %s", conn.peer, e)
-                return False
-            except R3Error as e:  # ProtocolError: the stream can no longer be trusted
-                log.warning("protocol violation by %s: %s", conn.peer, e)
-                await self._send_error(conn, version, e, seq=seq, fatal=True)
-                return False
+            except R3Error as e:
+                return await self._stream_broken(conn, version, e, seq)
 
             # The message was consumed entirely: errors from here on leave the stream in sync.
             try:
@@ -389,6 +379,15 @@ class ConnServer(TransportServer):
             log.info("ack to %s lost: %s", conn.peer, e)
             return False
         return True
+
+    async def _stream_broken(self, conn: Conn, version: int, exc: R3Error, seq: int | None) -> bool:
+        """A batch failed before it was consumed entirely; always False (close the connection)."""
+        if isinstance(exc, (TransportError, R3TimeoutError)):
+            log.info("batch from %s aborted: %s", conn.peer, exc)  # peer gone or too slow
+        else:  # ProtocolError: the stream can no longer be trusted; say why before closing
+            log.warning("protocol violation by %s: %s", conn.peer, exc)
+            await self._send_error(conn, version, exc, seq=seq, fatal=True)
+        return False
 
     async def _send_error(
         self, conn: Conn, version: int, exc: BaseException, *, seq: int | None, fatal: bool
