@@ -35,3 +35,23 @@ def test_bench_all_quick_writes_tables_and_pngs(tmp_path):
 def test_scaling_bench_one_node(tmp_path):
     result = run_scaling_bench(nodes=(1,), mb_per_client=0.5, batch_mb=0.25, root=str(tmp_path), progress=False)
     assert result["by_nodes"][0]["ratio"] == 1.0 and result["single_node_gbps"] > 0
+
+
+def test_transport_bench_tiny():
+    from r3rdma.bench.transport_bench import run_transport_bench
+
+    result = run_transport_bench(sizes_mb=(0.25, 0.5), rounds=2, iterations=1, mb_per_round=1, progress=False)
+    rows = result["by_size"]
+    assert [r["pushes_per_round"] for r in rows] == [4, 2]  # each round moves >= mb_per_round
+    for r in rows:
+        assert r["push_gbps"] > 0 and r["raw_ucxx_gbps"] > 0
+        assert r["ratio_range"][0] <= r["ratio"] <= r["ratio_range"][1]
+    assert result["ratio"] == rows[-1]["ratio"]
+
+
+def test_read_bench_tiny(tmp_path):
+    from r3rdma.bench.read_bench import run_read_bench
+
+    for level in (0, 3):
+        result = run_read_bench(requests=4, rounds=1, root=str(tmp_path / f"l{level}"), zstd_level=level, progress=False)
+        assert result["zstd_level"] == level and result["reader_gbps"] > 0 and result["ratio"] > 0

@@ -112,7 +112,8 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
     step("store_batch", lambda: [run_store_bench(requests=3 if quick else 48, rounds=1 if quick else 2, flush_bytes=f,
                                                  progress=False) for f in flushes])
     step("transport", lambda: run_transport_bench(sizes_mb=(0.0625, 0.25) if quick else (0.0625, 0.25, 1, 4, 16, 64),
-                                                  rounds=1 if quick else 3, iterations=1 if quick else 4, progress=False))
+                                                  rounds=1 if quick else 3, iterations=1 if quick else 4,
+                                                  mb_per_round=1 if quick else 64, progress=False))
     step("read", lambda: run_read_bench(requests=4 if quick else 64, rounds=1 if quick else 3, progress=False))
     step("codecs", lambda: run_codec_bench(quick=quick, repeats=1 if quick else 2, progress=progress))
     step("scaling", lambda: run_scaling_bench(nodes=(1, 2) if quick else (1, 2, 4), mb_per_client=1 if quick else 48,
