@@ -70,7 +70,7 @@ class ReceiveBuffers:
         self._free: list[np.ndarray] = []
         self.max_cached_bytes = max_cached_bytes
         self.max_buffers = max_buffers
-        self.reused = 0  # buffers handed out again (tests, metrics)
+        self.reused = 0  # buffers handed out again (tests read it)
 
     @property
     def cached_bytes(self) -> int:
