@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -18,6 +18,7 @@ from zarr.storage import LocalStore
 from .errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
 from .ids import validate_id
 from .records import checksum
+from .node_http import NodeHttpClient
 from .shard_codec import ShardDecoder
 from .zarr_layout import INDEX_KEY, parse_array_name
 
@@ -102,6 +103,8 @@ class RoutingReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        for source in self._sources:
+            source.close()
 
     def __enter__(self) -> "RoutingReader":
         return self
@@ -168,7 +171,7 @@ class RoutingReader:
             hi = max(s["offset"] + s["rows"] for _, _, s in segs)
             parts = {}
             if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                span = source.read_rows(rollout_id, name, lo, hi)
+                span = source.read_rows(rollout_id, name, lo, hi, merged.extent(src, name))
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
             else:
@@ -260,6 +263,20 @@ class _MergedIndex:
     requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (source number, entry)
     pending: set[str]
     per_source: dict[int, dict[str, Any]]
+    _extents: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def extent(self, source: int, array: str) -> int:
+        """Rows of ``array`` on ``source`` that its index accounts for (committed or pending)."""
+        if source not in self._extents:
+            index = self.per_source[source]
+            ends: dict[str, int] = {}
+            segments = [seg for entry in index["requests"].values() for seg in entry["segments"]]
+            segments += [seg for segs in index.get("pending", {}).values() if isinstance(segs, list) for seg in segs if isinstance(seg, dict)]
+            for seg in segments:
+                if _is_int(seg.get("offset")) and _is_int(seg.get("rows")) and isinstance(seg.get("array"), str):
+                    ends[seg["array"]] = max(ends.get(seg["array"], 0), seg["offset"] + seg["rows"])
+            self._extents[source] = ends
+        return self._extents[source].get(array, 0)
 
     @classmethod
     def merge(cls, rollout_id: str, sources: list["_Source"], indexes: list[dict[str, Any] | None]) -> "_MergedIndex":
@@ -292,12 +309,14 @@ class _MergedIndex:
 
 
 class _Source:
-    """One store root: a zarr store plus how to name it in messages."""
+    """One store root: a zarr store plus how to name it in messages. A store node's URL also
+    gets a :class:`NodeHttpClient`, which reads indexes and whole batch arrays without zarr."""
 
-    def __init__(self, name: str, store: Any, remote: bool) -> None:
+    def __init__(self, name: str, store: Any, remote: bool, http: NodeHttpClient | None = None) -> None:
         self.name = name
         self.store = store
         self.remote = remote
+        self.http = http
 
     @classmethod
     def of(cls, item: Any, token: str | None) -> "_Source":
@@ -306,26 +325,50 @@ class _Source:
 
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             store = FsspecStore.from_url(item.rstrip("/") + "/zarr", storage_options={"headers": headers}, read_only=True)
-            return cls(item, store, remote=True)
+            return cls(item, store, remote=True, http=NodeHttpClient(item, token))
         if isinstance(item, (str, os.PathLike)):
             return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
         return cls(str(item), item, remote=not isinstance(item, LocalStore))
 
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+
     def index(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout's index here, or None when this root has no such rollout."""
         try:
-            group = zarr.open_group(self.store, path=rollout_id, mode="r", zarr_format=3)
-            index = group.attrs.asdict().get(INDEX_KEY)
+            if self.http is not None:
+                document = self.http.get_json(f"{rollout_id}/zarr.json")
+                if document is None or document.get("zarr_format") != 3 or document.get("node_type") != "group":
+                    return None
+                index = (document.get("attributes") or {}).get(INDEX_KEY)
+            else:
+                group = zarr.open_group(self.store, path=rollout_id, mode="r", zarr_format=3)
+                index = group.attrs.asdict().get(INDEX_KEY)
         except (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
             return None
         except Exception as e:  # HTTP 401/5xx, garbled JSON: not "absent", say what happened
             raise CorruptDataError(f"cannot read the index of rollout {rollout_id!r} from {self.name}: {e}") from e
-        if not index or "requests" not in index:
+        if not isinstance(index, dict) or "requests" not in index:
             return None
         _check_index(rollout_id, index, self.name)
         return index
 
-    def read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
+    def read_rows(self, rollout_id: str, name: str, lo: int, hi: int, extent: int) -> np.ndarray:
+        """Rows ``lo:hi`` of a batch array the index says holds at least ``extent`` rows."""
+        if self.http is not None and (hi - lo) * 2 >= extent:
+            # Most of the array is wanted: fetch it whole, decoding while it streams.
+            where = f"{self.name}: rollout {rollout_id!r} array {name}"
+            try:
+                whole = self.http.read_array(f"{rollout_id}/{name}", where)
+            except CorruptDataError:
+                raise
+            except Exception as e:  # HTTP status, connection lost, timeout
+                raise CorruptDataError(f"{where} cannot be read: {e}") from e
+            if whole is not None:
+                if whole.shape[0] < hi:
+                    raise CorruptDataError(f"{where} has {whole.shape[0]} rows; the index lists rows up to {hi}")
+                return whole[lo:hi]
         array = self._open_array(rollout_id, name)
         if self.remote and (hi - lo) * 2 >= array.shape[0]:
             # Most of the array is wanted: fetch its shard files whole (one GET each) instead of

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numcodecs import Zstd
@@ -32,7 +32,7 @@ from numcodecs import Zstd
 from .errors import CorruptDataError
 from .records import buffer_checksum
 
-__all__ = ["ShardDecoder"]
+__all__ = ["ShardDecoder", "ChunkJob", "chunk_pool"]
 
 _EMPTY = 2**64 - 1
 _CRC = struct.Struct("<I")
@@ -42,7 +42,17 @@ _pool: ThreadPoolExecutor | None = None
 _ZSTD = Zstd()  # decode only; stateless (a fresh decompression context per call)
 
 
-def _chunk_pool() -> ThreadPoolExecutor:
+class ChunkJob(NamedTuple):
+    """One stored inner chunk: its bytes ``[offset, end)`` in the shard file and where it decodes to."""
+
+    offset: int
+    end: int
+    target: np.ndarray
+    where: str
+
+
+def chunk_pool() -> ThreadPoolExecutor:
+    """The process-wide pool that checks and decodes inner chunks (one thread per core)."""
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="r3rdma-shard")
@@ -100,42 +110,59 @@ class ShardDecoder:
     def num_shards(self) -> int:
         return -(-self.shape[0] // self.shard_rows)
 
+    @property
+    def index_bytes(self) -> int:
+        """Size of a shard's trailing index: (offset, nbytes) per inner chunk, then its CRC-32C."""
+        return 16 * self.chunks_per_shard + 4
+
     def decode_into(self, out: np.ndarray, shard_no: int, blob: bytes | memoryview | None, where: str) -> None:
         """Decode shard ``shard_no`` (its file's bytes, None if absent) into ``out``, the whole
         array's rows. Raises CorruptDataError naming ``where`` on any damage."""
-        first = shard_no * self.shard_rows
-        rows = min(self.shard_rows, self.shape[0] - first)
         if blob is None:
-            out[first : first + rows] = self.fill
+            first = shard_no * self.shard_rows
+            out[first : first + min(self.shard_rows, self.shape[0] - first)] = self.fill
             return
         data = memoryview(blob).cast("B")
-        n = self.chunks_per_shard
-        index_bytes = 16 * n + 4
-        if len(data) < index_bytes:
-            raise CorruptDataError(f"{where}: shard {shard_no} has {len(data)} bytes, less than its {index_bytes}-byte index")
-        index_raw = data[len(data) - index_bytes :]
-        if buffer_checksum(index_raw[:-4]) != _CRC.unpack(index_raw[-4:])[0]:
-            raise CorruptDataError(f"{where}: shard {shard_no} index fails its crc32c")
-        index = np.frombuffer(index_raw[:-4], dtype="<u8").reshape(n, 2)
-        flat = out.reshape(out.shape[0], -1).view(np.uint8).reshape(-1)  # rows of raw bytes
-        jobs = []
-        for c in range(n):
-            lo_row = first + c * self.chunk_rows
-            if lo_row >= first + rows:
-                break
-            hi_row = min(lo_row + self.chunk_rows, first + rows)
-            offset, nbytes = (int(v) for v in index[c])
-            target = flat[lo_row * self.row_bytes : hi_row * self.row_bytes]
-            if offset == _EMPTY and nbytes == _EMPTY:
-                target.view(out.dtype)[:] = self.fill
-                continue
-            if nbytes < 4 or offset + nbytes > len(data) - index_bytes:
-                raise CorruptDataError(f"{where}: shard {shard_no} chunk {c} lies outside the shard ({offset}+{nbytes})")
-            jobs.append(_chunk_pool().submit(self._decode_chunk, data[offset : offset + nbytes], target, f"{where}: shard {shard_no} chunk {c}"))
+        if len(data) < self.index_bytes:
+            raise CorruptDataError(f"{where}: shard {shard_no} has {len(data)} bytes, less than its {self.index_bytes}-byte index")
+        jobs = [
+            chunk_pool().submit(self.decode_chunk, data[chunk.offset : chunk.end], chunk.target, chunk.where)
+            for chunk in self.plan(out, shard_no, data[len(data) - self.index_bytes :], len(data), where)
+        ]
         for job in jobs:
             job.result()  # re-raises the first CorruptDataError
 
-    def _decode_chunk(self, encoded: memoryview, target: np.ndarray, where: str) -> None:
+    def plan(self, out: np.ndarray, shard_no: int, index_raw: bytes | memoryview, size: int, where: str) -> list["ChunkJob"]:
+        """The stored inner chunks of shard ``shard_no`` (a file of ``size`` bytes ending with
+        ``index_raw``), in file order, each with the rows of ``out`` it decodes into. Chunks the
+        index marks absent are filled with the fill value here. A streaming reader decodes each
+        chunk as soon as its bytes have arrived; :meth:`decode_into` does them all at once."""
+        index_raw = memoryview(index_raw).cast("B")
+        if len(index_raw) != self.index_bytes or size < self.index_bytes:
+            raise CorruptDataError(f"{where}: shard {shard_no} ({size} bytes) cannot hold its {self.index_bytes}-byte index")
+        if buffer_checksum(index_raw[:-4]) != _CRC.unpack(index_raw[-4:])[0]:
+            raise CorruptDataError(f"{where}: shard {shard_no} index fails its crc32c")
+        index = np.frombuffer(index_raw[:-4], dtype="<u8").reshape(self.chunks_per_shard, 2)
+        first = shard_no * self.shard_rows
+        last = min(first + self.shard_rows, self.shape[0])
+        flat = out.reshape(out.shape[0], -1).view(np.uint8).reshape(-1)  # rows of raw bytes
+        jobs = []
+        for c in range(self.chunks_per_shard):
+            lo_row = first + c * self.chunk_rows
+            if lo_row >= last:
+                break
+            target = flat[lo_row * self.row_bytes : min(lo_row + self.chunk_rows, last) * self.row_bytes]
+            offset, nbytes = (int(v) for v in index[c])
+            if offset == _EMPTY and nbytes == _EMPTY:
+                target.view(out.dtype)[:] = self.fill
+                continue
+            if nbytes < 4 or offset + nbytes > size - self.index_bytes:
+                raise CorruptDataError(f"{where}: shard {shard_no} chunk {c} lies outside the shard ({offset}+{nbytes})")
+            jobs.append(ChunkJob(offset, offset + nbytes, target, f"{where}: shard {shard_no} chunk {c}"))
+        return sorted(jobs, key=lambda job: job.end)
+
+    def decode_chunk(self, encoded: memoryview, target: np.ndarray, where: str) -> None:
+        """Check and decode one inner chunk (its stored bytes, CRC-32C last) into ``target``."""
         body, crc = encoded[:-4], _CRC.unpack(encoded[-4:])[0]
         if buffer_checksum(body) != crc:
             raise CorruptDataError(f"{where} fails its crc32c")

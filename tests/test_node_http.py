@@ -1,0 +1,171 @@
+"""Remote reads of whole batch arrays through NodeHttpClient: bit-exact against zarr, damage
+refused, other layouts declined (the reader then goes through zarr), and chunks decoded while
+the shard is still arriving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from aiohttp import web
+from zarr.codecs import BloscCodec
+from zarr.storage import LocalStore
+
+from r3rdma import shard_codec
+from r3rdma.errors import CorruptDataError
+from r3rdma.local_store import LocalRoutingStore
+from r3rdma.node_http import NodeHttpClient
+from r3rdma.reader import RoutingReader
+
+from .store_nodes import new_token, start_node
+
+SHARD = ("c", "0", "0", "0")
+
+
+def populate(root: Path, make_record, *, level: int, chunk_rows: int = 16) -> list:
+    records = [make_record(f"r{i}", rows=17 + 9 * i, layers=4, k=3, num_experts=40) for i in range(6)]
+    with LocalRoutingStore(root, zstd_level=level, chunk_rows=chunk_rows) as store:
+        store.commit(records[:4])  # b00000001: 4 requests, several 16-row chunks, a partial last one
+        store.commit(records[4:])
+    return records
+
+
+@pytest.fixture
+def node_root(tmp_path):
+    started = []
+
+    def start(root: Path):
+        node = start_node(root, new_token())
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=level)
+    node = node_root(root)
+    with RoutingReader(node.http_url, token=node.token) as reader:
+        got = reader.get_numpy("roll-0", [r.request_id for r in records])
+    for r in records:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+    client = NodeHttpClient(node.http_url, node.token)
+    try:
+        whole = client.read_array("roll-0/b00000001", "test")
+        want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+        assert whole is not None and whole.dtype == want.dtype and np.array_equal(whole, want)
+        assert client.get_json("roll-0/nope/zarr.json") is None
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("damage", ["chunk", "index", "truncated", "metadata"])
+def test_damage_is_refused(tmp_path, make_record, node_root, damage):
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3)
+    shard = root.joinpath("roll-0", "b00000001", *SHARD)
+    blob = bytearray(shard.read_bytes())
+    if damage == "chunk":
+        blob[5] ^= 0xFF
+        shard.write_bytes(bytes(blob))
+    elif damage == "index":
+        blob[-10] ^= 0xFF
+        shard.write_bytes(bytes(blob))
+    elif damage == "truncated":
+        shard.write_bytes(bytes(blob[: len(blob) // 2]))
+    else:
+        (root / "roll-0" / "b00000001" / "zarr.json").unlink()
+    node = node_root(root)
+    with RoutingReader(node.http_url, token=node.token) as reader:
+        with pytest.raises(CorruptDataError, match="b00000001"):
+            reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
+        # The other array is intact and still reads.
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r5"])["r5"], records[5].ids_TLK)
+
+
+def test_other_layouts_are_declined_and_read_through_zarr(tmp_path, make_record, node_root):
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3)
+    # Rewrite the first batch array with blosc (valid Zarr, same rows: the index CRCs still hold).
+    data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3), shards=(32, 4, 3),
+                      compressors=BloscCodec(cname="lz4"), fill_value=0, overwrite=True)
+    node = node_root(root)
+    client = NodeHttpClient(node.http_url, node.token)
+    try:
+        assert client.read_array("roll-0/b00000001", "test") is None
+    finally:
+        client.close()
+    with RoutingReader(node.http_url, token=node.token) as reader:
+        got = reader.get_numpy("roll-0", [r.request_id for r in records])
+    for r in records:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
+def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_root):
+    root = tmp_path / "node"
+    populate(root, make_record, level=3)
+    node = node_root(root)
+    with RoutingReader(node.http_url, token="wrong") as reader:
+        with pytest.raises(CorruptDataError, match="401"):
+            reader.info("roll-0")
+
+
+def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatch):
+    """The server sends the first half of the shard, then holds the rest until a chunk of that
+    half has been decoded. A reader that decodes only after the last byte would stall here."""
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3, chunk_rows=8)
+    decoded = threading.Event()
+    held = {"released_by_decode": None}
+    real = shard_codec.ShardDecoder.decode_chunk
+
+    def spy(self, encoded, target, where):
+        real(self, encoded, target, where)
+        decoded.set()
+
+    monkeypatch.setattr(shard_codec.ShardDecoder, "decode_chunk", spy)
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        path = root / request.match_info["path"]
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        body = path.read_bytes()
+        if path.parts[-4:] != SHARD or "Range" in request.headers:
+            return web.FileResponse(path)
+        response = web.StreamResponse(headers={"Content-Length": str(len(body))})
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        held["released_by_decode"] = await asyncio.to_thread(decoded.wait, 10)
+        await response.write(body[len(body) // 2 :])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/zarr/{path:.*}", serve)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        with RoutingReader(f"http://127.0.0.1:{port}") as reader:
+            got = reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert held["released_by_decode"] is True
+    for r in records[:4]:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
