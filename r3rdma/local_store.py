@@ -330,7 +330,9 @@ class LocalRoutingStore:
             name=name,
             data=data,
             chunks=(chunk, layers, top_k),
-            shards=(shard, layers, top_k),
+            # Index first: a reader streaming the shard knows every chunk's place from its first
+            # bytes and decodes chunks while the rest arrives (r3rdma/node_http.py).
+            shards={"shape": (shard, layers, top_k), "index_location": "start"},
             compressors=zarr_codecs(self.zstd_level),
             dimension_names=("token", "layer", "k"),
             fill_value=0,

@@ -169,14 +169,15 @@ class RoutingReader:
             source = self._sources[src]
             lo = min(s["offset"] for _, _, s in segs)
             hi = max(s["offset"] + s["rows"] for _, _, s in segs)
+            extent = merged.extent(src, name)
             parts = {}
             if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                span = source.read_rows(rollout_id, name, lo, hi, merged.extent(src, name))
+                span = source.read_rows(rollout_id, name, lo, hi, extent)
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
             else:
                 for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"])
+                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"], extent)
             if self._verify:  # here, in the pool's threads: crc32c releases the GIL
                 for rid, seg_no, seg in segs:
                     piece = parts[(rid, seg_no)]

@@ -9,11 +9,12 @@ measured 0.21-0.29 of a raw GET of the same files. This module decodes exactly o
 (docs/FORMAT.md), and nothing else:
 
     sharding_indexed(chunk_shape, codecs=[bytes, zstd?, crc32c],
-                     index_codecs=[bytes(little), crc32c], index_location=end)
+                     index_codecs=[bytes(little), crc32c], index_location=start|end)
 
-per the Zarr v3 sharding spec: the shard ends with an index of (offset, nbytes) uint64 pairs,
-one per inner chunk in C order (2**64-1 twice: chunk absent, fill value), followed by the
-index's CRC-32C; each inner chunk is its zstd frame (or raw bytes) followed by its CRC-32C.
+per the Zarr v3 sharding spec: the shard starts (what LocalRoutingStore writes) or ends (what
+it wrote before 2026-11-21, still read) with an index of (offset, nbytes) uint64 pairs, one per inner chunk in C order
+(2**64-1 twice: chunk absent, fill value), followed by the index's CRC-32C; each inner chunk
+is its zstd frame (or raw bytes) followed by its CRC-32C.
 Inner chunks are checked and decompressed in a thread pool with ``crc32c`` and numcodecs'
 zstd (zarr's own dependency), which both release the GIL. Any other metadata makes :meth:`ShardDecoder.of`
 return None and the reader falls back to zarr; tests check both paths give the same bytes.
@@ -62,13 +63,17 @@ def chunk_pool() -> ThreadPoolExecutor:
 class ShardDecoder:
     """Decodes the shard files of one batch array (3-D: token, layer, k; sharded on tokens)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, shard_rows: int, chunk_rows: int, zstd: bool, fill: int) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: np.dtype, shard_rows: int, chunk_rows: int, zstd: bool, fill: int,
+        *, index_at_start: bool = False,
+    ) -> None:
         self.shape = shape
         self.dtype = dtype
         self.shard_rows = shard_rows
         self.chunk_rows = chunk_rows
         self.zstd = zstd
         self.fill = fill
+        self.index_at_start = index_at_start
         self.row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
         self.chunks_per_shard = shard_rows // chunk_rows
 
@@ -91,7 +96,7 @@ class ShardDecoder:
             and metadata["chunk_grid"].get("name") == "regular"
             and metadata.get("chunk_key_encoding") == {"name": "default", "configuration": {"separator": "/"}}
             and sharding.get("name") == "sharding_indexed"
-            and config.get("index_location", "end") == "end"
+            and config.get("index_location", "end") in ("start", "end")
             and dtype in _DTYPES
             and len(shape) == 3 and outer[1:] == shape[1:] and inner[1:] == shape[1:]
             and outer[0] % inner[0] == 0
@@ -104,7 +109,10 @@ class ShardDecoder:
         )
         if not ok:
             return None
-        return cls(shape, np.dtype(_DTYPES[dtype]), outer[0], inner[0], "zstd" in names, metadata["fill_value"])
+        return cls(
+            shape, np.dtype(_DTYPES[dtype]), outer[0], inner[0], "zstd" in names, metadata["fill_value"],
+            index_at_start=config.get("index_location", "end") == "start",
+        )
 
     @property
     def num_shards(self) -> int:
@@ -112,8 +120,12 @@ class ShardDecoder:
 
     @property
     def index_bytes(self) -> int:
-        """Size of a shard's trailing index: (offset, nbytes) per inner chunk, then its CRC-32C."""
+        """Size of a shard's index: (offset, nbytes) per inner chunk, then its CRC-32C."""
         return 16 * self.chunks_per_shard + 4
+
+    def index_of(self, data: memoryview) -> memoryview:
+        """The index bytes of a whole shard file: its first or its last ``index_bytes``."""
+        return data[: self.index_bytes] if self.index_at_start else data[len(data) - self.index_bytes :]
 
     def decode_into(self, out: np.ndarray, shard_no: int, blob: bytes | memoryview | None, where: str) -> None:
         """Decode shard ``shard_no`` (its file's bytes, None if absent) into ``out``, the whole
@@ -127,13 +139,13 @@ class ShardDecoder:
             raise CorruptDataError(f"{where}: shard {shard_no} has {len(data)} bytes, less than its {self.index_bytes}-byte index")
         jobs = [
             chunk_pool().submit(self.decode_chunk, data[chunk.offset : chunk.end], chunk.target, chunk.where)
-            for chunk in self.plan(out, shard_no, data[len(data) - self.index_bytes :], len(data), where)
+            for chunk in self.plan(out, shard_no, self.index_of(data), len(data), where)
         ]
         for job in jobs:
             job.result()  # re-raises the first CorruptDataError
 
     def plan(self, out: np.ndarray, shard_no: int, index_raw: bytes | memoryview, size: int, where: str) -> list["ChunkJob"]:
-        """The stored inner chunks of shard ``shard_no`` (a file of ``size`` bytes ending with
+        """The stored inner chunks of shard ``shard_no`` (a file of ``size`` bytes whose index is
         ``index_raw``), in file order, each with the rows of ``out`` it decodes into. Chunks the
         index marks absent are filled with the fill value here. A streaming reader decodes each
         chunk as soon as its bytes have arrived; :meth:`decode_into` does them all at once."""
@@ -156,7 +168,8 @@ class ShardDecoder:
             if offset == _EMPTY and nbytes == _EMPTY:
                 target.view(out.dtype)[:] = self.fill
                 continue
-            if nbytes < 4 or offset + nbytes > size - self.index_bytes:
+            data_lo, data_hi = (self.index_bytes, size) if self.index_at_start else (0, size - self.index_bytes)
+            if nbytes < 4 or offset < data_lo or offset + nbytes > data_hi:
                 raise CorruptDataError(f"{where}: shard {shard_no} chunk {c} lies outside the shard ({offset}+{nbytes})")
             jobs.append(ChunkJob(offset, offset + nbytes, target, f"{where}: shard {shard_no} chunk {c}"))
         return sorted(jobs, key=lambda job: job.end)

@@ -17,7 +17,7 @@ from zarr.storage import LocalStore
 
 from r3rdma import shard_codec
 from r3rdma.errors import CorruptDataError
-from r3rdma.local_store import LocalRoutingStore
+from r3rdma.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.node_http import NodeHttpClient
 from r3rdma.reader import RoutingReader
 
@@ -74,10 +74,10 @@ def test_damage_is_refused(tmp_path, make_record, node_root, damage):
     shard = root.joinpath("roll-0", "b00000001", *SHARD)
     blob = bytearray(shard.read_bytes())
     if damage == "chunk":
-        blob[5] ^= 0xFF
+        blob[-10] ^= 0xFF  # the index is at the start: the end is the last chunk
         shard.write_bytes(bytes(blob))
     elif damage == "index":
-        blob[-10] ^= 0xFF
+        blob[10] ^= 0xFF
         shard.write_bytes(bytes(blob))
     elif damage == "truncated":
         shard.write_bytes(bytes(blob[: len(blob) // 2]))
@@ -110,6 +110,27 @@ def test_other_layouts_are_declined_and_read_through_zarr(tmp_path, make_record,
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
 
 
+def test_shards_with_the_index_at_the_end_still_read(tmp_path, make_record, node_root):
+    """r3rdma wrote the shard index at the end before 2026-11-21: such data reads the same."""
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3)
+    data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3),
+                      shards={"shape": (data.shape[0] + 15 & ~15, 4, 3), "index_location": "end"},
+                      compressors=zarr_codecs(3), fill_value=0, overwrite=True)
+    node = node_root(root)
+    client = NodeHttpClient(node.http_url, node.token)
+    try:
+        whole = client.read_array("roll-0/b00000001", "test")
+        assert whole is not None and np.array_equal(whole, data)
+    finally:
+        client.close()
+    with RoutingReader(node.http_url, token=node.token) as reader:
+        got = reader.get_numpy("roll-0", [r.request_id for r in records])
+    for r in records:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
 def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_root):
     root = tmp_path / "node"
     populate(root, make_record, level=3)
@@ -121,9 +142,12 @@ def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_roo
 
 def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatch):
     """The server sends the first half of the shard, then holds the rest until a chunk of that
-    half has been decoded. A reader that decodes only after the last byte would stall here."""
+    half has been decoded. A reader that decodes only after the last byte would stall here.
+    (The reader hands chunks to decoding every 1 MiB received: the shard is ~4.6 MB.)"""
     root = tmp_path / "node"
-    records = populate(root, make_record, level=3, chunk_rows=8)
+    records = [make_record(f"r{i}", rows=3000, layers=48, k=8, num_experts=128) for i in range(4)]
+    with LocalRoutingStore(root, zstd_level=0, chunk_rows=256) as store:
+        store.commit(records)
     decoded = threading.Event()
     held = {"released_by_decode": None}
     real = shard_codec.ShardDecoder.decode_chunk

@@ -16,9 +16,10 @@ from r3rdma.local_store import zarr_codecs
 from r3rdma.shard_codec import ShardDecoder
 
 
-def write(tmp_path, data, *, chunk, shard, level, compressors=None):
+def write(tmp_path, data, *, chunk, shard, level, compressors=None, index_location="start"):
     zarr.create_array(
-        LocalStore(tmp_path), name="a", data=data, chunks=(chunk, *data.shape[1:]), shards=(shard, *data.shape[1:]),
+        LocalStore(tmp_path), name="a", data=data, chunks=(chunk, *data.shape[1:]),
+        shards={"shape": (shard, *data.shape[1:]), "index_location": index_location},
         compressors=zarr_codecs(level) if compressors is None else compressors,
         dimension_names=("token", "layer", "k"), fill_value=0,
     )
@@ -36,33 +37,37 @@ def decode_all(tmp_path, meta):
     return out
 
 
+@pytest.mark.parametrize("index_location", ["start", "end"])  # end: what r3rdma wrote before 2026-11-21
 @pytest.mark.parametrize("level", [0, 3])
 @pytest.mark.parametrize("dtype,experts", [(np.uint8, 128), (np.uint16, 1000), (np.int32, 70000)])
 @pytest.mark.parametrize("rows,chunk,shard_chunks", [(1, 1, 1), (37, 8, 5), (100, 7, 3), (64, 16, 4)])
-def test_same_bytes_as_zarr(tmp_path, level, dtype, experts, rows, chunk, shard_chunks):
+def test_same_bytes_as_zarr(tmp_path, level, dtype, experts, rows, chunk, shard_chunks, index_location):
     rng = np.random.default_rng(rows * 31 + chunk)
     data = rng.integers(0, experts, (rows, 5, 4)).astype(dtype)
     data[: min(rows, chunk)] = 0  # an all-fill inner chunk: zarr leaves it out of the shard
-    meta, want = write(tmp_path, data, chunk=chunk, shard=chunk * shard_chunks, level=level)
+    meta, want = write(tmp_path, data, chunk=chunk, shard=chunk * shard_chunks, level=level, index_location=index_location)
     got = decode_all(tmp_path, meta)
     assert got.dtype == want.dtype and np.array_equal(got, want) and np.array_equal(got, data)
 
 
-def _one_shard(tmp_path, level=3):
+def _one_shard(tmp_path, level=3, index_location="start"):
     data = np.random.default_rng(0).integers(0, 128, (50, 4, 2)).astype(np.uint8)
-    meta, _ = write(tmp_path, data, chunk=10, shard=50, level=level)
+    meta, _ = write(tmp_path, data, chunk=10, shard=50, level=level, index_location=index_location)
     return meta, tmp_path / "a" / "c" / "0" / "0" / "0"
 
 
+@pytest.mark.parametrize("index_location", ["start", "end"])
 @pytest.mark.parametrize("level", [0, 3])
 @pytest.mark.parametrize("where", ["chunk", "index", "truncated"])
-def test_damage_is_corrupt_data(tmp_path, where, level):
-    meta, path = _one_shard(tmp_path, level)
+def test_damage_is_corrupt_data(tmp_path, where, level, index_location):
+    meta, path = _one_shard(tmp_path, level, index_location)
     blob = bytearray(path.read_bytes())
+    index_bytes = ShardDecoder.of(meta).index_bytes
+    chunk_byte, index_byte = (index_bytes + 5, 10) if index_location == "start" else (5, len(blob) - 10)
     if where == "chunk":
-        blob[5] ^= 0xFF
+        blob[chunk_byte] ^= 0xFF
     elif where == "index":
-        blob[-10] ^= 0x01
+        blob[index_byte] ^= 0x01
     else:
         blob = blob[:40]
     decoder = ShardDecoder.of(meta)
@@ -81,7 +86,7 @@ def test_other_layouts_are_left_to_zarr(tmp_path):
     other["chunk_key_encoding"] = {"name": "v2", "configuration": {"separator": "."}}
     assert ShardDecoder.of(other) is None
     other = json.loads(json.dumps(meta))
-    other["codecs"][0]["configuration"]["index_location"] = "start"
+    other["codecs"][0]["configuration"]["index_location"] = "middle"
     assert ShardDecoder.of(other) is None
     assert ShardDecoder.of({"not": "zarr"}) is None
     meta_blosc, _ = write(tmp_path / "b", np.zeros((8, 2, 2), np.uint8), chunk=4, shard=8, level=0, compressors=[BloscCodec()])
