@@ -5,6 +5,7 @@ the shard is still arriving."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -53,10 +54,7 @@ def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
     root = tmp_path / "node"
     records = populate(root, make_record, level=level)
     node = node_root(root)
-    with RoutingReader(node.http_url, token=node.token) as reader:
-        got = reader.get_numpy("roll-0", [r.request_id for r in records])
-    for r in records:
-        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+    assert_reads_back(node, records)
     client = NodeHttpClient(node.http_url, node.token)
     try:
         whole = client.read_array("roll-0/b00000001", "test")
@@ -91,44 +89,52 @@ def test_damage_is_refused(tmp_path, make_record, node_root, damage):
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r5"])["r5"], records[5].ids_TLK)
 
 
-def test_other_layouts_are_declined_and_read_through_zarr(tmp_path, make_record, node_root):
-    root = tmp_path / "node"
-    records = populate(root, make_record, level=3)
-    # Rewrite the first batch array with blosc (valid Zarr, same rows: the index CRCs still hold).
+def rewrite_first_array(root: Path, **layout) -> np.ndarray:
+    """Rewrite batch array b00000001 with another (valid Zarr) layout, same rows: the index's
+    CRCs still hold. Returns its rows."""
     data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
-    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3), shards=(32, 4, 3),
-                      compressors=BloscCodec(cname="lz4"), fill_value=0, overwrite=True)
-    node = node_root(root)
+    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3),
+                      fill_value=0, overwrite=True, **layout)
+    return data
+
+
+def read_first_array(node) -> np.ndarray | None:
     client = NodeHttpClient(node.http_url, node.token)
     try:
-        assert client.read_array("roll-0/b00000001", "test") is None
+        return client.read_array("roll-0/b00000001", "test")
     finally:
         client.close()
+
+
+def assert_reads_back(node, records) -> None:
     with RoutingReader(node.http_url, token=node.token) as reader:
         got = reader.get_numpy("roll-0", [r.request_id for r in records])
     for r in records:
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
+def test_other_layouts_are_declined_and_read_through_zarr(tmp_path, make_record, node_root):
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3)
+    rewrite_first_array(root, shards=(32, 4, 3), compressors=BloscCodec(cname="lz4"))
+    node = node_root(root)
+    assert read_first_array(node) is None
+    assert_reads_back(node, records)
 
 
 def test_shards_with_the_index_at_the_end_still_read(tmp_path, make_record, node_root):
     """r3rdma wrote the shard index at the end before 2026-11-21: such data reads the same."""
     root = tmp_path / "node"
     records = populate(root, make_record, level=3)
-    data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
-    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3),
-                      shards={"shape": (data.shape[0] + 15 & ~15, 4, 3), "index_location": "end"},
-                      compressors=zarr_codecs(3), fill_value=0, overwrite=True)
+    rows = sum(r.num_rows for r in records[:4])
+    data = rewrite_first_array(root, shards={"shape": (-(-rows // 16) * 16, 4, 3), "index_location": "end"},
+                               compressors=zarr_codecs(3))
+    meta = json.loads((root / "roll-0" / "b00000001" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["index_location"] == "end"
     node = node_root(root)
-    client = NodeHttpClient(node.http_url, node.token)
-    try:
-        whole = client.read_array("roll-0/b00000001", "test")
-        assert whole is not None and np.array_equal(whole, data)
-    finally:
-        client.close()
-    with RoutingReader(node.http_url, token=node.token) as reader:
-        got = reader.get_numpy("roll-0", [r.request_id for r in records])
-    for r in records:
-        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+    whole = read_first_array(node)
+    assert whole is not None and np.array_equal(whole, data)
+    assert_reads_back(node, records)
 
 
 def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_root):
