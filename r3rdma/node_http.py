@@ -29,17 +29,18 @@ import json
 import queue
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
 from .errors import ConfigError, CorruptDataError
-from .shard_codec import ShardDecoder, chunk_pool
+from .shard_codec import ChunkJob, ShardDecoder, chunk_pool
 
 __all__ = ["NodeHttpClient", "HttpStatusError"]
 
 _SHARD_KEY = "c/0/0/0"  # the one shard of a batch array (default key encoding, "/" separator)
 _READ_STEP = 1 << 20  # bytes per readinto: decodes start at most this far behind the transfer
+_HEAD_LIMIT = 4 << 20  # body bytes buffered while the array's metadata is still on its way
 _IDLE_CONNECTIONS = 16
 
 
@@ -164,7 +165,7 @@ class NodeHttpClient:
             decoder = ShardDecoder.of(meta)
             return decoder if decoder is not None and decoder.num_shards == 1 else None
 
-        decodes: list[Future] = []
+        jobs: list[Future] = []
         try:
             if response.status != 200:
                 body = response.read()
@@ -181,45 +182,141 @@ class NodeHttpClient:
             length = response.getheader("Content-Length")
             if length is None or not length.isdigit():
                 raise CorruptDataError(f"{where}: shard response has no Content-Length ({length!r})")
-            size = int(length)
-            body = np.empty(size, dtype=np.uint8)
-            view = memoryview(body)
-            decoder: ShardDecoder | None = None
-            plan: list | None = None
-            received, next_job = 0, 0
-            while True:
-                # The body is read from the start; once some of it is in, wait for the metadata
-                # (one small GET, sent first) rather than read on: the socket keeps receiving
-                # meanwhile, and decodes can start.
-                if decoder is None and (received or meta_f.done()):
-                    decoder = decoder_of(meta_f.result())
-                    if decoder is None:
-                        conn.close()  # the body is not read to its end: the connection is spent
-                        return None
-                    if size < decoder.index_bytes:
-                        raise CorruptDataError(f"{where}: shard has {size} bytes, less than its {decoder.index_bytes}-byte index")
-                    out = np.empty(decoder.shape, dtype=decoder.dtype)
-                if plan is None and decoder is not None and (received == size or (decoder.index_at_start and received >= decoder.index_bytes)):
-                    plan = decoder.plan(out, 0, decoder.index_of(view[:size]), size, where)
-                while plan is not None and next_job < len(plan) and plan[next_job].end <= received:
-                    job = plan[next_job]
-                    decodes.append(chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where))
-                    next_job += 1
-                if received == size and plan is not None:
-                    break
-                n = response.readinto(view[received : min(size, received + _READ_STEP)])
-                if not n:
-                    raise CorruptDataError(f"{where}: shard body ended after {received} of {size} bytes")
-                received += n
-            for job in decodes:
+            body = _Body(response, int(length), where)
+            # Until the metadata is in, read what has arrived (short reads) so the socket keeps
+            # draining; once _HEAD_LIMIT is buffered, wait for the metadata.
+            while not meta_f.done() and body.buffered < min(body.size, _HEAD_LIMIT):
+                body.read_some()
+            decoder = decoder_of(meta_f.result())
+            if decoder is None:
+                conn.close()  # the body is not read to its end: the connection is spent
+                return None
+            if body.size < decoder.index_bytes:
+                raise CorruptDataError(f"{where}: shard has {body.size} bytes, less than its {decoder.index_bytes}-byte index")
+            out = np.empty(decoder.shape, dtype=decoder.dtype)
+            if decoder.index_at_start:
+                plan = decoder.plan(out, 0, body.head(decoder.index_bytes), body.size, where)
+                if decoder.in_place_layout(plan, body.size):
+                    self._read_in_place(body, decoder, plan, jobs)
+                else:
+                    self._read_then_decode(body, decoder, plan, jobs)
+            else:  # written before the index moved to the start: decode once it is all in
+                whole = body.read_all()
+                plan = decoder.plan(out, 0, decoder.index_of(whole), body.size, where)
+                jobs += [chunk_pool().submit(decoder.decode_chunk, whole[j.offset : j.end], j.target, j.where) for j in plan]
+            for job in jobs:
                 job.result()  # re-raises the first CorruptDataError
+            body.finish()
         except BaseException:
             conn.close()
-            for job in decodes:  # they write into ``out``: let started ones finish first
+            for job in jobs:  # they write into ``out``: let started ones finish first
                 job.cancel() or job.exception()
             raise
         self._release(conn, response)
         return out
+
+    @staticmethod
+    def _read_in_place(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], jobs: list[Future]) -> None:
+        """Uncompressed chunks: each one's bytes go straight into its rows of the array (an edge
+        chunk's padding to a scratch buffer) and are CRC-checked in the chunk pool while later
+        chunks arrive. No shard-sized buffer, no copy."""
+        full = decoder.chunk_rows * decoder.row_bytes
+        crc = bytearray(4)
+        for job in plan:
+            padding = np.empty(full - job.target.nbytes, dtype=np.uint8)
+            body.read_into(job.target, job.offset)
+            body.read_into(padding, job.offset + job.target.nbytes)
+            body.read_into(crc, job.end - 4)
+            jobs.append(chunk_pool().submit(decoder.check_chunk, job.target, padding, bytes(crc), job.where))
+
+    @staticmethod
+    def _read_then_decode(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], jobs: list[Future]) -> None:
+        """Compressed (or irregularly laid out) chunks: the shard streams into one buffer and
+        each chunk whose bytes are all in is checked and decoded in the chunk pool."""
+        ready = iter(plan)
+        job = next(ready, None)
+
+        def submit_complete(view: memoryview, received: int) -> None:
+            nonlocal job
+            while job is not None and job.end <= received:
+                jobs.append(chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where))
+                job = next(ready, None)
+
+        body.read_all(submit_complete)
+
+
+class _Body:
+    """The body of one shard response, consumed in file order: first a head of short reads
+    (while the array's metadata is still on its way), then either straight into the caller's
+    buffers (:meth:`read_into`) or into one buffer of the whole file (:meth:`read_all`)."""
+
+    def __init__(self, response: http.client.HTTPResponse, size: int, where: str) -> None:
+        self.size = size
+        self._response = response
+        self._where = where
+        self._head = bytearray()  # the first bytes off the socket
+        self._position = 0  # the next file offset handed to the caller
+
+    @property
+    def buffered(self) -> int:
+        return len(self._head)
+
+    def read_some(self) -> None:
+        """One short read into the head: whatever has arrived, at most _READ_STEP bytes."""
+        data = self._response.read1(min(_READ_STEP, self.size - len(self._head)))
+        if not data:
+            self._ended(len(self._head))
+        self._head += data
+
+    def head(self, n: int) -> bytes:
+        """The file's first ``n`` bytes (read now if not yet in)."""
+        if len(self._head) < n:
+            want = n - len(self._head)
+            data = self._response.read(want)
+            if len(data) < want:
+                self._ended(len(self._head) + len(data))
+            self._head += data
+        return bytes(self._head[:n])
+
+    def read_into(self, dest: np.ndarray | bytearray, offset: int) -> None:
+        """File bytes ``[offset, offset + len(dest))`` into ``dest``. Calls go forward through
+        the file; bytes skipped between them must be in the head (the shard index)."""
+        assert self._position <= offset <= max(self._position, len(self._head)), (offset, self._position)
+        view = memoryview(dest).cast("B")
+        have = max(0, min(len(view), len(self._head) - offset))
+        view[:have] = self._head[offset : offset + have]
+        done = have
+        while done < len(view):
+            n = self._response.readinto(view[done:])
+            if not n:
+                self._ended(offset + done)
+            done += n
+        self._position = offset + len(view)
+
+    def read_all(self, progress: Callable[[memoryview, int], None] = lambda view, received: None) -> memoryview:
+        """The whole file in one buffer; ``progress(buffer, bytes_in)`` after every read."""
+        assert self._position == 0
+        view = memoryview(np.empty(self.size, dtype=np.uint8))
+        received = len(self._head)
+        view[:received] = self._head
+        progress(view, received)
+        while received < self.size:
+            n = self._response.readinto(view[received : min(self.size, received + _READ_STEP)])
+            if not n:
+                self._ended(received)
+            received += n
+            progress(view, received)
+        self._position = self.size
+        return view
+
+    def finish(self) -> None:
+        """Mark the response done once every byte is in (``read1`` alone never does), so its
+        connection can carry the next request."""
+        assert self._position == self.size or len(self._head) == self.size
+        self._response.read()
+
+    def _ended(self, received: int) -> NoReturn:
+        raise CorruptDataError(f"{self._where}: shard body ended after {received} of {self.size} bytes")
 
 
 def _settle(*futures: Future) -> None:

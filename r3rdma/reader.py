@@ -19,7 +19,7 @@ from .errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownR
 from .ids import validate_id
 from .records import checksum
 from .node_http import NodeHttpClient
-from .shard_codec import ShardDecoder
+from .shard_codec import ShardDecoder, chunk_pool
 from .zarr_layout import INDEX_KEY, parse_array_name
 
 __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "to_torch"]
@@ -178,14 +178,14 @@ class RoutingReader:
             else:
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"], extent)
-            if self._verify:  # here, in the pool's threads: crc32c releases the GIL
-                for rid, seg_no, seg in segs:
-                    piece = parts[(rid, seg_no)]
-                    if checksum(piece) != seg["crc32c"]:
+            if self._verify:  # in parallel over the array's requests: crc32c releases the GIL
+                sums = chunk_pool().map(lambda s: checksum(parts[(s[0], s[1])]), segs)
+                for (rid, seg_no, seg), got in zip(segs, sums):
+                    if got != seg["crc32c"]:
                         raise CorruptDataError(
                             f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array "
                             f"{seg['array']} rows {seg['offset']}..{seg['offset'] + seg['rows'] - 1}: "
-                            f"crc32c {checksum(piece):#010x}, index says {seg['crc32c']:#010x}"
+                            f"crc32c {got:#010x}, index says {seg['crc32c']:#010x}"
                         )
             return parts
 

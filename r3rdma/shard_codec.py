@@ -27,13 +27,14 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import crc32c
 import numpy as np
 from numcodecs import Zstd
 
 from .errors import CorruptDataError
 from .records import buffer_checksum
 
-__all__ = ["ShardDecoder", "ChunkJob", "chunk_pool"]
+__all__ = ["ShardDecoder", "ChunkJob", "chunk_pool", "zstd_content_size"]
 
 _EMPTY = 2**64 - 1
 _CRC = struct.Struct("<I")
@@ -180,13 +181,61 @@ class ShardDecoder:
         if buffer_checksum(body) != crc:
             raise CorruptDataError(f"{where} fails its crc32c")
         full = self.chunk_rows * self.row_bytes  # edge chunks are stored padded to full size
-        if self.zstd:
+        if not self.zstd:
+            raw = body
+        elif target.nbytes == full and zstd_content_size(body) == full:
+            # Straight into the caller's rows: no intermediate buffer, no copy. zstd itself
+            # refuses a frame whose content differs from the size its header declares.
+            try:
+                _ZSTD.decode(body, out=target)
+            except (RuntimeError, ValueError) as e:
+                raise CorruptDataError(f"{where} is not a valid zstd frame: {e}") from e
+            return
+        else:
             try:
                 raw = _ZSTD.decode(body)
             except RuntimeError as e:  # numcodecs: "Zstd decompression error: ..."
                 raise CorruptDataError(f"{where} is not a valid zstd frame: {e}") from e
-        else:
-            raw = body
         if len(raw) != full:
             raise CorruptDataError(f"{where} decodes to {len(raw)} bytes, expected {full}")
         target[:] = np.frombuffer(raw, dtype=np.uint8, count=target.nbytes)
+
+    def check_chunk(self, rows: np.ndarray, padding: np.ndarray, stored_crc: bytes, where: str) -> None:
+        """Check one uncompressed inner chunk that was read in place: its bytes are ``rows``
+        (the array's rows it holds) then ``padding`` (what an edge chunk stores past the
+        array's end), followed in the file by ``stored_crc``, its 4-byte CRC-32C."""
+        got = buffer_checksum(rows)
+        if padding.nbytes:
+            got = int(crc32c.crc32c(padding, got))
+        if got != _CRC.unpack(stored_crc)[0]:
+            raise CorruptDataError(f"{where} fails its crc32c")
+
+    def in_place_layout(self, jobs: list[ChunkJob], size: int) -> bool:
+        """Whether the stored chunks of a shard file of ``size`` bytes (``jobs``, from
+        :meth:`plan`) can be read straight into the array: uncompressed, index first, each
+        chunk full-size, one after another to the file's end with no gap."""
+        full = self.chunk_rows * self.row_bytes + 4
+        at = self.index_bytes
+        for job in jobs:
+            if job.offset != at or job.end - job.offset != full:
+                return False
+            at = job.end
+        return not self.zstd and self.index_at_start and at == size
+
+
+def zstd_content_size(frame: bytes | memoryview) -> int | None:
+    """The decompressed size a zstd frame's header declares (RFC 8878 3.1.1.1), or None when
+    the header does not declare one or is not a zstd frame header."""
+    head = bytes(frame[:18])  # magic, descriptor, window, dictionary id, content size: at most 18
+    if len(head) < 5 or head[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = head[4]
+    single_segment = descriptor >> 5 & 1
+    size_bytes = (0, 2, 4, 8)[descriptor >> 6] or (1 if single_segment else 0)
+    if not size_bytes:
+        return None
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]
+    if len(head) < at + size_bytes:
+        return None
+    value = int.from_bytes(head[at : at + size_bytes], "little")
+    return value + 256 if size_bytes == 2 else value

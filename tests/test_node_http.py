@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import threading
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from r3rdma import shard_codec
 from r3rdma.errors import CorruptDataError
 from r3rdma.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.node_http import NodeHttpClient
+from r3rdma.records import buffer_checksum
 from r3rdma.reader import RoutingReader
 
 from .store_nodes import new_token, start_node
@@ -65,14 +67,20 @@ def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
         client.close()
 
 
-@pytest.mark.parametrize("damage", ["chunk", "index", "truncated", "metadata"])
-def test_damage_is_refused(tmp_path, make_record, node_root, damage):
+@pytest.mark.parametrize("level", [0, 3])  # 0: chunks are read in place, then checked
+@pytest.mark.parametrize("damage", ["last-chunk", "middle-chunk", "index", "truncated", "metadata"])
+def test_damage_is_refused(tmp_path, make_record, node_root, damage, level):
     root = tmp_path / "node"
-    records = populate(root, make_record, level=3)
+    records = populate(root, make_record, level=level)
     shard = root.joinpath("roll-0", "b00000001", *SHARD)
     blob = bytearray(shard.read_bytes())
-    if damage == "chunk":
-        blob[-10] ^= 0xFF  # the index is at the start: the end is the last chunk
+    if damage == "last-chunk":
+        # The index is at the start: the end is the last chunk (uncompressed: its padding
+        # past the array's last row, which the chunk's CRC covers too).
+        blob[-10] ^= 0xFF
+        shard.write_bytes(bytes(blob))
+    elif damage == "middle-chunk":
+        blob[len(blob) // 2] ^= 0x01
         shard.write_bytes(bytes(blob))
     elif damage == "index":
         blob[10] ^= 0xFF
@@ -137,6 +145,30 @@ def test_shards_with_the_index_at_the_end_still_read(tmp_path, make_record, node
     assert_reads_back(node, records)
 
 
+def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_root):
+    """Zarr lets a shard's chunks lie anywhere its index says: with unused bytes between them
+    an uncompressed shard cannot be read in place and is buffered, then checked."""
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=0)
+    meta = json.loads((root / "roll-0" / "b00000001" / "zarr.json").read_text())
+    decoder = shard_codec.ShardDecoder.of(meta)
+    shard = root.joinpath("roll-0", "b00000001", *SHARD)
+    blob = shard.read_bytes()
+    n, gap = decoder.index_bytes, b"\xee" * 8
+    index = np.frombuffer(blob[: n - 4], dtype="<u8").reshape(-1, 2).copy()
+    parts = []
+    for c, (offset, nbytes) in enumerate(index):
+        parts += [gap, blob[offset : offset + nbytes]]
+        index[c, 0] = n + sum(len(p) for p in parts) - nbytes
+    raw_index = index.astype("<u8").tobytes()
+    shard.write_bytes(raw_index + struct.pack("<I", buffer_checksum(raw_index)) + b"".join(parts))
+    want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]  # zarr reads it too
+    node = node_root(root)
+    whole = read_first_array(node)
+    assert whole is not None and np.array_equal(whole, want)
+    assert_reads_back(node, records)
+
+
 def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_root):
     root = tmp_path / "node"
     populate(root, make_record, level=3)
@@ -156,13 +188,13 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
         store.commit(records)
     decoded = threading.Event()
     held = {"released_by_decode": None}
-    real = shard_codec.ShardDecoder.decode_chunk
+    # Uncompressed chunks are read in place and only checked; compressed ones are decoded.
+    for name in ("check_chunk", "decode_chunk"):
+        def spy(self, *args, real=getattr(shard_codec.ShardDecoder, name)):
+            real(self, *args)
+            decoded.set()
 
-    def spy(self, encoded, target, where):
-        real(self, encoded, target, where)
-        decoded.set()
-
-    monkeypatch.setattr(shard_codec.ShardDecoder, "decode_chunk", spy)
+        monkeypatch.setattr(shard_codec.ShardDecoder, name, spy)
 
     async def serve(request: web.Request) -> web.StreamResponse:
         path = root / request.match_info["path"]

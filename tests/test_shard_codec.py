@@ -4,16 +4,19 @@ for every layout r3rdma writes, refuse damage with CorruptDataError, and decline
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pytest
 import zarr
+from numcodecs import Zstd
 from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
 from r3rdma.errors import CorruptDataError
 from r3rdma.local_store import zarr_codecs
-from r3rdma.shard_codec import ShardDecoder
+from r3rdma.records import buffer_checksum
+from r3rdma.shard_codec import ShardDecoder, zstd_content_size
 
 
 def write(tmp_path, data, *, chunk, shard, level, compressors=None, index_location="start"):
@@ -91,3 +94,46 @@ def test_other_layouts_are_left_to_zarr(tmp_path):
     assert ShardDecoder.of({"not": "zarr"}) is None
     meta_blosc, _ = write(tmp_path / "b", np.zeros((8, 2, 2), np.uint8), chunk=4, shard=8, level=0, compressors=[BloscCodec()])
     assert ShardDecoder.of(meta_blosc) is None
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 257, 65791, 65792, 393216, 5 << 20])
+@pytest.mark.parametrize("level", [1, 3, 19])
+def test_zstd_content_size_reads_the_frame_header(size, level):
+    frame = Zstd(level).encode(np.random.default_rng(size).integers(0, 128, size).astype(np.uint8))
+    assert zstd_content_size(frame) == size
+
+
+def test_zstd_content_size_of_other_bytes_is_none():
+    assert zstd_content_size(b"") is None
+    assert zstd_content_size(b"\x28\xb5\x2f") is None
+    assert zstd_content_size(b"not a zstd frame at all") is None
+    # A frame header that declares no content size (descriptor 0: not single-segment, no size).
+    assert zstd_content_size(b"\x28\xb5\x2f\xfd\x00\x58") is None
+
+
+def test_a_frame_of_the_wrong_size_is_refused(tmp_path):
+    """A chunk whose CRC holds but whose frame holds the wrong number of bytes (a writer bug)
+    is refused, not decoded into the caller's rows."""
+    meta, _ = _one_shard(tmp_path, level=3)
+    decoder = ShardDecoder.of(meta)
+    full = decoder.chunk_rows * decoder.row_bytes
+    out = np.zeros(decoder.shape, decoder.dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    for size in (full - 1, full + 1):
+        body = Zstd(3).encode(np.ones(size, np.uint8))
+        encoded = memoryview(body + struct.pack("<I", buffer_checksum(body)))
+        with pytest.raises(CorruptDataError, match=f"decodes to {size} bytes, expected {full}"):
+            decoder.decode_chunk(encoded, flat[:full], "test-chunk")
+
+
+def test_in_place_layout_only_for_contiguous_uncompressed_chunks(tmp_path):
+    for level, index_location, expected in [(0, "start", True), (3, "start", False), (0, "end", False)]:
+        meta, path = _one_shard(tmp_path / f"{level}{index_location}", level, index_location)
+        decoder = ShardDecoder.of(meta)
+        blob = path.read_bytes()
+        out = np.empty(decoder.shape, decoder.dtype)
+        plan = decoder.plan(out, 0, decoder.index_of(memoryview(blob)), len(blob), "test")
+        assert decoder.in_place_layout(plan, len(blob)) is expected
+        if expected:
+            assert not decoder.in_place_layout(plan, len(blob) + 1)  # bytes after the last chunk
+            assert not decoder.in_place_layout(plan[1:], len(blob))  # a gap where a chunk was
