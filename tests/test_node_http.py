@@ -145,6 +145,26 @@ def test_shards_with_the_index_at_the_end_still_read(tmp_path, make_record, node
     assert_reads_back(node, records)
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_chunks_left_out_as_fill_read_back(tmp_path, make_record, node_root, level):
+    """Zarr leaves an inner chunk whose rows are all the fill value (0) out of the shard; the
+    chunks after it are still read in place (uncompressed) or decoded, and it reads as 0."""
+    from r3rdma.records import RequestRecord
+
+    root = tmp_path / "node"
+    base = make_record("zeros", rows=40, layers=4, k=3, num_experts=40)
+    ids = base.ids_TLK.copy()
+    ids[:32] = 0  # inner chunks 0 and 1 (16 rows each) are all fill
+    records = [RequestRecord("roll-0", "zeros", ids, base.layer_map, 40), make_record("r1", rows=21, layers=4, k=3, num_experts=40)]
+    with LocalRoutingStore(root, zstd_level=level, chunk_rows=16) as store:
+        store.commit(records)
+    node = node_root(root)
+    whole = read_first_array(node)
+    want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+    assert whole is not None and np.array_equal(whole, want) and not whole[:32].any()
+    assert_reads_back(node, records)
+
+
 def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_root):
     """Zarr lets a shard's chunks lie anywhere its index says: with unused bytes between them
     an uncompressed shard cannot be read in place and is buffered, then checked."""
