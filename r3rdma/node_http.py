@@ -33,18 +33,26 @@ import json
 import queue
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
 from .errors import ConfigError, CorruptDataError
+from .row_checksums import RowRangeChecksums
 from .shard_codec import ChunkJob, ShardDecoder, chunk_pool
 
-__all__ = ["NodeHttpClient", "HttpStatusError"]
+__all__ = ["NodeHttpClient", "HttpStatusError", "ArrayRead"]
 
 _SHARD_KEY = "c/0/0/0"  # the one shard of a batch array (default key encoding, "/" separator)
 _READ_STEP = 1 << 20  # bytes per readinto: decodes start at most this far behind the transfer
 _IDLE_CONNECTIONS = 16
+
+
+class ArrayRead(NamedTuple):
+    """A whole batch array, and the CRC-32C of each row range the caller asked for."""
+
+    array: np.ndarray
+    crc32c: list[int]
 
 
 class HttpStatusError(Exception):
@@ -94,9 +102,11 @@ class NodeHttpClient:
             raise CorruptDataError(f"{self._url(key)} is not a JSON object")
         return document
 
-    def read_array(self, key: str, where: str) -> np.ndarray | None:
+    def read_array(self, key: str, where: str, crc_ranges: Sequence[tuple[int, int]] = ()) -> ArrayRead | None:
         """The whole batch array at ``key`` (its directory), or None when its layout is not the
         one :class:`ShardDecoder` knows. Raises CorruptDataError naming ``where`` on damage.
+        ``crc_ranges``: row ranges whose CRC-32C to compute while the rows arrive (a reader's
+        per-request checks), returned in :attr:`ArrayRead.crc32c`.
 
         The array's metadata and the shard body are requested at once (a helper thread and
         this one): the chain is one round trip plus the body."""
@@ -109,7 +119,7 @@ class NodeHttpClient:
             _settle(meta_f)
             raise
         try:
-            return self._read_array(prefix, shard, meta_f, conn, response, where)
+            return self._read_array(prefix, shard, meta_f, conn, response, where, crc_ranges)
         finally:
             _settle(meta_f)
 
@@ -160,13 +170,18 @@ class NodeHttpClient:
 
     def _read_array(
         self, prefix: str, shard: str, meta_f: Future, conn: http.client.HTTPConnection,
-        response: http.client.HTTPResponse, where: str,
-    ) -> np.ndarray | None:
+        response: http.client.HTTPResponse, where: str, crc_ranges: Sequence[tuple[int, int]],
+    ) -> ArrayRead | None:
         def decoder_of(meta: dict[str, Any] | None) -> ShardDecoder | None:
             if meta is None:
                 raise CorruptDataError(f"{where}: {self._url(prefix + 'zarr.json')} not found")
             decoder = ShardDecoder.of(meta)
-            return decoder if decoder is not None and decoder.num_shards == 1 else None
+            if decoder is None or decoder.num_shards != 1:
+                return None
+            wanted = max((hi for _, hi in crc_ranges), default=0)
+            if wanted > decoder.shape[0]:
+                raise CorruptDataError(f"{where} has {decoder.shape[0]} rows; the index lists rows up to {wanted}")
+            return decoder
 
         jobs: list[Future] = []
         try:
@@ -181,7 +196,7 @@ class NodeHttpClient:
                 self._release(conn, response)
                 out = np.empty(decoder.shape, dtype=decoder.dtype)
                 decoder.decode_into(out, 0, None, where)  # no shard file: every chunk is the fill value
-                return out
+                return ArrayRead(out, RowRangeChecksums(out, crc_ranges, ()).values)
             length = response.getheader("Content-Length")
             if length is None or not length.isdigit():
                 raise CorruptDataError(f"{where}: shard response has no Content-Length ({length!r})")
@@ -199,16 +214,20 @@ class NodeHttpClient:
             out = np.empty(decoder.shape, dtype=decoder.dtype)
             if decoder.index_at_start:
                 plan = decoder.plan(out, 0, body.head(decoder.index_bytes), body.size, where)
+                sums = RowRangeChecksums(out, crc_ranges, [(job.first_row, job.end_row) for job in plan])
                 if decoder.in_place_layout(plan, body.size):
-                    self._read_in_place(body, decoder, plan)
+                    self._read_in_place(body, decoder, plan, sums)
                 else:
-                    self._read_then_decode(body, decoder, plan, jobs)
+                    self._read_then_decode(body, decoder, plan, jobs, sums)
             else:  # written before the index moved to the start: decode once it is all in
                 whole = body.read_all()
                 plan = decoder.plan(out, 0, decoder.index_of(whole), body.size, where)
+                sums = RowRangeChecksums(out, crc_ranges, [(job.first_row, job.end_row) for job in plan])
                 jobs += [chunk_pool().submit(decoder.decode_chunk, whole[j.offset : j.end], j.target, j.where) for j in plan]
-            for job in jobs:
-                job.result()  # re-raises the first CorruptDataError
+                for job, future in zip(plan, jobs):
+                    future.result()  # re-raises the first CorruptDataError
+                    sums.final(job.first_row, job.end_row)
+            assert sums.complete
             body.finish()
         except BaseException:
             conn.close()
@@ -216,10 +235,10 @@ class NodeHttpClient:
                 job.cancel() or job.exception()
             raise
         self._release(conn, response)
-        return out
+        return ArrayRead(out, sums.values)
 
     @staticmethod
-    def _read_in_place(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob]) -> None:
+    def _read_in_place(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], sums: RowRangeChecksums) -> None:
         """Uncompressed chunks: each one's bytes go straight into its rows of the array (an edge
         chunk's padding to a scratch buffer), and this thread CRC-checks each chunk as soon as it
         is in, while the socket keeps receiving the next (crc32c releases the GIL). No
@@ -233,21 +252,40 @@ class NodeHttpClient:
             body.read_into(padding, job.offset + job.target.nbytes)
             body.read_into(crc, job.end - 4)
             decoder.check_chunk(job.target, padding, bytes(crc), job.where)
+            sums.final(job.first_row, job.end_row)  # hashed for the requests while still in cache
 
     @staticmethod
-    def _read_then_decode(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], jobs: list[Future]) -> None:
+    def _read_then_decode(
+        body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], jobs: list[Future], sums: RowRangeChecksums
+    ) -> None:
         """Compressed (or irregularly laid out) chunks: the shard streams into one buffer and
-        each chunk whose bytes are all in is checked and decoded in the chunk pool."""
+        each chunk whose bytes are all in is checked and decoded in the chunk pool. Between
+        reads this thread hashes the rows of decoded chunks for ``sums``."""
         ready = iter(plan)
         job = next(ready, None)
+        decoding: list[tuple[Future, ChunkJob]] = []
+
+        def settle(wait: bool) -> None:
+            still = []
+            for future, done in decoding:
+                if wait or future.done():
+                    future.result()  # re-raises its CorruptDataError
+                    sums.final(done.first_row, done.end_row)
+                else:
+                    still.append((future, done))
+            decoding[:] = still
 
         def submit_complete(view: memoryview, received: int) -> None:
             nonlocal job
             while job is not None and job.end <= received:
-                jobs.append(chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where))
+                future = chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where)
+                jobs.append(future)
+                decoding.append((future, job))
                 job = next(ready, None)
+            settle(wait=False)
 
         body.read_all(submit_complete)
+        settle(wait=True)
 
 
 class _Body:

@@ -171,15 +171,18 @@ class RoutingReader:
             hi = max(s["offset"] + s["rows"] for _, _, s in segs)
             extent = merged.extent(src, name)
             parts = {}
+            sums: list[int] | None = None  # the segments' CRC-32C, when the read computed them
             if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                span = source.read_rows(rollout_id, name, lo, hi, extent)
+                ranges = [(s["offset"] - lo, s["offset"] - lo + s["rows"]) for _, _, s in segs] if self._verify else []
+                span, sums = source.read_rows(rollout_id, name, lo, hi, extent, ranges)
                 for rid, seg_no, seg in segs:
                     parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
             else:
                 for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"], extent)
-            if self._verify:  # in parallel over the array's requests: crc32c releases the GIL
-                sums = chunk_pool().map(lambda s: checksum(parts[(s[0], s[1])]), segs)
+                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"], extent)[0]
+            if self._verify:
+                if sums is None:  # in parallel over the array's requests: crc32c releases the GIL
+                    sums = list(chunk_pool().map(lambda s: checksum(parts[(s[0], s[1])]), segs))
                 for (rid, seg_no, seg), got in zip(segs, sums):
                     if got != seg["crc32c"]:
                         raise CorruptDataError(
@@ -355,21 +358,30 @@ class _Source:
         _check_index(rollout_id, index, self.name)
         return index
 
-    def read_rows(self, rollout_id: str, name: str, lo: int, hi: int, extent: int) -> np.ndarray:
-        """Rows ``lo:hi`` of a batch array the index says holds at least ``extent`` rows."""
+    def read_rows(
+        self, rollout_id: str, name: str, lo: int, hi: int, extent: int, crc_ranges: list[tuple[int, int]] = ()
+    ) -> tuple[np.ndarray, list[int] | None]:
+        """Rows ``lo:hi`` of a batch array the index says holds at least ``extent`` rows, and the
+        CRC-32C of each of ``crc_ranges`` (row ranges of the returned rows) when the read could
+        compute them as the rows arrived (else None: the caller hashes them)."""
         if self.http is not None and (hi - lo) * 2 >= extent:
-            # Most of the array is wanted: fetch it whole, decoding while it streams.
+            # Most of the array is wanted: fetch it whole, decoding (and hashing the wanted
+            # ranges) while it streams.
             where = f"{self.name}: rollout {rollout_id!r} array {name}"
+            ranges = [(lo + a, lo + b) for a, b in crc_ranges]
             try:
-                whole = self.http.read_array(f"{rollout_id}/{name}", where)
+                whole = self.http.read_array(f"{rollout_id}/{name}", where, ranges)
             except CorruptDataError:
                 raise
             except Exception as e:  # HTTP status, connection lost, timeout
                 raise CorruptDataError(f"{where} cannot be read: {e}") from e
             if whole is not None:
-                if whole.shape[0] < hi:
-                    raise CorruptDataError(f"{where} has {whole.shape[0]} rows; the index lists rows up to {hi}")
-                return whole[lo:hi]
+                if whole.array.shape[0] < hi:
+                    raise CorruptDataError(f"{where} has {whole.array.shape[0]} rows; the index lists rows up to {hi}")
+                return whole.array[lo:hi], whole.crc32c
+        return self._read_rows(rollout_id, name, lo, hi), None
+
+    def _read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
         array = self._open_array(rollout_id, name)
         if self.remote and (hi - lo) * 2 >= array.shape[0]:
             # Most of the array is wanted: fetch its shard files whole (one GET each) instead of

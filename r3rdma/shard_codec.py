@@ -45,12 +45,15 @@ _ZSTD = Zstd()  # decode only; stateless (a fresh decompression context per call
 
 
 class ChunkJob(NamedTuple):
-    """One stored inner chunk: its bytes ``[offset, end)`` in the shard file and where it decodes to."""
+    """One stored inner chunk: its bytes ``[offset, end)`` in the shard file and where it decodes
+    to: ``target``, the bytes of the array's rows ``[first_row, end_row)``."""
 
     offset: int
     end: int
     target: np.ndarray
     where: str
+    first_row: int
+    end_row: int
 
 
 def chunk_pool() -> ThreadPoolExecutor:
@@ -164,7 +167,8 @@ class ShardDecoder:
             lo_row = first + c * self.chunk_rows
             if lo_row >= last:
                 break
-            target = flat[lo_row * self.row_bytes : min(lo_row + self.chunk_rows, last) * self.row_bytes]
+            hi_row = min(lo_row + self.chunk_rows, last)
+            target = flat[lo_row * self.row_bytes : hi_row * self.row_bytes]
             offset, nbytes = (int(v) for v in index[c])
             if offset == _EMPTY and nbytes == _EMPTY:
                 target.view(out.dtype)[:] = self.fill
@@ -172,7 +176,7 @@ class ShardDecoder:
             data_lo, data_hi = (self.index_bytes, size) if self.index_at_start else (0, size - self.index_bytes)
             if nbytes < 4 or offset < data_lo or offset + nbytes > data_hi:
                 raise CorruptDataError(f"{where}: shard {shard_no} chunk {c} lies outside the shard ({offset}+{nbytes})")
-            jobs.append(ChunkJob(offset, offset + nbytes, target, f"{where}: shard {shard_no} chunk {c}"))
+            jobs.append(ChunkJob(offset, offset + nbytes, target, f"{where}: shard {shard_no} chunk {c}", lo_row, hi_row))
         return sorted(jobs, key=lambda job: job.end)
 
     def decode_chunk(self, encoded: memoryview, target: np.ndarray, where: str) -> None:

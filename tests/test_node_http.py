@@ -59,7 +59,7 @@ def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
     assert_reads_back(node, records)
     client = NodeHttpClient(node.http_url, node.token)
     try:
-        whole = client.read_array("roll-0/b00000001", "test")
+        whole = client.read_array("roll-0/b00000001", "test").array
         want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
         assert whole is not None and whole.dtype == want.dtype and np.array_equal(whole, want)
         assert client.get_json("roll-0/nope/zarr.json") is None
@@ -109,7 +109,8 @@ def rewrite_first_array(root: Path, **layout) -> np.ndarray:
 def read_first_array(node) -> np.ndarray | None:
     client = NodeHttpClient(node.http_url, node.token)
     try:
-        return client.read_array("roll-0/b00000001", "test")
+        got = client.read_array("roll-0/b00000001", "test")
+        return None if got is None else got.array
     finally:
         client.close()
 
@@ -165,11 +166,9 @@ def test_chunks_left_out_as_fill_read_back(tmp_path, make_record, node_root, lev
     assert_reads_back(node, records)
 
 
-def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_root):
-    """Zarr lets a shard's chunks lie anywhere its index says: with unused bytes between them
-    an uncompressed shard cannot be read in place and is buffered, then checked."""
-    root = tmp_path / "node"
-    records = populate(root, make_record, level=0)
+def spread_chunks_apart(root: Path) -> None:
+    """Rewrite b00000001's shard with 8 unused bytes before every chunk (valid Zarr: a shard's
+    chunks lie wherever its index says)."""
     meta = json.loads((root / "roll-0" / "b00000001" / "zarr.json").read_text())
     decoder = shard_codec.ShardDecoder.of(meta)
     shard = root.joinpath("roll-0", "b00000001", *SHARD)
@@ -182,6 +181,14 @@ def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_ro
         index[c, 0] = n + sum(len(p) for p in parts) - nbytes
     raw_index = index.astype("<u8").tobytes()
     shard.write_bytes(raw_index + struct.pack("<I", buffer_checksum(raw_index)) + b"".join(parts))
+
+
+def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_root):
+    """With unused bytes between chunks an uncompressed shard cannot be read in place and is
+    buffered, then checked."""
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=0)
+    spread_chunks_apart(root)
     want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]  # zarr reads it too
     node = node_root(root)
     whole = read_first_array(node)
@@ -251,3 +258,58 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
     assert held["released_by_decode"] is True
     for r in records[:4]:
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
+@pytest.mark.parametrize("layout", ["in-place", "zstd", "gaps-buffered", "index-at-end", "no-shard-file"])
+def test_request_crcs_are_computed_while_the_rows_arrive(tmp_path, make_record, node_root, layout, monkeypatch):
+    """The client hashes the rows of each requested range as they land or decode: its CRCs equal
+    a checksum of the finished rows in every layout, and the reader then skips its own pass."""
+    from r3rdma import reader as reader_module
+    from r3rdma.records import checksum
+
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=3 if layout in ("zstd", "index-at-end") else 0)
+    if layout == "gaps-buffered":
+        spread_chunks_apart(root)
+    elif layout == "index-at-end":
+        rows = sum(r.num_rows for r in records[:4])
+        rewrite_first_array(root, shards={"shape": (-(-rows // 16) * 16, 4, 3), "index_location": "end"},
+                            compressors=zarr_codecs(3))
+    elif layout == "no-shard-file":
+        root.joinpath("roll-0", "b00000001", *SHARD).unlink()
+    node = node_root(root)
+    want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+    ranges = [(0, 17), (17, 43), (5, 6), (30, want.shape[0]), (9, 9)]
+    client = NodeHttpClient(node.http_url, node.token)
+    try:
+        got = client.read_array("roll-0/b00000001", "test", ranges)
+        with pytest.raises(CorruptDataError, match=f"has {want.shape[0]} rows; the index lists rows up to {want.shape[0] + 1}"):
+            client.read_array("roll-0/b00000001", "test", [(0, want.shape[0] + 1)])
+    finally:
+        client.close()
+    assert np.array_equal(got.array, want)
+    assert got.crc32c == [checksum(want[lo:hi]) for lo, hi in ranges]
+    if layout != "no-shard-file":
+        hashed = []
+        monkeypatch.setattr(reader_module, "checksum", lambda a: hashed.append(a) or checksum(a))
+        assert_reads_back(node, records)
+        assert hashed == []
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_rows_that_differ_from_the_index_are_refused(tmp_path, make_record, node_root, level):
+    """A batch array rewritten with one id changed is valid Zarr (every chunk CRC holds): only
+    the index's per-request CRC, computed while the rows arrive, can tell."""
+    root = tmp_path / "node"
+    records = populate(root, make_record, level=level)
+    data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+    data[20, 1, 2] ^= 1  # a row of r1 (rows 17..42)
+    zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3), fill_value=0,
+                      overwrite=True, shards={"shape": (128, 4, 3), "index_location": "start"},
+                      compressors=zarr_codecs(level))
+    node = node_root(root)
+    assert read_first_array(node) is not None  # our layout: read by the client, not zarr
+    with RoutingReader(node.http_url, token=node.token) as reader:
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r0"])["r0"], records[0].ids_TLK)
+        with pytest.raises(CorruptDataError, match=r"request 'r1' .* rows 17\.\.42: crc32c"):
+            reader.get_numpy("roll-0", [r.request_id for r in records[:4]])

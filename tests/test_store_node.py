@@ -126,6 +126,16 @@ async def _http_checks(node, rec):
     status, rest, _ = await _get(shard, {**auth, "Range": "bytes=7-"})
     assert status == 206 and rest == full[7:]
     assert (await _get(shard, {**auth, "Range": f"bytes={len(full) + 10}-"}))[0] == 416
+    # Small files (this shard, zarr.json) are sent from memory, ranged reads through FileResponse:
+    # both must describe the same file.
+    status, meta, headers = await _get(f"{node.http_url}/zarr/roll-0/b00000001/zarr.json", auth)
+    assert status == 200 and headers["Content-Type"] == "application/json" and json.loads(meta)["node_type"] == "array"
+    assert headers["Content-Length"] == str(len(meta)) and headers["Accept-Ranges"] == "bytes"
+    status, head, _ = await _get(f"{node.http_url}/zarr/roll-0/b00000001/zarr.json", {**auth, "Range": "bytes=0-"})
+    assert status == 206 and head == meta
+    async with aiohttp.ClientSession() as session:
+        async with session.head(shard, headers=auth) as response:
+            assert response.status == 200 and response.headers["Content-Length"] == str(len(full))
     for bad in ["/zarr/..%2F..%2Fetc%2Fpasswd", "/zarr/roll-0/..%2F..%2F.r3rdma.lock", "/zarr/.r3rdma.lock", "/zarr/roll-0/a..b", "/zarr/"]:
         assert (await _get(node.http_url + bad, auth))[0] in (400, 404), bad
     status, body, _ = await _get(f"{node.http_url}/metrics", auth)
