@@ -106,7 +106,9 @@ class NodeHttpClient:
         """The whole batch array at ``key`` (its directory), or None when its layout is not the
         one :class:`ShardDecoder` knows. Raises CorruptDataError naming ``where`` on damage.
         ``crc_ranges``: row ranges whose CRC-32C to compute while the rows arrive (a reader's
-        per-request checks), returned in :attr:`ArrayRead.crc32c`.
+        per-request checks), returned in :attr:`ArrayRead.crc32c`. A full-size chunk whose rows
+        all lie in ``crc_ranges`` skips its own CRC-32C (one pass over its bytes instead of
+        two): the caller must compare every returned CRC, which checks those bytes end to end.
 
         The array's metadata and the shard body are requested at once (a helper thread and
         this one): the chain is one round trip plus the body."""
@@ -240,10 +242,11 @@ class NodeHttpClient:
     @staticmethod
     def _read_in_place(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], sums: RowRangeChecksums) -> None:
         """Uncompressed chunks: each one's bytes go straight into its rows of the array (an edge
-        chunk's padding to a scratch buffer), and this thread CRC-checks each chunk as soon as it
-        is in, while the socket keeps receiving the next (crc32c releases the GIL). No
-        shard-sized buffer, no copy, and no hand-off to the pool: a check of 384 KiB takes
-        ~25 us, less than waking a pool thread for it."""
+        chunk's padding to a scratch buffer), and this thread hashes each chunk as soon as it is
+        in, while the socket keeps receiving the next (crc32c releases the GIL): for the
+        caller's ranges, and against the chunk's own CRC where those do not cover it. No
+        shard-sized buffer, no copy, and no hand-off to the pool: hashing 384 KiB takes ~25 us,
+        less than waking a pool thread for it."""
         full = decoder.chunk_rows * decoder.row_bytes
         crc = bytearray(4)
         for job in plan:
@@ -251,8 +254,10 @@ class NodeHttpClient:
             body.read_into(job.target, job.offset)
             body.read_into(padding, job.offset + job.target.nbytes)
             body.read_into(crc, job.end - 4)
-            decoder.check_chunk(job.target, padding, bytes(crc), job.where)
-            sums.final(job.first_row, job.end_row)  # hashed for the requests while still in cache
+            if padding.nbytes or not sums.covers(job.first_row, job.end_row):
+                decoder.check_chunk(job.target, padding, bytes(crc), job.where)
+            # else: the caller's CRCs cover every byte of this chunk; one pass checks it.
+            sums.final(job.first_row, job.end_row)  # hashed for the caller while still in cache
 
     @staticmethod
     def _read_then_decode(
@@ -278,7 +283,8 @@ class NodeHttpClient:
         def submit_complete(view: memoryview, received: int) -> None:
             nonlocal job
             while job is not None and job.end <= received:
-                future = chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where)
+                check = job.end_row - job.first_row < decoder.chunk_rows or not sums.covers(job.first_row, job.end_row)
+                future = chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where, check)
                 jobs.append(future)
                 decoding.append((future, job))
                 job = next(ready, None)

@@ -10,6 +10,7 @@ socket keeps receiving the next bytes.
 
 from __future__ import annotations
 
+import bisect
 from typing import Iterable, Sequence
 
 import crc32c
@@ -37,6 +38,14 @@ class RowRangeChecksums:
             if not 0 <= lo <= hi <= self._rows:
                 raise ValueError(f"row range {lo}..{hi} is outside the array's {self._rows} rows")
         self._ranges = sorted(range(len(ranges)), key=lambda i: ranges[i][0])  # range numbers by start
+        self._covered: list[tuple[int, int]] = []  # the union of the ranges, as disjoint sorted runs
+        for r in self._ranges:
+            lo, hi = ranges[r]
+            if self._covered and lo <= self._covered[-1][1]:
+                self._covered[-1] = (self._covered[-1][0], max(hi, self._covered[-1][1]))
+            elif hi > lo:
+                self._covered.append((lo, hi))
+        self._covered_starts = [lo for lo, _ in self._covered]
         self._bounds = list(ranges)
         self.values = [0] * len(ranges)
         self._frontier = 0  # rows [0, frontier) are final and hashed
@@ -54,6 +63,12 @@ class RowRangeChecksums:
     @property
     def complete(self) -> bool:
         return self._frontier >= self._rows
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether every row of ``[lo, hi)`` lies in some range: its bytes are then checked by
+        these CRCs, and a caller that compares all of them needs no other check of those rows."""
+        i = bisect.bisect_right(self._covered_starts, lo) - 1
+        return i >= 0 and self._covered[i][1] >= hi
 
     def final(self, lo: int, hi: int) -> None:
         """Rows ``[lo, hi)`` (one of the unfinished ranges) are final now."""

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from r3rdma.bench.all_bench import run_all
 from r3rdma.bench.codec_bench import CODECS, measure, yardsticks
 from r3rdma.bench.scaling_bench import run_scaling_bench
@@ -49,9 +51,11 @@ def test_transport_bench_tiny():
     assert result["ratio"] == rows[-1]["ratio"]
 
 
-def test_read_bench_tiny(tmp_path):
+@pytest.mark.parametrize("mode", ["warm", "fresh"])
+def test_read_bench_tiny(tmp_path, mode):
     from r3rdma.bench.read_bench import run_read_bench
 
     for level in (0, 3):
-        result = run_read_bench(requests=4, rounds=1, root=str(tmp_path / f"l{level}"), zstd_level=level, progress=False)
-        assert result["zstd_level"] == level and result["reader_gbps"] > 0 and result["ratio"] > 0
+        result = run_read_bench(requests=4, rounds=2, root=str(tmp_path / f"l{level}"), zstd_level=level, mode=mode, progress=False)
+        assert result["mode"] == mode and result["zstd_level"] == level and result["files"] >= 3
+        assert result["reader_gbps"] > 0 and result["ratio_range"][0] <= result["ratio"] <= result["ratio_range"][1]

@@ -23,6 +23,7 @@ from r3rdma.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.node_http import NodeHttpClient
 from r3rdma.records import buffer_checksum
 from r3rdma.reader import RoutingReader
+from r3rdma.row_checksums import RowRangeChecksums
 
 from .store_nodes import new_token, start_node
 
@@ -215,13 +216,15 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
         store.commit(records)
     decoded = threading.Event()
     held = {"released_by_decode": None}
-    # Uncompressed chunks are read in place and only checked; compressed ones are decoded.
-    for name in ("check_chunk", "decode_chunk"):
-        def spy(self, *args, real=getattr(shard_codec.ShardDecoder, name)):
+    # Uncompressed chunks are read in place and hashed (for the requests' CRCs, or against their
+    # own); compressed ones are decoded, then hashed.
+    for cls, name in [(shard_codec.ShardDecoder, "check_chunk"), (shard_codec.ShardDecoder, "decode_chunk"),
+                      (RowRangeChecksums, "final")]:
+        def spy(self, *args, real=getattr(cls, name)):
             real(self, *args)
             decoded.set()
 
-        monkeypatch.setattr(shard_codec.ShardDecoder, name, spy)
+        monkeypatch.setattr(cls, name, spy)
 
     async def serve(request: web.Request) -> web.StreamResponse:
         path = root / request.match_info["path"]

@@ -42,6 +42,9 @@ def test_values_match_a_checksum_of_each_range(case, dtype):
         sums.final(lo, hi)
     assert sums.complete
     assert sums.values == [checksum(want[lo:hi]) for lo, hi in ranges]
+    for lo in range(rows):
+        for hi in range(lo + 1, rows + 1):
+            assert sums.covers(lo, hi) == all(any(a <= row < b for a, b in ranges) for row in range(lo, hi))
 
 
 def test_rows_are_hashed_as_soon_as_every_row_before_them_is_final():
