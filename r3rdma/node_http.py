@@ -13,11 +13,13 @@ then a decode of the whole shard once its last byte is in. Here:
   of this way, on the 2-core VM and on the 16-core H200 host.)
 - the index at the shard's start gives every inner chunk's place before its bytes arrive:
   - uncompressed chunks are read straight into their rows of the returned array (no
-    shard-sized buffer, no copy) and CRC-checked by the reading thread as each one lands;
+    shard-sized buffer, no copy) and hashed by the reading thread as each one lands;
   - zstd chunks stream into one buffer of the shard, and each chunk whose bytes are all in is
-    CRC-checked and decompressed into its rows in the chunk pool (threads; crc32c and zstd
-    release the GIL) while later bytes still arrive: only the last chunk's decode follows
-    the transfer.
+    decompressed into its rows in the chunk pool (threads; crc32c and zstd release the GIL)
+    while later bytes still arrive: only the last chunk's decode follows the transfer.
+- the caller's row ranges (a reader's requests) are hashed as their rows become final, and a
+  full-size chunk they wholly cover skips its own CRC (the caller's comparison checks it), so
+  each byte is hashed once, while in cache, not again in a pass after the transfer.
   Shards written before the index moved to the start (it was at the end) are decoded once
   their last byte is in.
 

@@ -359,7 +359,7 @@ class _Source:
         return index
 
     def read_rows(
-        self, rollout_id: str, name: str, lo: int, hi: int, extent: int, crc_ranges: list[tuple[int, int]] = ()
+        self, rollout_id: str, name: str, lo: int, hi: int, extent: int, crc_ranges: Sequence[tuple[int, int]] = ()
     ) -> tuple[np.ndarray, list[int] | None]:
         """Rows ``lo:hi`` of a batch array the index says holds at least ``extent`` rows, and the
         CRC-32C of each of ``crc_ranges`` (row ranges of the returned rows) when the read could
