@@ -6,20 +6,23 @@ Through zarr's fsspec store that is: metadata GET, shard GET into aiohttp's buff
 then a decode of the whole shard once its last byte is in. Here:
 
 - the metadata and the shard body are requested at once (the metadata from a helper thread);
-- the body is read with ``http.client``'s ``readinto`` into preallocated memory: the socket's
-  ``recv_into`` writes there, no per-read bytes objects, no join, and the GIL is released
-  while it waits, so several arrays stream in parallel from the reader's threads. (aiohttp's
-  client cannot read into a caller's buffer; it moved the same files at ~0.35-0.6x the speed
-  of this way, on the 2-core VM and on the 16-core H200 host.)
-- the index at the shard's start gives every inner chunk's place before its bytes arrive:
-  - uncompressed chunks are read straight into their rows of the returned array (no
-    shard-sized buffer, no copy) and hashed by the reading thread as each one lands;
-  - zstd chunks stream into one buffer of the shard, and each chunk whose bytes are all in is
-    decompressed into its rows in the chunk pool (threads; crc32c and zstd release the GIL)
-    while later bytes still arrive: only the last chunk's decode follows the transfer.
-- the caller's row ranges (a reader's requests) are hashed as their rows become final, and a
-  full-size chunk they wholly cover skips its own CRC (the caller's comparison checks it), so
-  each byte is hashed once, while in cache, not again in a pass after the transfer.
+- the body is read with ``http.client``'s ``readinto`` into a reused buffer of the file, in
+  reads of 1 MiB: the socket's ``recv_into`` writes there, no per-read bytes objects, no join,
+  and the GIL is released while it waits, so several arrays stream in parallel from the
+  reader's threads. (aiohttp's client cannot read into a caller's buffer; it moved the same
+  files at ~0.35-0.6x the speed of this way, on the 2-core VM and on the 16-core H200 host.)
+  The receiving thread does nothing else: each small read, and each fresh page of a new
+  buffer, costs it time the socket then waits (reading uncompressed chunks straight into the
+  array, 384 KiB at a time between 4-byte CRCs, took ~2.3x the time of a plain GET of the
+  file on the CPU VM; a fresh 14 MB buffer faults ~3,400 pages).
+- the index at the shard's start gives every inner chunk's place before its bytes arrive: a
+  placer thread, one per shard being received, follows the transfer and handles each chunk
+  whose bytes are all in: uncompressed ones are checked and copied into their rows there,
+  zstd ones are decompressed into their rows in the chunk pool (threads; crc32c, numpy's copy
+  and zstd release the GIL). Only the last chunk's work follows the transfer.
+- the placer hashes the caller's row ranges (a reader's requests) as their rows become final,
+  and a full-size chunk they wholly cover skips its own CRC (the caller's comparison checks
+  it), so each byte is hashed once, while in cache, not again in a pass after the transfer.
   Shards written before the index moved to the start (it was at the end) are decoded once
   their last byte is in.
 
@@ -30,9 +33,11 @@ bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import queue
+import threading
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, NoReturn, Sequence
@@ -46,8 +51,11 @@ from .shard_codec import ChunkJob, ShardDecoder, chunk_pool
 __all__ = ["NodeHttpClient", "HttpStatusError", "ArrayRead"]
 
 _SHARD_KEY = "c/0/0/0"  # the one shard of a batch array (default key encoding, "/" separator)
-_READ_STEP = 1 << 20  # bytes per readinto: decodes start at most this far behind the transfer
+_READ_STEP = 1 << 20  # bytes per readinto: chunks are placed at most this far behind the transfer
 _IDLE_CONNECTIONS = 16
+_RUN_CHUNKS = 4  # uncompressed chunks placed per run (~1.5 MB at Qwen3-30B geometry)
+_BUFFER_ROUND = 1 << 20  # receive buffers are whole MiB, so one serves files of similar sizes
+_IDLE_BUFFER_BYTES = 256 << 20  # receive buffers kept for reuse, in all
 
 
 class ArrayRead(NamedTuple):
@@ -80,9 +88,13 @@ class NodeHttpClient:
         self._idle: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue()
         # Metadata GETs, issued while the caller's thread reads the shard body.
         self._helpers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="r3rdma-http")
+        # One per shard being received: checks, copies or decodes its chunks as they land.
+        self._placers = ThreadPoolExecutor(max_workers=32, thread_name_prefix="r3rdma-place")
+        self._buffers = _ReceiveBuffers(_IDLE_BUFFER_BYTES)
 
     def close(self) -> None:
         self._helpers.shutdown(wait=True)
+        self._placers.shutdown(wait=True)
         while True:
             try:
                 self._idle.get_nowait().close()
@@ -219,12 +231,9 @@ class NodeHttpClient:
             if decoder.index_at_start:
                 plan = decoder.plan(out, 0, body.head(decoder.index_bytes), body.size, where)
                 sums = RowRangeChecksums(out, crc_ranges, [(job.first_row, job.end_row) for job in plan])
-                if decoder.in_place_layout(plan, body.size):
-                    self._read_in_place(body, decoder, plan, sums)
-                else:
-                    self._read_then_decode(body, decoder, plan, jobs, sums)
+                self._stream_and_place(body, decoder, plan, sums, out.reshape(-1).view(np.uint8))
             else:  # written before the index moved to the start: decode once it is all in
-                whole = body.read_all()
+                whole = body.read_all(memoryview(np.empty(body.size, dtype=np.uint8)))
                 plan = decoder.plan(out, 0, decoder.index_of(whole), body.size, where)
                 sums = RowRangeChecksums(out, crc_ranges, [(job.first_row, job.end_row) for job in plan])
                 jobs += [chunk_pool().submit(decoder.decode_chunk, whole[j.offset : j.end], j.target, j.where) for j in plan]
@@ -241,65 +250,135 @@ class NodeHttpClient:
         self._release(conn, response)
         return ArrayRead(out, sums.values)
 
-    @staticmethod
-    def _read_in_place(body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], sums: RowRangeChecksums) -> None:
-        """Uncompressed chunks: each one's bytes go straight into its rows of the array (an edge
-        chunk's padding to a scratch buffer), and this thread hashes each chunk as soon as it is
-        in, while the socket keeps receiving the next (crc32c releases the GIL): for the
-        caller's ranges, and against the chunk's own CRC where those do not cover it. No
-        shard-sized buffer, no copy, and no hand-off to the pool: hashing 384 KiB takes ~25 us,
-        less than waking a pool thread for it."""
-        full = decoder.chunk_rows * decoder.row_bytes
-        crc = bytearray(4)
-        for job in plan:
-            padding = np.empty(full - job.target.nbytes, dtype=np.uint8)
-            body.read_into(job.target, job.offset)
-            body.read_into(padding, job.offset + job.target.nbytes)
-            body.read_into(crc, job.end - 4)
-            if padding.nbytes or not sums.covers(job.first_row, job.end_row):
-                decoder.check_chunk(job.target, padding, bytes(crc), job.where)
-            # else: the caller's CRCs cover every byte of this chunk; one pass checks it.
-            sums.final(job.first_row, job.end_row)  # hashed for the caller while still in cache
-
-    @staticmethod
-    def _read_then_decode(
-        body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], jobs: list[Future], sums: RowRangeChecksums
+    def _stream_and_place(
+        self, body: "_Body", decoder: ShardDecoder, plan: list[ChunkJob], sums: RowRangeChecksums, rows: np.ndarray
     ) -> None:
-        """Compressed (or irregularly laid out) chunks: the shard streams into one buffer and
-        each chunk whose bytes are all in is checked and decoded in the chunk pool. Between
-        reads this thread hashes the rows of decoded chunks for ``sums``."""
-        ready = iter(plan)
-        job = next(ready, None)
-        decoding: list[tuple[Future, ChunkJob]] = []
+        """This thread only receives: the shard streams into a reused buffer in large reads,
+        and a placer thread checks and copies (or decodes, in the chunk pool) each chunk whose
+        bytes are all in, and hashes the caller's ranges, while later bytes still arrive."""
+        buffer = self._buffers.take(body.size)
+        arrivals = _Arrivals()
+        placer = self._placers.submit(_place_chunks, arrivals, buffer, decoder, plan, sums, rows)
 
-        def settle(wait: bool) -> None:
-            still = []
-            for future, done in decoding:
-                if wait or future.done():
-                    future.result()  # re-raises its CorruptDataError
-                    sums.final(done.first_row, done.end_row)
-                else:
-                    still.append((future, done))
-            decoding[:] = still
+        def arrived(_view: memoryview, received: int) -> None:
+            if placer.done():
+                placer.result()  # a damaged chunk: stop receiving, say what it was
+            arrivals.advance(received)
 
-        def submit_complete(view: memoryview, received: int) -> None:
-            nonlocal job
-            while job is not None and job.end <= received:
-                check = job.end_row - job.first_row < decoder.chunk_rows or not sums.covers(job.first_row, job.end_row)
-                future = chunk_pool().submit(decoder.decode_chunk, view[job.offset : job.end], job.target, job.where, check)
-                jobs.append(future)
+        try:
+            body.read_all(buffer, arrived)
+        except BaseException:
+            arrivals.abandon()
+            placer.exception()  # it must not touch the buffer or the array after we return
+            raise
+        placer.result()
+        self._buffers.give(buffer)
+
+
+def _place_chunks(arrivals: "_Arrivals", buffer: memoryview, decoder: ShardDecoder, plan: list[ChunkJob],
+                  sums: RowRangeChecksums, rows: np.ndarray) -> None:
+    """Each chunk of ``plan`` into ``rows`` (the array's bytes) as soon as its bytes have
+    arrived, and ``sums`` fed as rows become final. A full-size chunk whose rows ``sums``
+    covers skips its own CRC: the caller compares ``sums``, which checks those bytes.
+    - uncompressed, laid out contiguously (what r3rdma writes): in runs of up to
+      ``_RUN_CHUNKS`` chunks, checked and copied here with a few GIL-free calls per run. (Per
+      chunk, ~6 GIL hand-offs between 8 busy threads left the placers behind the transfer.)
+    - otherwise one chunk at a time, zstd ones decoded in the chunk pool."""
+    def needs_check(job: ChunkJob) -> bool:
+        return job.end_row - job.first_row < decoder.chunk_rows or not sums.covers(job.first_row, job.end_row)
+
+    if decoder.contiguous_layout(plan, len(buffer)):
+        done = 0
+        while done < len(plan):
+            run = plan[done : done + _RUN_CHUNKS]
+            arrivals.wait_for(run[-1].end)
+            decoder.place_run(buffer, run, rows, [needs_check(job) for job in run])
+            sums.final(run[0].first_row, run[-1].end_row)
+            done += len(run)
+        return
+    decoding: collections.deque[tuple[Future, ChunkJob]] = collections.deque()
+
+    def settle(wait: bool) -> None:
+        while decoding and (wait or decoding[0][0].done()):
+            future, done = decoding.popleft()
+            future.result()  # re-raises its CorruptDataError
+            sums.final(done.first_row, done.end_row)
+
+    try:
+        for job in plan:
+            arrivals.wait_for(job.end)
+            encoded = buffer[job.offset : job.end]
+            if decoder.zstd:
+                future = chunk_pool().submit(decoder.decode_chunk, encoded, job.target, job.where, needs_check(job))
                 decoding.append((future, job))
-                job = next(ready, None)
-            settle(wait=False)
-
-        body.read_all(submit_complete)
+                settle(wait=False)
+            else:
+                decoder.decode_chunk(encoded, job.target, job.where, needs_check(job))
+                sums.final(job.first_row, job.end_row)
         settle(wait=True)
+    except BaseException:
+        for future, _ in decoding:  # they read the buffer and write the array: let them end first
+            future.cancel() or future.exception()
+        raise
+
+
+class _Arrivals:
+    """How many bytes of a file have arrived, for a thread that works on them as they do."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._received = 0
+        self._abandoned = False
+
+    def advance(self, received: int) -> None:
+        with self._changed:
+            self._received = received
+            self._changed.notify()
+
+    def abandon(self) -> None:
+        """The transfer failed: no more bytes will come."""
+        with self._changed:
+            self._abandoned = True
+            self._changed.notify()
+
+    def wait_for(self, received: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._received >= received or self._abandoned)
+            if self._received < received:
+                raise _TransferAbandoned()
+
+
+class _TransferAbandoned(Exception):
+    """The receiving thread gave up; it reports why."""
+
+
+class _ReceiveBuffers:
+    """Reused receive buffers. A fresh 14 MB buffer page-faults ~3,400 times as the socket
+    fills it, in the receiving thread, on the transfer's critical path; a reused one does not."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> memoryview:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.nbytes <= 2 * nbytes + _BUFFER_ROUND]
+            if fits:
+                return memoryview(self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)))[:nbytes]
+        return memoryview(np.empty(-(-nbytes // _BUFFER_ROUND) * _BUFFER_ROUND, dtype=np.uint8))[:nbytes]
+
+    def give(self, view: memoryview) -> None:
+        buffer = view.obj
+        with self._lock:
+            self._free.append(buffer)
+            while sum(b.nbytes for b in self._free) > self._max_bytes:
+                self._free.pop(0)  # the oldest
 
 
 class _Body:
     """The body of one shard response, consumed in file order: first its head (the shard
-    index), then either straight into the caller's buffers (:meth:`read_into`) or into one
-    buffer of the whole file (:meth:`read_all`)."""
+    index), then the whole file into one buffer (:meth:`read_all`)."""
 
     def __init__(self, response: http.client.HTTPResponse, size: int, where: str) -> None:
         self.size = size
@@ -319,25 +398,9 @@ class _Body:
         self._position = max(self._position, n)
         return bytes(self._head[:n])
 
-    def read_into(self, dest: np.ndarray | bytearray, offset: int) -> None:
-        """File bytes ``[offset, offset + len(dest))`` into ``dest``. Calls go forward through
-        the file; bytes skipped between them must be in the head (the shard index)."""
-        assert self._position <= offset <= max(self._position, len(self._head)), (offset, self._position)
-        view = memoryview(dest).cast("B")
-        have = max(0, min(len(view), len(self._head) - offset))
-        view[:have] = self._head[offset : offset + have]
-        done = have
-        while done < len(view):
-            n = self._response.readinto(view[done:])
-            if not n:
-                self._ended(offset + done)
-            done += n
-        self._position = offset + len(view)
-
-    def read_all(self, progress: Callable[[memoryview, int], None] = lambda view, received: None) -> memoryview:
-        """The whole file in one buffer; ``progress(buffer, bytes_in)`` after every read."""
-        assert self._position <= len(self._head)
-        view = memoryview(np.empty(self.size, dtype=np.uint8))
+    def read_all(self, view: memoryview, progress: Callable[[memoryview, int], None] = lambda view, received: None) -> memoryview:
+        """The whole file into ``view`` (``size`` bytes); ``progress(view, bytes_in)`` after every read."""
+        assert self._position <= len(self._head) and len(view) == self.size
         received = len(self._head)
         view[:received] = self._head
         progress(view, received)

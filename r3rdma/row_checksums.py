@@ -71,7 +71,8 @@ class RowRangeChecksums:
         return i >= 0 and self._covered[i][1] >= hi
 
     def final(self, lo: int, hi: int) -> None:
-        """Rows ``[lo, hi)`` (one of the unfinished ranges) are final now."""
+        """Rows ``[lo, hi)`` (one of the unfinished ranges, or several that follow one another
+        with no row between them) are final now."""
         if hi > lo:
             self._final[lo] = hi
             self._advance()

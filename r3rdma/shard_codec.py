@@ -25,9 +25,8 @@ from __future__ import annotations
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
-import crc32c
 import numpy as np
 from numcodecs import Zstd
 
@@ -207,27 +206,37 @@ class ShardDecoder:
             raise CorruptDataError(f"{where} decodes to {len(raw)} bytes, expected {full}")
         target[:] = np.frombuffer(raw, dtype=np.uint8, count=target.nbytes)
 
-    def check_chunk(self, rows: np.ndarray, padding: np.ndarray, stored_crc: bytes, where: str) -> None:
-        """Check one uncompressed inner chunk that was read in place: its bytes are ``rows``
-        (the array's rows it holds) then ``padding`` (what an edge chunk stores past the
-        array's end), followed in the file by ``stored_crc``, its 4-byte CRC-32C."""
-        got = buffer_checksum(rows)
-        if padding.nbytes:
-            got = int(crc32c.crc32c(padding, got))
-        if got != _CRC.unpack(stored_crc)[0]:
-            raise CorruptDataError(f"{where} fails its crc32c")
+    def place_run(self, file: memoryview, run: Sequence[ChunkJob], rows: np.ndarray, check: Sequence[bool]) -> None:
+        """Consecutive stored chunks of a shard laid out contiguously (:meth:`contiguous_layout`)
+        into ``rows`` (the array's bytes, flat): the chunks ``check`` marks are checked against
+        their CRC-32C first, then all full ones move in one strided copy (one GIL release for
+        the run instead of one per chunk) and the padded edge chunk, if there, on its own."""
+        stride = self.chunk_rows * self.row_bytes + 4
+        for job, wanted in zip(run, check):
+            if wanted and buffer_checksum(file[job.offset : job.end - 4]) != _CRC.unpack(file[job.end - 4 : job.end])[0]:
+                raise CorruptDataError(f"{job.where} fails its crc32c")
+        # Rows follow file order (contiguous_layout), so only the array's last chunk can be short.
+        full = run[:-1] if run and run[-1].end_row - run[-1].first_row < self.chunk_rows else run
+        if full:
+            stored = np.frombuffer(file, dtype=np.uint8, count=len(full) * stride, offset=full[0].offset)
+            dest = rows[full[0].first_row * self.row_bytes : full[-1].end_row * self.row_bytes]
+            np.copyto(dest.reshape(len(full), stride - 4), stored.reshape(len(full), stride)[:, : stride - 4])
+        for job in run[len(full) :]:  # the edge chunk: the array ends inside it
+            job.target[:] = np.frombuffer(file, dtype=np.uint8, count=job.target.nbytes, offset=job.offset)
 
-    def in_place_layout(self, jobs: list[ChunkJob], size: int) -> bool:
+    def contiguous_layout(self, jobs: list[ChunkJob], size: int) -> bool:
         """Whether the stored chunks of a shard file of ``size`` bytes (``jobs``, from
-        :meth:`plan`) can be read straight into the array: uncompressed, index first, each
-        chunk full-size, one after another to the file's end with no gap."""
+        :meth:`plan`) can be placed in runs (:meth:`place_run`): uncompressed, index first,
+        each chunk full-size, one after another to the file's end with no gap, the array's
+        rows in file order."""
         full = self.chunk_rows * self.row_bytes + 4
         at = self.index_bytes
         for job in jobs:
             if job.offset != at or job.end - job.offset != full:
                 return False
             at = job.end
-        return not self.zstd and self.index_at_start and at == size
+        rows_in_order = all(a.end_row == b.first_row for a, b in zip(jobs, jobs[1:]))
+        return not self.zstd and self.index_at_start and at == size and rows_in_order
 
 
 def zstd_content_size(frame: bytes | memoryview) -> int | None:

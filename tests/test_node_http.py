@@ -5,6 +5,7 @@ the shard is still arriving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import threading
@@ -206,6 +207,60 @@ def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_roo
             reader.info("roll-0")
 
 
+@contextlib.contextmanager
+def serving(handler):
+    """An aiohttp server on 127.0.0.1 that answers ``GET /zarr/{path}`` with ``handler``, in a
+    thread; yields its base URL."""
+    app = web.Application()
+    app.router.add_get("/zarr/{path:.*}", handler)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_a_connection_lost_mid_shard_is_reported(tmp_path, make_record, level):
+    """The node dies after sending half a shard: the read fails naming the array and how far it
+    got (no hang, no half-filled array returned), and the next read on the same reader works."""
+    root = tmp_path / "node"
+    records = [make_record(f"r{i}", rows=3000, layers=48, k=8, num_experts=128) for i in range(4)]
+    with LocalRoutingStore(root, zstd_level=level, chunk_rows=256) as store:
+        store.commit(records)
+    cut = {"on": True}
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        path = root / request.match_info["path"]
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        if path.parts[-4:] != SHARD or not cut["on"]:
+            return web.FileResponse(path)
+        body = path.read_bytes()
+        response = web.StreamResponse(headers={"Content-Length": str(len(body))})
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        request.transport.close()
+        return response
+
+    ids = [r.request_id for r in records]
+    with serving(serve) as url, RoutingReader(url) as reader:
+        with pytest.raises(CorruptDataError, match=r"b00000001.*(ended after|cannot be read)"):
+            reader.get_numpy("roll-0", ids)
+        cut["on"] = False
+        got = reader.get_numpy("roll-0", ids)
+    for r in records:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
 def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatch):
     """The server sends the first half of the shard, then holds the rest until a chunk of that
     half has been decoded. A reader that decodes only after the last byte would stall here.
@@ -216,9 +271,8 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
         store.commit(records)
     decoded = threading.Event()
     held = {"released_by_decode": None}
-    # Uncompressed chunks are read in place and hashed (for the requests' CRCs, or against their
-    # own); compressed ones are decoded, then hashed.
-    for cls, name in [(shard_codec.ShardDecoder, "check_chunk"), (shard_codec.ShardDecoder, "decode_chunk"),
+    # Uncompressed chunks are placed in runs, compressed ones decoded one by one; then hashed.
+    for cls, name in [(shard_codec.ShardDecoder, "place_run"), (shard_codec.ShardDecoder, "decode_chunk"),
                       (RowRangeChecksums, "final")]:
         def spy(self, *args, real=getattr(cls, name)):
             real(self, *args)
@@ -241,23 +295,8 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_get("/zarr/{path:.*}", serve)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        with RoutingReader(f"http://127.0.0.1:{port}") as reader:
-            got = reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with serving(serve) as url, RoutingReader(url) as reader:
+        got = reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
     assert held["released_by_decode"] is True
     for r in records[:4]:
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)

@@ -126,14 +126,50 @@ def test_a_frame_of_the_wrong_size_is_refused(tmp_path):
             decoder.decode_chunk(encoded, flat[:full], "test-chunk")
 
 
-def test_in_place_layout_only_for_contiguous_uncompressed_chunks(tmp_path):
+def test_contiguous_layout_only_for_contiguous_uncompressed_chunks(tmp_path):
     for level, index_location, expected in [(0, "start", True), (3, "start", False), (0, "end", False)]:
         meta, path = _one_shard(tmp_path / f"{level}{index_location}", level, index_location)
         decoder = ShardDecoder.of(meta)
         blob = path.read_bytes()
         out = np.empty(decoder.shape, decoder.dtype)
         plan = decoder.plan(out, 0, decoder.index_of(memoryview(blob)), len(blob), "test")
-        assert decoder.in_place_layout(plan, len(blob)) is expected
+        assert decoder.contiguous_layout(plan, len(blob)) is expected
         if expected:
-            assert not decoder.in_place_layout(plan, len(blob) + 1)  # bytes after the last chunk
-            assert not decoder.in_place_layout(plan[1:], len(blob))  # a gap where a chunk was
+            assert not decoder.contiguous_layout(plan, len(blob) + 1)  # bytes after the last chunk
+            assert not decoder.contiguous_layout(plan[1:], len(blob))  # a gap where a chunk was
+
+
+@pytest.mark.parametrize("rows", [64, 57])  # whole chunks; an edge chunk the array ends inside
+@pytest.mark.parametrize("run", [1, 2, 3, 8])
+def test_runs_place_what_zarr_reads(tmp_path, rows, run):
+    """Placing a contiguous shard run by run (what a streaming reader does) gives zarr's array,
+    and a damaged chunk is refused when, and only when, its check is asked for."""
+    data = np.random.default_rng(rows).integers(0, 128, (rows, 4, 2)).astype(np.uint8)
+    meta, _ = write(tmp_path, data, chunk=8, shard=64, level=0)
+    blob = bytearray((tmp_path / "a" / "c" / "0" / "0" / "0").read_bytes())
+    decoder = ShardDecoder.of(meta)
+    out = np.zeros(decoder.shape, decoder.dtype)
+    plan = decoder.plan(out, 0, decoder.index_of(memoryview(blob)), len(blob), "test")
+    assert decoder.contiguous_layout(plan, len(blob))
+    flat = out.reshape(-1).view(np.uint8)
+    for i in range(0, len(plan), run):
+        decoder.place_run(memoryview(blob), plan[i : i + run], flat, [True] * len(plan[i : i + run]))
+    np.testing.assert_array_equal(out, data)
+
+    blob[plan[-1].offset + 3] ^= 0x10  # in the last chunk's rows
+    out[:] = 0
+    with pytest.raises(CorruptDataError, match="test: shard 0 chunk 7 fails its crc32c"):
+        decoder.place_run(memoryview(blob), plan, flat, [True] * len(plan))
+    decoder.place_run(memoryview(blob), plan, flat, [False] * len(plan))  # the caller's CRCs must catch it
+    assert (out != data).sum() == 1
+
+
+def test_rows_out_of_file_order_are_not_contiguous(tmp_path):
+    meta, path = _one_shard(tmp_path, level=0)
+    decoder = ShardDecoder.of(meta)
+    blob = path.read_bytes()
+    out = np.empty(decoder.shape, decoder.dtype)
+    plan = decoder.plan(out, 0, decoder.index_of(memoryview(blob)), len(blob), "test")
+    swapped = [plan[0]._replace(first_row=plan[1].first_row, end_row=plan[1].end_row), plan[1]._replace(first_row=0, end_row=10), *plan[2:]]
+    assert decoder.contiguous_layout(plan, len(blob))
+    assert not decoder.contiguous_layout(swapped, len(blob))
