@@ -33,6 +33,7 @@ bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import http.client
 import json
@@ -53,7 +54,7 @@ __all__ = ["NodeHttpClient", "HttpStatusError", "ArrayRead"]
 _SHARD_KEY = "c/0/0/0"  # the one shard of a batch array (default key encoding, "/" separator)
 _READ_STEP = 1 << 20  # bytes per readinto: chunks are placed at most this far behind the transfer
 _IDLE_CONNECTIONS = 16
-_RUN_CHUNKS = 4  # uncompressed chunks placed per run (~1.5 MB at Qwen3-30B geometry)
+_RUN_CHUNKS = 4  # chunks placed per run (~1.5 MB of rows at Qwen3-30B geometry)
 _BUFFER_ROUND = 1 << 20  # receive buffers are whole MiB, so one serves files of similar sizes
 _IDLE_BUFFER_BYTES = 256 << 20  # receive buffers kept for reuse, in all
 
@@ -280,41 +281,51 @@ def _place_chunks(arrivals: "_Arrivals", buffer: memoryview, decoder: ShardDecod
     """Each chunk of ``plan`` into ``rows`` (the array's bytes) as soon as its bytes have
     arrived, and ``sums`` fed as rows become final. A full-size chunk whose rows ``sums``
     covers skips its own CRC: the caller compares ``sums``, which checks those bytes.
-    - uncompressed, laid out contiguously (what r3rdma writes): in runs of up to
-      ``_RUN_CHUNKS`` chunks, checked and copied here with a few GIL-free calls per run. (Per
-      chunk, ~6 GIL hand-offs between 8 busy threads left the placers behind the transfer.)
-    - otherwise one chunk at a time, zstd ones decoded in the chunk pool."""
+
+    Chunks are handled in runs: at least the next ``_RUN_CHUNKS``, and all that are in by then
+    (a placer that fell behind catches up in fewer, larger runs). Per chunk, the GIL hand-offs
+    between 8 busy threads cost more than the work: the placers fell behind the transfer.
+    - uncompressed, laid out contiguously (what r3rdma writes): each run checked and copied
+      here with a few GIL-free calls (one strided copy);
+    - zstd: runs of up to ``_RUN_CHUNKS`` chunks decoded in the chunk pool, settled in order;
+    - anything else uncompressed: chunk by chunk, here."""
     def needs_check(job: ChunkJob) -> bool:
         return job.end_row - job.first_row < decoder.chunk_rows or not sums.covers(job.first_row, job.end_row)
 
-    if decoder.contiguous_layout(plan, len(buffer)):
-        done = 0
-        while done < len(plan):
-            run = plan[done : done + _RUN_CHUNKS]
-            arrivals.wait_for(run[-1].end)
-            decoder.place_run(buffer, run, rows, [needs_check(job) for job in run])
-            sums.final(run[0].first_row, run[-1].end_row)
-            done += len(run)
-        return
-    decoding: collections.deque[tuple[Future, ChunkJob]] = collections.deque()
+    def work(run: list[ChunkJob]) -> list[tuple[memoryview, np.ndarray, str, bool]]:
+        return [(buffer[job.offset : job.end], job.target, job.where, needs_check(job)) for job in run]
+
+    def finals(run: list[ChunkJob]) -> None:
+        for job in run:
+            sums.final(job.first_row, job.end_row)
+
+    contiguous = decoder.contiguous_layout(plan, len(buffer))
+    decoding: collections.deque[tuple[Future, list[ChunkJob]]] = collections.deque()
 
     def settle(wait: bool) -> None:
         while decoding and (wait or decoding[0][0].done()):
-            future, done = decoding.popleft()
+            future, done_run = decoding.popleft()
             future.result()  # re-raises its CorruptDataError
-            sums.final(done.first_row, done.end_row)
+            finals(done_run)
 
+    ends = [job.end for job in plan]  # plan is in file order
+    done = 0
     try:
-        for job in plan:
-            arrivals.wait_for(job.end)
-            encoded = buffer[job.offset : job.end]
-            if decoder.zstd:
-                future = chunk_pool().submit(decoder.decode_chunk, encoded, job.target, job.where, needs_check(job))
-                decoding.append((future, job))
+        while done < len(plan):
+            received = arrivals.wait_for(ends[min(done + _RUN_CHUNKS, len(plan)) - 1])
+            arrived = plan[done : bisect.bisect_right(ends, received, lo=done)]
+            done += len(arrived)
+            if contiguous:
+                decoder.place_run(buffer, arrived, rows, [needs_check(job) for job in arrived])
+                sums.final(arrived[0].first_row, arrived[-1].end_row)
+            elif decoder.zstd:
+                for i in range(0, len(arrived), _RUN_CHUNKS):
+                    run = arrived[i : i + _RUN_CHUNKS]
+                    decoding.append((chunk_pool().submit(decoder.decode_chunks, work(run)), run))
                 settle(wait=False)
             else:
-                decoder.decode_chunk(encoded, job.target, job.where, needs_check(job))
-                sums.final(job.first_row, job.end_row)
+                decoder.decode_chunks(work(arrived))
+                finals(arrived)
         settle(wait=True)
     except BaseException:
         for future, _ in decoding:  # they read the buffer and write the array: let them end first
@@ -341,11 +352,13 @@ class _Arrivals:
             self._abandoned = True
             self._changed.notify()
 
-    def wait_for(self, received: int) -> None:
+    def wait_for(self, received: int) -> int:
+        """Block until at least ``received`` bytes are in; returns how many are."""
         with self._changed:
             self._changed.wait_for(lambda: self._received >= received or self._abandoned)
             if self._received < received:
                 raise _TransferAbandoned()
+            return self._received
 
 
 class _TransferAbandoned(Exception):

@@ -206,6 +206,12 @@ class ShardDecoder:
             raise CorruptDataError(f"{where} decodes to {len(raw)} bytes, expected {full}")
         target[:] = np.frombuffer(raw, dtype=np.uint8, count=target.nbytes)
 
+    def decode_chunks(self, work: Sequence[tuple[memoryview, np.ndarray, str, bool]]) -> None:
+        """:meth:`decode_chunk` of each ``(encoded, target, where, check)``: one task of the
+        chunk pool for a run of chunks (each task costs a GIL hand-off or two)."""
+        for encoded, target, where, check in work:
+            self.decode_chunk(encoded, target, where, check)
+
     def place_run(self, file: memoryview, run: Sequence[ChunkJob], rows: np.ndarray, check: Sequence[bool]) -> None:
         """Consecutive stored chunks of a shard laid out contiguously (:meth:`contiguous_layout`)
         into ``rows`` (the array's bytes, flat): the chunks ``check`` marks are checked against
