@@ -11,15 +11,16 @@ then a decode of the whole shard once its last byte is in. Here:
   and the GIL is released while it waits, so several arrays stream in parallel from the
   reader's threads. (aiohttp's client cannot read into a caller's buffer; it moved the same
   files at ~0.35-0.6x the speed of this way, on the 2-core VM and on the 16-core H200 host.)
-  The receiving thread does nothing else: each small read, and each fresh page of a new
-  buffer, costs it time the socket then waits (reading uncompressed chunks straight into the
-  array, 384 KiB at a time between 4-byte CRCs, took ~2.3x the time of a plain GET of the
-  file on the CPU VM; a fresh 14 MB buffer faults ~3,400 pages).
+  The receiving thread does nothing else: whatever else it does, the socket waits for. (It
+  used to read uncompressed chunks straight into the array, 384 KiB at a time between 4-byte
+  CRCs, and hash them: ~2.3x the time of a plain GET of the file on the CPU VM, and 0.64-0.73
+  of the plain GETs' speed against 0.84-0.91 now on the 16-core H100 host.)
 - the index at the shard's start gives every inner chunk's place before its bytes arrive: a
-  placer thread, one per shard being received, follows the transfer and handles each chunk
-  whose bytes are all in: uncompressed ones are checked and copied into their rows there,
-  zstd ones are decompressed into their rows in the chunk pool (threads; crc32c, numpy's copy
-  and zstd release the GIL). Only the last chunk's work follows the transfer.
+  placer thread, one per shard being received, follows the transfer and handles the chunks
+  whose bytes are all in, a run of a few at a time: uncompressed ones are checked and copied
+  into their rows there, zstd ones are decompressed into their rows in the chunk pool
+  (threads; crc32c, numpy's copy and zstd release the GIL). Only the last run's work follows
+  the transfer.
 - the placer hashes the caller's row ranges (a reader's requests) as their rows become final,
   and a full-size chunk they wholly cover skips its own CRC (the caller's comparison checks
   it), so each byte is hashed once, while in cache, not again in a pass after the transfer.
@@ -366,8 +367,9 @@ class _TransferAbandoned(Exception):
 
 
 class _ReceiveBuffers:
-    """Reused receive buffers. A fresh 14 MB buffer page-faults ~3,400 times as the socket
-    fills it, in the receiving thread, on the transfer's critical path; a reused one does not."""
+    """Reused receive buffers: a fresh one is faulted in page by page by the socket's copy, in
+    the receiving thread, on the transfer's critical path (~3,400 faults per 14 MB where
+    transparent huge pages are off; few where numpy's huge-page advice is honoured)."""
 
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes

@@ -69,7 +69,7 @@ def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
         client.close()
 
 
-@pytest.mark.parametrize("level", [0, 3])  # 0: chunks are read in place, then checked
+@pytest.mark.parametrize("level", [0, 3])  # 0: chunks are checked and copied in runs
 @pytest.mark.parametrize("damage", ["last-chunk", "middle-chunk", "index", "truncated", "metadata"])
 def test_damage_is_refused(tmp_path, make_record, node_root, damage, level):
     root = tmp_path / "node"
@@ -151,7 +151,7 @@ def test_shards_with_the_index_at_the_end_still_read(tmp_path, make_record, node
 @pytest.mark.parametrize("level", [0, 3])
 def test_chunks_left_out_as_fill_read_back(tmp_path, make_record, node_root, level):
     """Zarr leaves an inner chunk whose rows are all the fill value (0) out of the shard; the
-    chunks after it are still read in place (uncompressed) or decoded, and it reads as 0."""
+    chunks after it are still placed (uncompressed) or decoded, and it reads as 0."""
     from r3rdma.records import RequestRecord
 
     root = tmp_path / "node"
@@ -186,8 +186,8 @@ def spread_chunks_apart(root: Path) -> None:
 
 
 def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_root):
-    """With unused bytes between chunks an uncompressed shard cannot be read in place and is
-    buffered, then checked."""
+    """With unused bytes between chunks an uncompressed shard cannot be placed in runs: its
+    chunks are checked and copied one by one."""
     root = tmp_path / "node"
     records = populate(root, make_record, level=0)
     spread_chunks_apart(root)
@@ -302,7 +302,7 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
 
 
-@pytest.mark.parametrize("layout", ["in-place", "zstd", "gaps-buffered", "index-at-end", "no-shard-file"])
+@pytest.mark.parametrize("layout", ["contiguous", "zstd", "gaps", "index-at-end", "no-shard-file"])
 def test_request_crcs_are_computed_while_the_rows_arrive(tmp_path, make_record, node_root, layout, monkeypatch):
     """The client hashes the rows of each requested range as they land or decode: its CRCs equal
     a checksum of the finished rows in every layout, and the reader then skips its own pass."""
@@ -311,7 +311,7 @@ def test_request_crcs_are_computed_while_the_rows_arrive(tmp_path, make_record, 
 
     root = tmp_path / "node"
     records = populate(root, make_record, level=3 if layout in ("zstd", "index-at-end") else 0)
-    if layout == "gaps-buffered":
+    if layout == "gaps":
         spread_chunks_apart(root)
     elif layout == "index-at-end":
         rows = sum(r.num_rows for r in records[:4])
