@@ -1,25 +1,44 @@
 """r3rdma: a store for Rollout Routing Replay (R3) of Mixture-of-Experts models.
 
-Rollout engines capture each token's top-k expert ids per MoE layer (:class:`RoutingCapturer`),
-commit them as Zarr v3 (:class:`LocalRoutingStore` behind a :class:`RoutingWriter`), and
-trainers read them back (:class:`RoutingReader`) to replay them in their forward pass.
+What an engine and a trainer call. An engine builds its capture pipeline from one
+:class:`R3Config` (``R3Config.from_json(...).build_capturer(...)``) or by hand from
+:class:`RoutingCapturer`, :class:`RoutingWriter` and a store (:class:`LocalRoutingStore` or
+:class:`StoreNodesClient`). A trainer reads with :class:`RoutingReader` (:class:`PackedRouting`
+micro-batches) and replays with :class:`RouterReplay` / :class:`ReplayBatch`.
 
-Importing r3rdma touches no GPU, starts no thread and sets no environment variable.
+Errors: every error r3rdma raises on purpose is an :class:`R3Error`. The ones exported here are
+those a caller branches on: retry (:class:`TransportError`, :class:`R3TimeoutError`), fix the
+credentials (:class:`AuthenticationError`), the data is not there (:class:`UnknownRolloutError`,
+:class:`UnknownRequestError`), the data is damaged (:class:`CorruptDataError`). The whole
+hierarchy is in :mod:`r3rdma.errors`; engine and trainer integrations in
+:mod:`r3rdma.integrations`.
+
+Importing r3rdma touches no GPU, starts no thread and sets no environment variable; names load
+on first use, so a store node or a transport-only process does not import torch.
 """
 
-from .errors import *  # noqa: F403 - the hierarchy is part of the public API
-from .errors import __all__ as _errors_all
+import importlib
 
-# Public names resolve lazily (PEP 562): a store node or a transport-only process imports
-# r3rdma.errors without pulling in torch; ``from r3rdma import RoutingCapturer`` still works.
+from r3rdma.errors import (
+    AuthenticationError,
+    CorruptDataError,
+    R3Error,
+    R3TimeoutError,
+    TransportError,
+    UnknownRequestError,
+    UnknownRolloutError,
+)
+
 _LAZY = {
-    "RoutingCapturer": "capture", "RoutingSink": "capture", "num_routing_rows": "capture",
-    "R3Config": "config",
-    "validate_id": "ids",
-    "CommitResult": "local_store", "LocalRoutingStore": "local_store",
-    "RoutingWriter": "pipeline",
-    "PackedRouting": "reader", "RolloutInfo": "reader", "RoutingReader": "reader",
-    "RequestRecord": "records", "routing_dtype": "records",
+    "R3Config": "r3rdma.config",
+    "RoutingCapturer": "r3rdma.capture",
+    "RoutingWriter": "r3rdma.write",
+    "StoreNodesClient": "r3rdma.write",
+    "LocalRoutingStore": "r3rdma.store.local_store",
+    "RoutingReader": "r3rdma.read",
+    "PackedRouting": "r3rdma.read",
+    "RouterReplay": "r3rdma.replay",
+    "ReplayBatch": "r3rdma.replay",
 }
 
 
@@ -27,9 +46,7 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'r3rdma' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -41,18 +58,20 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommitResult",
-    "LocalRoutingStore",
-    "PackedRouting",
     "R3Config",
-    "RequestRecord",
-    "RolloutInfo",
     "RoutingCapturer",
-    "RoutingReader",
-    "RoutingSink",
     "RoutingWriter",
-    "num_routing_rows",
-    "routing_dtype",
-    "validate_id",
-    *_errors_all,
+    "LocalRoutingStore",
+    "StoreNodesClient",
+    "RoutingReader",
+    "PackedRouting",
+    "RouterReplay",
+    "ReplayBatch",
+    "R3Error",
+    "AuthenticationError",
+    "CorruptDataError",
+    "R3TimeoutError",
+    "TransportError",
+    "UnknownRequestError",
+    "UnknownRolloutError",
 ]

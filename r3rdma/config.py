@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from r3rdma.errors import ConfigError
 
 __all__ = ["R3Config"]
 
@@ -84,7 +84,7 @@ class R3Config:
             raise ConfigError(f"flush_interval_s must be >= 0, got {self.flush_interval_s}")
         if not 0 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in 0..22, got {self.zstd_level}")
-        from .ids import validate_id
+        from r3rdma.ids import validate_id
 
         validate_id(self.rollout_id, "rollout_id")
 

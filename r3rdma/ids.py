@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidIdError
+from r3rdma.errors import InvalidIdError
 
 __all__ = ["ID_PATTERN", "MAX_ID_LEN", "validate_id"]
 

@@ -7,8 +7,8 @@ from dataclasses import InitVar, dataclass, field
 import crc32c
 import numpy as np
 
-from .errors import ShapeMismatchError
-from .ids import validate_id
+from r3rdma.errors import ShapeMismatchError
+from r3rdma.ids import validate_id
 
 __all__ = ["RequestRecord", "routing_dtype", "checksum", "buffer_checksum", "batches_by_size"]
 

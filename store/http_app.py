@@ -12,7 +12,7 @@ Routes:
 
 Everything but /healthz needs ``Authorization: Bearer <token>`` unless the node runs with
 ``public_read`` (which opens GET/HEAD only: DELETE always needs the token). Deletes go through
-the node's writer (:class:`~r3rdma.local_store.LocalRoutingStore`), never behind its back. Paths are checked component by component before the filesystem is touched:
+the node's writer (:class:`~r3rdma.store.local_store.LocalRoutingStore`), never behind its back. Paths are checked component by component before the filesystem is touched:
 only Zarr names (ids, array names, ``zarr.json``, ``c``, chunk indices); never hidden or
 temporary files, never ``..``.
 """
@@ -33,8 +33,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from r3rdma.errors import InvalidIdError, R3Error, UnknownRolloutError
-from r3rdma.local_store import LocalRoutingStore, check_rollout_dir_name
-from r3rdma.zarr_layout import INDEX_KEY, read_group_attrs
+from r3rdma.store.local_store import LocalRoutingStore, check_rollout_dir_name
+from r3rdma.store.layout import INDEX_KEY, read_group_attrs
 
 from .metrics import NodeMetrics
 

@@ -10,14 +10,14 @@ from pathlib import Path
 from aiohttp import web
 
 from r3rdma.errors import R3Error
-from r3rdma.local_store import CommitResult, LocalRoutingStore
+from r3rdma.store.local_store import CommitResult, LocalRoutingStore
 from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, UcxxServer
 
 from .address import NodeAddress
 from .http_app import make_http_app
 
-# Kept here rather than imported from r3rdma.transfer, which needs torch (store nodes do not).
+# Kept here rather than imported from r3rdma.capture.transfer, which needs torch (store nodes do not).
 PROBE_ROLLOUT_ID = "r3rdma-transfer-probe"
 from .metrics import NodeMetrics, bind_node_gauges
 
@@ -70,7 +70,7 @@ class StoreNode:
         (~40 ms here), so with many clients one-at-a-time commits queue up behind each other.
         """
         if records and all(r.rollout_id == PROBE_ROLLOUT_ID for r in records):
-            return  # transfer-mode probe (r3rdma.transfer): received and checked, not stored
+            return  # transfer-mode probe (r3rdma.capture.transfer): received and checked, not stored
         started = time.perf_counter()
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((records, done))

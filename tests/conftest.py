@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from r3rdma import RequestRecord
+from r3rdma.records import RequestRecord
 
 
 @pytest.fixture

@@ -4,14 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from r3rdma import (
-    CaptureStateError,
-    MissingRowsError,
-    RoutingCapturer,
-    ShapeMismatchError,
-    StaleSlotError,
-    num_routing_rows,
-)
+from r3rdma import RoutingCapturer
+from r3rdma.capture import num_routing_rows
+from r3rdma.errors import CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
 
 
 class ListSink:
@@ -216,7 +211,7 @@ def test_failed_forward_cancels_step():
 
 
 def test_gpu_direct_needs_a_sink_that_pushes_device_memory():
-    from r3rdma import ConfigError
+    from r3rdma.errors import ConfigError
 
     with pytest.raises(ConfigError, match="gpu_direct' needs a sink"):
         RoutingCapturer(layer_map=(0,), top_k=2, num_experts=16, num_slots=8, sink=ListSink(), transfer_mode="gpu_direct")

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_sim import SimConfig, run_sim  # noqa: E402  (test helper next to this file)
-from r3rdma import LocalRoutingStore, RequestRecord, RoutingCapturer, RoutingReader
+from r3rdma import LocalRoutingStore, RoutingCapturer, RoutingReader
+from r3rdma.records import RequestRecord
 from r3rdma.errors import (
     CaptureStateError,
     DuplicateRequestError,

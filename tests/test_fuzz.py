@@ -18,7 +18,7 @@ import r3rdma.errors as errors
 from r3rdma import RoutingReader
 from r3rdma.bench import reliability_bench as rb
 from r3rdma.errors import CorruptDataError, R3Error
-from r3rdma.local_store import LocalRoutingStore
+from r3rdma.store.local_store import LocalRoutingStore
 
 FRAMES_PER_EXAMPLE = 500
 EXAMPLES = 20  # 10,000 frames

@@ -45,11 +45,11 @@ def _sync_free(capturer):
 
 
 def test_hf_rollout_step_path_has_no_host_sync_and_matches_shadow():
-    from r3rdma.demo import make_requests
+    from r3rdma.cli.demo import make_requests
     from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from r3rdma.models import build_model, tiny_qwen3_moe
-    from r3rdma.shadow import ShadowRecorder
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+    from r3rdma.cli.shadow import ShadowRecorder
 
     config = tiny_qwen3_moe()
     model = build_model(config, seed=0).cuda()
@@ -281,7 +281,7 @@ def test_gpu_direct_push_to_a_store_node(tmp_path, mode):
     node (a subprocess, TCP loopback); they read back bit-exact. "auto" probes both paths against
     the node at construction, keeps the faster, and the node stores none of the probe traffic."""
     from r3rdma import RoutingReader, RoutingWriter
-    from r3rdma.store_client import StoreNodesClient
+    from r3rdma.write.push_client import StoreNodesClient
     from tests.store_nodes import new_token, start_node
 
     node = start_node(tmp_path / "node", new_token())

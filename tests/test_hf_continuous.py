@@ -26,11 +26,11 @@ from r3rdma.integrations.hf_capture import capturer_for_model  # noqa: E402
 from r3rdma.integrations.hf_continuous import HFContinuousDriver, run_continuous_batching  # noqa: E402
 from r3rdma.integrations.hf_rollout import RolloutRequest  # noqa: E402
 from r3rdma.integrations.hf_routers import find_moe_routers  # noqa: E402
-from r3rdma.local_store import LocalRoutingStore  # noqa: E402
-from r3rdma.models import build_model, tiny_qwen3_moe  # noqa: E402
-from r3rdma.pipeline import RoutingWriter  # noqa: E402
-from r3rdma.reader import RoutingReader  # noqa: E402
-from r3rdma.shadow import ShadowRecorder  # noqa: E402
+from r3rdma.store.local_store import LocalRoutingStore  # noqa: E402
+from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe  # noqa: E402
+from r3rdma.write.writer import RoutingWriter  # noqa: E402
+from r3rdma.read.reader import RoutingReader  # noqa: E402
+from r3rdma.cli.shadow import ShadowRecorder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter, ShapeMismatchError
-from r3rdma.demo import make_requests
+from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter
+from r3rdma.errors import ShapeMismatchError
+from r3rdma.cli.demo import make_requests
 from r3rdma.integrations import find_moe_routers
 from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
 from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-from r3rdma.models import build_model, tiny_deepseek_v3, tiny_olmoe, tiny_qwen3_moe
-from r3rdma.shadow import ShadowRecorder
+from r3rdma.integrations.hf_models import build_model, tiny_deepseek_v3, tiny_olmoe, tiny_qwen3_moe
+from r3rdma.cli.shadow import ShadowRecorder
 
 FAMILIES = {
     "qwen3_moe": (tiny_qwen3_moe, [0, 2, 3]),      # mlp_only_layers=[1]: layer 1 dense

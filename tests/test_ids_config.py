@@ -1,6 +1,8 @@
 import pytest
 
-from r3rdma import ConfigError, InvalidIdError, R3Config, R3Error, validate_id
+from r3rdma import R3Config, R3Error
+from r3rdma.errors import ConfigError, InvalidIdError
+from r3rdma.ids import validate_id
 
 
 @pytest.mark.parametrize("good", ["a", "rollout-0", "step:12.req_3", "A" * 200, "x.y", "a-b:c_d.e"])

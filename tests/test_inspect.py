@@ -8,8 +8,8 @@ import pytest
 
 from r3rdma import LocalRoutingStore
 from r3rdma.cli import main as cli_main
-from r3rdma.inspect import inspect_rollout
-from r3rdma.store_client import StoreNodesClient
+from r3rdma.cli.inspect import inspect_rollout
+from r3rdma.write.push_client import StoreNodesClient
 
 from .store_nodes import new_token, start_node
 

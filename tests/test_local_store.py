@@ -7,17 +7,9 @@ import numpy as np
 import pytest
 import zarr
 
-from r3rdma import (
-    DuplicateRequestError,
-    InvalidIdError,
-    LocalRoutingStore,
-    RequestRecord,
-    RoutingReader,
-    ShapeMismatchError,
-    StoreError,
-    UnknownRequestError,
-    UnknownRolloutError,
-)
+from r3rdma import LocalRoutingStore, RoutingReader, UnknownRequestError, UnknownRolloutError
+from r3rdma.errors import DuplicateRequestError, InvalidIdError, ShapeMismatchError, StoreError
+from r3rdma.records import RequestRecord
 
 
 def test_commit_and_read_back_many_requests(tmp_path, make_record):
@@ -123,7 +115,7 @@ def test_invalid_ids_touch_no_file(tmp_path, make_record):
 def test_disk_error_leaves_no_partial_data(tmp_path, make_record, monkeypatch):
     with LocalRoutingStore(tmp_path) as store:
         store.commit([make_record("a")])
-        import r3rdma.local_store as ls
+        import r3rdma.store.local_store as ls
 
         def boom(*a, **k):
             raise OSError(28, "No space left on device")

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r3rdma import RoutingWriter
 from r3rdma.errors import StoreError
 from r3rdma.metrics import capture_registry, serve_capture_metrics
-from r3rdma.store_client import StoreNodesClient
+from r3rdma.write.push_client import StoreNodesClient
 
 from .store_nodes import new_token, start_node
 

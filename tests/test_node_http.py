@@ -18,13 +18,13 @@ from aiohttp import web
 from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
-from r3rdma import shard_codec
+from r3rdma.store import shard_codec
 from r3rdma.errors import CorruptDataError
-from r3rdma.local_store import LocalRoutingStore, zarr_codecs
-from r3rdma.node_http import NodeHttpClient
+from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
+from r3rdma.read.node_http import NodeHttpClient
 from r3rdma.records import buffer_checksum
-from r3rdma.reader import RoutingReader
-from r3rdma.row_checksums import RowRangeChecksums
+from r3rdma.read.reader import RoutingReader
+from r3rdma.store.row_checksums import RowRangeChecksums
 
 from .store_nodes import new_token, start_node
 
@@ -306,7 +306,7 @@ def test_chunks_decode_while_the_shard_streams(tmp_path, make_record, monkeypatc
 def test_request_crcs_are_computed_while_the_rows_arrive(tmp_path, make_record, node_root, layout, monkeypatch):
     """The client hashes the rows of each requested range as they land or decode: its CRCs equal
     a checksum of the finished rows in every layout, and the reader then skips its own pass."""
-    from r3rdma import reader as reader_module
+    from r3rdma.read import reader as reader_module
     from r3rdma.records import checksum
 
     root = tmp_path / "node"

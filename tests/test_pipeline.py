@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from r3rdma import DuplicateRequestError, R3TimeoutError, RoutingWriter, StoreError
+from r3rdma import R3TimeoutError, RoutingWriter
+from r3rdma.errors import DuplicateRequestError, StoreError
 
 
 class GatedStore:

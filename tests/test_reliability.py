@@ -15,7 +15,7 @@ from r3rdma import RoutingReader
 from r3rdma.bench import reliability_bench as rb
 from r3rdma.errors import AuthenticationError
 from r3rdma.records import RequestRecord
-from r3rdma.store_client import StoreNodesClient
+from r3rdma.write.push_client import StoreNodesClient
 from r3rdma.transport import TransportLimits, UcxxClient, configure_ucx_env
 
 

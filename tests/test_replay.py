@@ -8,9 +8,9 @@ import torch
 from r3rdma.errors import ReplayError, ShapeMismatchError
 from r3rdma.integrations.hf_replay import gate_weights_fn, register_gate_weights
 from r3rdma.integrations.hf_routers import find_moe_routers
-from r3rdma.models import build_model, tiny_deepseek_v3, tiny_olmoe, tiny_qwen3_moe
-from r3rdma.reader import PackedRouting
-from r3rdma.replay import ReplayBatch, RouterReplay, routing_agreement
+from r3rdma.integrations.hf_models import build_model, tiny_deepseek_v3, tiny_olmoe, tiny_qwen3_moe
+from r3rdma.read.reader import PackedRouting
+from r3rdma.replay.router_replay import ReplayBatch, RouterReplay, routing_agreement
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": tiny_deepseek_v3, "olmoe": tiny_olmoe}
 
@@ -138,8 +138,12 @@ def test_random_ids_change_outputs_and_report_reflects_it(family):
             logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
     report = replay.last_report
     # Token 4 is batch row 0, position 4: causal attention changes positions >= 4 of that row only.
-    assert not torch.equal(logits[0, 4:], ref_logits[0, 4:])
-    assert torch.equal(logits[0, :4], ref_logits[0, :4]) and torch.equal(logits[1:], ref_logits[1:])
+    # The other positions keep their experts but not necessarily their bits: a batched expert
+    # kernel groups tokens by expert, and moving one token changes the grouping (and so the
+    # summation order) of the others. They agree to float tolerance; token 4 moves far beyond it.
+    assert not torch.allclose(logits[0, 4], ref_logits[0, 4], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(logits[0, :4], ref_logits[0, :4], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[1:], ref_logits[1:], rtol=1e-4, atol=1e-5)
     assert report.layer_decisions_differ[0] == expected_differ
     assert report.tokens_any_layer_differ >= 1
     assert 0 < report.decisions_differ_frac < 1 and 0 < report.tokens_any_layer_differ_frac < 1

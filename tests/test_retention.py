@@ -10,9 +10,9 @@ from r3rdma import RoutingReader
 from r3rdma.bench import reliability_bench as rb
 from r3rdma.cli import main as cli_main
 from r3rdma.errors import AuthenticationError, InvalidIdError, UnknownRolloutError
-from r3rdma.local_store import LocalRoutingStore
-from r3rdma.retention import delete_older_than, delete_rollout
-from r3rdma.store_client import StoreNodesClient
+from r3rdma.store.local_store import LocalRoutingStore
+from r3rdma.store.retention import delete_older_than, delete_rollout
+from r3rdma.write.push_client import StoreNodesClient
 from r3rdma.transport import TransportLimits
 
 

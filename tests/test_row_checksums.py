@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3rdma.records import checksum
-from r3rdma.row_checksums import RowRangeChecksums
+from r3rdma.store.row_checksums import RowRangeChecksums
 
 
 @st.composite

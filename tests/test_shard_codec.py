@@ -14,9 +14,9 @@ from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
 from r3rdma.errors import CorruptDataError
-from r3rdma.local_store import zarr_codecs
+from r3rdma.store.local_store import zarr_codecs
 from r3rdma.records import buffer_checksum
-from r3rdma.shard_codec import ShardDecoder, zstd_content_size
+from r3rdma.store.shard_codec import ShardDecoder, zstd_content_size
 
 
 def write(tmp_path, data, *, chunk, shard, level, compressors=None, index_location="start"):

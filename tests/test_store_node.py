@@ -9,8 +9,9 @@ import pytest
 import zarr
 from zarr.storage import FsspecStore
 
-from r3rdma import AuthenticationError, DuplicateRequestError, RoutingReader, RoutingWriter
-from r3rdma.store_client import StoreNodesClient, rendezvous_order
+from r3rdma import AuthenticationError, RoutingReader, RoutingWriter
+from r3rdma.errors import DuplicateRequestError
+from r3rdma.write.push_client import StoreNodesClient, rendezvous_order
 from r3rdma.transport import TransportLimits
 
 from .store_nodes import new_token, start_node
@@ -196,7 +197,7 @@ def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path
 
 def test_transfer_probe_batches_are_acked_but_not_stored(two_nodes, make_record):
     from r3rdma import UnknownRolloutError
-    from r3rdma.transfer import PROBE_ROLLOUT_ID
+    from r3rdma.capture.transfer import PROBE_ROLLOUT_ID
 
     node = two_nodes[0]
     with StoreNodesClient([node.push_url], secret=node.token) as client:

@@ -14,7 +14,7 @@ import torch
 
 from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.records import checksum
-from r3rdma.transfer import (
+from r3rdma.capture.transfer import (
     DeviceRows,
     ProbeResult,
     TransferConfig,

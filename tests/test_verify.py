@@ -7,7 +7,7 @@ import json
 import pytest
 
 from r3rdma.cli import main as cli_main
-from r3rdma.verify import resolve_config, run_verify
+from r3rdma.cli.verify import resolve_config, run_verify
 
 SMALL = dict(num_requests=8, max_prompt=24, max_new=16)
 KEYS = {

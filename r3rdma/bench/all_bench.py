@@ -75,12 +75,12 @@ def _capture_runs(batches: list[int], quick: bool) -> list[dict[str, Any]]:
 
 def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = False, skip: tuple[str, ...] = (),
             capture: bool | None = None, progress: bool = True) -> dict[str, Any]:
-    from . import plots
-    from .codec_bench import run_codec_bench
-    from .read_bench import run_read_bench
-    from .scaling_bench import run_scaling_bench
-    from .store_bench import run_store_bench
-    from .transport_bench import run_transport_bench
+    from r3rdma.bench import plots
+    from r3rdma.bench.codec_bench import run_codec_bench
+    from r3rdma.bench.read_bench import run_read_bench
+    from r3rdma.bench.scaling_bench import run_scaling_bench
+    from r3rdma.bench.store_bench import run_store_bench
+    from r3rdma.bench.transport_bench import run_transport_bench
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +178,7 @@ def markdown_tables(results: dict[str, Any]) -> str:
                 for r in s["by_nodes"]]
         out += [""]
     if "codecs" in results:
-        from .codec_bench import markdown_table
+        from r3rdma.bench.codec_bench import markdown_table
 
         c = results["codecs"]
         out += ["## Bytes per token by codec", "", "Sources: " + "; ".join(

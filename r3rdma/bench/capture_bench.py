@@ -33,7 +33,7 @@ __all__ = ["run_capture_bench", "add_arguments", "main"]
 def _build(args, device):
     import torch
 
-    from r3rdma.models import tiny_qwen3_moe
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     from transformers import AutoModelForCausalLM
 
@@ -170,7 +170,7 @@ def _count_syncs(fn) -> int:
 def run_capture_bench(args) -> dict:
     import torch
 
-    from r3rdma.capture import RoutingCapturer
+    from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.integrations.hf_capture import attach_capturer
     from r3rdma.integrations.hf_routers import find_moe_routers
 

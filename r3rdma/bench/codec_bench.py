@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..records import RequestRecord, batches_by_size
-from .synthetic import synthetic_records
+from r3rdma.records import RequestRecord, batches_by_size
+from r3rdma.bench.synthetic import synthetic_records
 
 __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_arguments", "main"]
 
@@ -89,10 +89,10 @@ class _ListSink:
 def model_records(config, *, num_requests: int, seed: int = 0, min_prompt: int = 16, max_prompt: int = 160,
                   min_new: int = 8, max_new: int = 64, batch_size: int = 8, rollout_id: str = "codec") -> list[RequestRecord]:
     """Routing captured while generating with a random-init model of ``config`` (CPU)."""
-    from ..demo import make_requests
-    from ..integrations.hf_capture import attach_capturer, capturer_for_model
-    from ..integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from ..models import build_model
+    from r3rdma.cli.demo import make_requests
+    from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.integrations.hf_models import build_model
 
     model = build_model(config, seed=seed)
     requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
@@ -112,7 +112,7 @@ def model_records(config, *, num_requests: int, seed: int = 0, min_prompt: int =
 
 def routing_sources(*, quick: bool = False, large: bool = True, seed: int = 0) -> dict[str, list[RequestRecord]]:
     """The routing the study compresses, by source name (``quick``: tiny sizes for smoke tests)."""
-    from ..models import tiny_qwen3_moe
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     sources: dict[str, list[RequestRecord]] = {}
     n = 4 if quick else 24

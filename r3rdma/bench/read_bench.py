@@ -33,10 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..store.process import new_token, spawn_node
-from .synthetic import synthetic_records
-
-from ._progress import rounds_bar as _rounds
+from r3rdma.store.process import new_token, spawn_node
+from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.bench._progress import rounds_bar as _rounds
 
 __all__ = ["run_read_bench", "add_arguments", "main"]
 
@@ -108,8 +107,8 @@ def run_read_bench(
     *, requests: int = 64, rounds: int = 3, root: str | None = None, zstd_level: int = 3, mode: str = "warm",
     progress: bool = True,
 ) -> dict:
-    from ..local_store import LocalRoutingStore
-    from ..reader import RoutingReader
+    from r3rdma.store.local_store import LocalRoutingStore
+    from r3rdma.read.reader import RoutingReader
 
     if mode not in ("warm", "fresh"):
         raise ValueError(f"mode must be 'warm' or 'fresh', got {mode!r}")

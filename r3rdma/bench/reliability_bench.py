@@ -70,7 +70,7 @@ def make_record(rollout_id: str, request_id: str, *, variant: int = 0, rows: int
 
 
 def _owner(key: str, n: int) -> int:
-    from r3rdma.store_client import rendezvous_order
+    from r3rdma.write.push_client import rendezvous_order
 
     names = [f"node{i}" for i in range(n)]
     return names.index(rendezvous_order(names, key)[0])
@@ -78,7 +78,7 @@ def _owner(key: str, n: int) -> int:
 
 def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
     """rollout -> {request_id: crc32c} of every committed request under ``roots`` (merged)."""
-    from r3rdma.zarr_layout import INDEX_KEY, read_group_attrs
+    from r3rdma.store.layout import INDEX_KEY, read_group_attrs
 
     out: dict[str, dict[str, int]] = {}
     for root in roots:
@@ -100,7 +100,7 @@ def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: se
     Reads every visible request back through :class:`RoutingReader` (checksums verified) and
     compares its bytes with the deterministic record (``read_bytes``), else compares CRCs.
     """
-    from r3rdma.reader import RoutingReader
+    from r3rdma.read.reader import RoutingReader
 
     visible = _visible(roots)
     lost = sum(1 for (ro, rid) in acked if rid not in visible.get(ro, {}))
@@ -126,7 +126,7 @@ def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: se
 
 def _orphans(root: Path) -> int:
     """Batch arrays on disk that no index lists (what a crash mid-commit leaves)."""
-    from r3rdma.zarr_layout import INDEX_KEY, parse_array_name, read_group_attrs
+    from r3rdma.store.layout import INDEX_KEY, parse_array_name, read_group_attrs
 
     n = 0
     for child in root.iterdir() if root.is_dir() else []:
@@ -711,8 +711,8 @@ def fuzz_http(node: NodeProcess, n: int = 2000, *, seed: int = 0, rollout: str =
 def disk_full(work: Path, *, limit: int = 256 << 10) -> dict[str, Any]:
     """A node under ``RLIMIT_FSIZE=limit``: an oversized batch fails cleanly, the node recovers."""
     from r3rdma.errors import StoreError
-    from r3rdma.reader import RoutingReader
-    from r3rdma.store_client import StoreNodesClient
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.write.push_client import StoreNodesClient
     from r3rdma.transport import TransportLimits
 
     work = Path(work)

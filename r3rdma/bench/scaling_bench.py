@@ -31,8 +31,8 @@ __all__ = ["run_scaling_bench", "add_arguments", "main"]
 
 
 def _client_records(client: int, total_bytes: int, seed: int):
-    from ..records import RequestRecord
-    from .synthetic import synthetic_records
+    from r3rdma.records import RequestRecord
+    from r3rdma.bench.synthetic import synthetic_records
 
     # Gumbel sampling of big arrays is slow: draw a small pool once and reuse its rows under new ids.
     pool = synthetic_records(4, min_rows=1024, max_rows=2048, seed=seed)
@@ -47,9 +47,8 @@ def _client_records(client: int, total_bytes: int, seed: int):
 
 async def _client_main(address: str, token_file: str, client: int, total_bytes: int, batch_bytes: int) -> None:
     from r3rdma.transport import TransportLimits, UcxxClient, load_secret
-
-    from ..records import batches_by_size
-    from ..store_client import parse_node_url
+    from r3rdma.records import batches_by_size
+    from r3rdma.write.push_client import parse_node_url
 
     host, port = parse_node_url(address)
     records = _client_records(client, total_bytes, seed=client)

@@ -18,12 +18,11 @@ from pathlib import Path
 import zarr
 from zarr.storage import LocalStore
 
-from ..local_store import LocalRoutingStore, zarr_codecs
-from ..pipeline import RoutingWriter
-from ..records import batches_by_size
-from .synthetic import synthetic_records
-
-from ._progress import rounds_bar as _rounds
+from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
+from r3rdma.write.writer import RoutingWriter
+from r3rdma.records import batches_by_size
+from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.bench._progress import rounds_bar as _rounds
 
 __all__ = ["run_store_bench"]
 

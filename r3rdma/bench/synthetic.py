@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..records import RequestRecord, routing_dtype
+from r3rdma.records import RequestRecord, routing_dtype
 
 __all__ = ["synthetic_records"]
 

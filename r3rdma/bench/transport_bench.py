@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from .synthetic import synthetic_records
+from r3rdma.bench.synthetic import synthetic_records
 
 __all__ = ["run_transport_bench", "add_arguments", "main"]
 

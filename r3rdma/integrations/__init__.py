@@ -1,7 +1,7 @@
 """Integrations with model libraries (Hugging Face transformers)."""
 
-from .hf_replay import GateWeightsFn, gate_weights_fn, register_gate_weights, supported_router_classes
-from .hf_routers import MoeRouter, find_moe_routers
+from r3rdma.integrations.hf_replay import GateWeightsFn, gate_weights_fn, register_gate_weights, supported_router_classes
+from r3rdma.integrations.hf_routers import MoeRouter, find_moe_routers
 
 __all__ = [
     "GateWeightsFn",

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from ..capture import RoutingCapturer, RoutingSink
-from .hf_routers import MoeRouter, find_moe_routers
+from r3rdma.capture.capturer import RoutingCapturer, RoutingSink
+from r3rdma.integrations.hf_routers import MoeRouter, find_moe_routers
 
 __all__ = ["attach_capturer", "capturer_for_model"]
 

@@ -5,7 +5,7 @@ into ragged batches over a paged KV cache, with chunked prefill (prompts longer 
 ``max_batch_tokens`` are split over several forwards), prefix caching (complete blocks are hashed
 and shared by later requests with the same prefix), block de-duplication and "soft resets"
 (requests evicted under cache pressure and re-prefilled later). :class:`HFContinuousDriver` runs
-that engine and announces every forward to a :class:`~r3rdma.capture.RoutingCapturer` with the
+that engine and announces every forward to a :class:`~r3rdma.capture.capturer.RoutingCapturer` with the
 engine's real per-step mapping, so all of the above is exercised on a real model.
 
 How it hooks in (all of it private transformers API, pinned by :func:`_check_internals`, which
@@ -54,11 +54,11 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..capture import RoutingCapturer
-from ..errors import ConfigError, R3Error, R3TimeoutError
-from ..ids import validate_id
-from .hf_rollout import RolloutOutput, RolloutRequest, StepInfo
-from .hf_routers import find_moe_routers
+from r3rdma.capture.capturer import RoutingCapturer
+from r3rdma.errors import ConfigError, R3Error, R3TimeoutError
+from r3rdma.ids import validate_id
+from r3rdma.integrations.hf_rollout import RolloutOutput, RolloutRequest, StepInfo
+from r3rdma.integrations.hf_routers import find_moe_routers
 
 __all__ = ["ContinuousStats", "HFContinuousDriver", "run_continuous_batching", "paged_cache_num_slots"]
 
@@ -111,7 +111,7 @@ class HFContinuousDriver:
             ``max_batch_tokens`` (chunked prefill), ``allow_block_sharing`` (prefix caching) and
             ``seed`` are honoured.
         step_listeners: called in the generation thread with each step's :class:`StepInfo` before
-            its forward (e.g. :meth:`r3rdma.shadow.ShadowRecorder.on_step`).
+            its forward (e.g. :meth:`r3rdma.cli.shadow.ShadowRecorder.on_step`).
         verify_slots: check the compact slots against the engine's physical ``write_index`` when
             it lives on the CPU (free there; on a GPU it would cost a sync per step).
         timeout_s: limit for the whole run; :class:`R3TimeoutError` past it.

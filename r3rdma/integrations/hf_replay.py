@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ReplayError
+from r3rdma.errors import ReplayError
 
 __all__ = ["GateWeightsFn", "gate_weights_fn", "register_gate_weights", "supported_router_classes"]
 

@@ -16,9 +16,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..capture import RoutingCapturer
-from ..errors import ConfigError
-from ..ids import validate_id
+from r3rdma.capture.capturer import RoutingCapturer
+from r3rdma.errors import ConfigError
+from r3rdma.ids import validate_id
 
 __all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver"]
 

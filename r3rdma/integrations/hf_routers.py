@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ShapeMismatchError
+from r3rdma.errors import ShapeMismatchError
 
 __all__ = ["MoeRouter", "find_moe_routers"]
 

@@ -39,10 +39,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .errors import ConfigError, CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
-from .ids import validate_id
-from .kernels import gather_rows, graph_regime, record_layer, table_dtype, write_step_rows
-from .records import RequestRecord, routing_dtype
+from r3rdma.errors import ConfigError, CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
+from r3rdma.ids import validate_id
+from r3rdma.kernels import gather_rows, graph_regime, record_layer, table_dtype, write_step_rows
+from r3rdma.records import RequestRecord, routing_dtype
 
 __all__ = ["RoutingCapturer", "RoutingSink", "num_routing_rows"]
 
@@ -58,7 +58,7 @@ def num_routing_rows(prompt_len: int, generated_len: int) -> int:
 
 
 class RoutingSink(Protocol):
-    """Where finished requests go (a :class:`~r3rdma.pipeline.RoutingWriter`, a test list...)."""
+    """Where finished requests go (a :class:`~r3rdma.write.writer.RoutingWriter`, a test list...)."""
 
     def submit(self, record: RequestRecord) -> None: ...
 
@@ -99,13 +99,13 @@ class RoutingCapturer:
             On CUDA with a sink, ``finish_request`` gathers on the GPU, starts an asynchronous
             copy into pinned host memory and returns None at once; a finisher thread hands the
             record to the sink when the copy has landed (:meth:`flush` waits for that).
-        transfer_mode: how finished rows leave the GPU (:mod:`r3rdma.transfer`): ``auto``
+        transfer_mode: how finished rows leave the GPU (:mod:`r3rdma.capture.transfer`): ``auto``
             (measure both against the sink's first store node at construction and keep the
             faster; ``staged`` when the sink is not a store-node pusher or off CUDA), ``staged``
             (pinned host copy, the default) or
             ``gpu_direct`` (the device rows themselves go to a sink that takes them, a
-            :class:`~r3rdma.pipeline.RoutingWriter` over a
-            :class:`~r3rdma.store_client.StoreNodesClient`, and UCX reads device memory). With a
+            :class:`~r3rdma.write.writer.RoutingWriter` over a
+            :class:`~r3rdma.write.push_client.StoreNodesClient`, and UCX reads device memory). With a
             sink that cannot take device rows, ``gpu_direct`` is refused at construction.
         pin_memory: keep the slot table in pinned host memory. On CUDA it is mapped into the
             device's address space (UVA), so the same kernels write it over PCIe: no HBM for
@@ -172,7 +172,7 @@ class RoutingCapturer:
         self.transfer_probe = None
         if transfer_mode == "auto":
             # Measured once, at start-up, against the sink's first store node when the sink can
-            # push device memory; otherwise (local store, CPU) staged, as r3rdma.transfer says.
+            # push device memory; otherwise (local store, CPU) staged, as r3rdma.capture.transfer says.
             transfer_mode = "staged"
             if self._cuda and getattr(sink, "accepts_device_rows", False):
                 self.transfer_probe = sink.probe_transfer_mode(device=self.device)
@@ -622,7 +622,7 @@ class RoutingCapturer:
                     num_experts=self.num_experts, start_row=start_row, final=final, total_rows=total_rows)
         self.requests_finished += 1
         if self._cuda and self.sink is not None:
-            from .transfer import DeviceRows, stage_to_host
+            from r3rdma.capture.transfer import DeviceRows, stage_to_host
 
             self._raise_finisher_error()
             if self.transfer_mode == "gpu_direct":
@@ -856,7 +856,7 @@ class _Finisher:
         done = threading.Event()
         self._queue.put(done)
         if not done.wait(timeout):
-            from .errors import R3TimeoutError
+            from r3rdma.errors import R3TimeoutError
 
             raise R3TimeoutError(f"finished requests not handed to the sink within {timeout} s")
 

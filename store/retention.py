@@ -1,4 +1,4 @@
-"""Retention: delete rollouts on every store node (``r3rdma delete``).
+"""Retention: delete rollouts on every store node (the library behind ``r3rdma delete``).
 
 Deletion goes through each node's authenticated HTTP service (``DELETE /v1/rollouts/{id}``,
 ``DELETE /v1/rollouts?older_than_s=N``), never around it: the node owns its root (it holds the
@@ -11,13 +11,11 @@ the others were done, so a retention run is either complete or says which nodes 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 from typing import Any, Sequence
 
-from .errors import (
+from r3rdma.errors import (
     AuthenticationError,
     ConfigError,
     InvalidIdError,
@@ -26,9 +24,9 @@ from .errors import (
     TransportError,
     UnknownRolloutError,
 )
-from .ids import validate_id
+from r3rdma.ids import validate_id
 
-__all__ = ["delete_rollout", "delete_older_than", "add_arguments", "main"]
+__all__ = ["delete_rollout", "delete_older_than"]
 
 
 def delete_rollout(nodes: Sequence[str], rollout_id: str, *, token: str, timeout_s: float = 30.0) -> dict[str, bool]:
@@ -100,33 +98,3 @@ async def _all(nodes: list[str], method: str, path: str, token: str, timeout_s: 
         cls = type(first) if isinstance(first, R3Error) else StoreError
         raise cls(f"retention incomplete on {len(failed)} of {len(nodes)} nodes (done on {done}): {summary}") from first
     return dict(zip(nodes, results))
-
-
-# -- CLI: r3rdma delete ----------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", required=True, help="comma-separated store node HTTP URLs (http://host:port)")
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--rollout", action="append", help="rollout id to delete on every node (repeatable)")
-    what.add_argument("--older-than-s", type=float, help="delete every rollout whose last commit is older than this")
-    parser.add_argument("--token-file", default=None, help="file holding the store token (else R3_STORE_TOKEN)")
-    parser.add_argument("--timeout-s", type=float, default=30.0)
-
-
-def main(args: argparse.Namespace) -> int:
-    from .transport import load_secret
-
-    try:
-        token = load_secret(args.token_file).decode()
-        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-        if args.rollout:
-            out: dict[str, Any] = {"deleted": {rid: delete_rollout(nodes, rid, token=token, timeout_s=args.timeout_s)
-                                               for rid in args.rollout}}
-        else:
-            out = {"deleted_older_than": delete_older_than(nodes, args.older_than_s, token=token, timeout_s=args.timeout_s)}
-    except R3Error as e:
-        print(f"r3rdma delete: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(out))
-    return 0

@@ -9,7 +9,7 @@ order. A request pushed twice (the first push failed after the node made it dura
 accepted once by the store (identical bytes), and readers merge the nodes' indexes.
 
 The client runs its own asyncio loop in a thread; ``commit`` is the blocking facade the
-:class:`~r3rdma.pipeline.RoutingWriter` calls from its worker thread, never from the engine's
+:class:`~r3rdma.write.writer.RoutingWriter` calls from its worker thread, never from the engine's
 step path.
 """
 
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import AuthenticationError, ConfigError, R3Error, R3TimeoutError, TransportError
-from .records import RequestRecord, batches_by_size
+from r3rdma.errors import AuthenticationError, ConfigError, R3Error, R3TimeoutError, TransportError
+from r3rdma.records import RequestRecord, batches_by_size
 
 __all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url"]
 
@@ -68,7 +68,7 @@ class StoreNodesClient:
         self.nodes = [f"{h}:{p}" for h, p in map(parse_node_url, urls)]
         if len(set(self.nodes)) != len(self.nodes):
             raise ConfigError(f"store node addresses repeat: {self.nodes}")
-        from .transport import TransportLimits
+        from r3rdma.transport import TransportLimits
 
         self._secret = secret
         self._limits = limits or TransportLimits()
@@ -95,7 +95,7 @@ class StoreNodesClient:
             raise R3TimeoutError(f"pushing {len(records)} requests took over {self._commit_timeout} s") from e
 
     def commit_device(self, items) -> PushStats:
-        """Push :class:`~r3rdma.transfer.DeviceRows` GPU-direct: the device buffers are the UCX
+        """Push :class:`~r3rdma.capture.transfer.DeviceRows` GPU-direct: the device buffers are the UCX
         payload (each item's ``ready`` event is waited on first). Same placement and failover
         as :meth:`commit`."""
         future = asyncio.run_coroutine_threadsafe(self._commit(list(items), device=True), self._loop)
@@ -107,9 +107,9 @@ class StoreNodesClient:
 
     def probe_transfer_mode(self, device=None, config=None):
         """Measure GPU-direct against staged pushes to the first store node (probe batches are
-        acknowledged and dropped by the node); return a :class:`~r3rdma.transfer.ProbeResult`."""
-        from .transfer import probe_transfer_mode
-        from .transport import UcxxClient
+        acknowledged and dropped by the node); return a :class:`~r3rdma.capture.transfer.ProbeResult`."""
+        from r3rdma.capture.transfer import probe_transfer_mode
+        from r3rdma.transport import UcxxClient
 
         async def run():
             host, port = parse_node_url(self.nodes[0])
@@ -175,7 +175,7 @@ class StoreNodesClient:
         return PushStats(len(records), total, failovers)
 
     async def _push_node(self, node: str, records: list, device: bool = False) -> None:
-        from .transport import UcxxClient
+        from r3rdma.transport import UcxxClient
 
         client = self._clients.get(node)
         if client is None:
@@ -185,7 +185,7 @@ class StoreNodesClient:
         try:
             for chunk in batches_by_size(records, self._limits.max_payload_bytes, self._limits.max_records):
                 if device:
-                    from .transfer import push_device_rows
+                    from r3rdma.capture.transfer import push_device_rows
 
                     await push_device_rows(client, chunk, "gpu_direct")
                 else:

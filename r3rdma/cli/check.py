@@ -25,8 +25,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from .reader import RoutingReader
-    from .transport import load_secret
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.transport import load_secret
 
     urls = [u for u in args.http_urls.split(",") if u]
     token = load_secret(args.token_file).decode()

@@ -3,7 +3,7 @@
 ``RoutingWriter.submit`` only enqueues (and blocks when more than ``max_inflight_bytes`` are
 waiting: backpressure instead of unbounded memory). A worker thread commits MB-sized batches
 to a store (anything with ``commit(records)`` that returns once the data is durable: the
-:class:`~r3rdma.local_store.LocalRoutingStore`, or a client of remote store nodes).
+:class:`~r3rdma.store.local_store.LocalRoutingStore`, or a client of remote store nodes).
 An error in a commit is raised to the engine at its next ``submit`` or ``flush``; nothing is
 dropped silently.
 """
@@ -15,8 +15,8 @@ import time
 from collections import deque
 from typing import Protocol, Sequence
 
-from .errors import R3Error, R3TimeoutError, StoreError
-from .records import RequestRecord
+from r3rdma.errors import R3Error, R3TimeoutError, StoreError
+from r3rdma.records import RequestRecord
 
 __all__ = ["DeferredRecord", "RoutingWriter", "RecordStore"]
 
@@ -49,7 +49,7 @@ class RoutingWriter:
 
     @property
     def accepts_device_rows(self) -> bool:
-        """Whether ``submit`` takes :class:`~r3rdma.transfer.DeviceRows` (GPU-direct pushes):
+        """Whether ``submit`` takes :class:`~r3rdma.capture.transfer.DeviceRows` (GPU-direct pushes):
         only when the store can push device memory (``commit_device``)."""
         return hasattr(self.store, "commit_device")
 

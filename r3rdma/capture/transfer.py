@@ -35,8 +35,8 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError, ShapeMismatchError
-from .records import routing_dtype
+from r3rdma.errors import ConfigError, ShapeMismatchError
+from r3rdma.records import routing_dtype
 
 __all__ = [
     "TRANSFER_MODES",
@@ -160,7 +160,7 @@ class DeviceRows:
 
 
 def _meta(item: DeviceRows, offset: int, crc: int | None):
-    from .transport import RecordMeta
+    from r3rdma.transport import RecordMeta
 
     ids = item.ids_TLK
     dtype = routing_dtype(item.num_experts)
@@ -197,7 +197,7 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str):
     host memory first. In both cases the thread that pushes waits (in a worker thread, so the
     event loop keeps running) for the producing stream before UCX reads any byte.
     """
-    from .transport import PackedBatch
+    from r3rdma.transport import PackedBatch
 
     if mode not in ("gpu_direct", "staged"):
         raise ConfigError(f"push_device_rows needs a resolved mode (gpu_direct or staged), got {mode!r}")

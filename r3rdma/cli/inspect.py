@@ -52,7 +52,7 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
     """Summary of ``rollout_id`` and its expert load ``[num_layers, num_experts]`` (token counts)."""
     from tqdm.auto import tqdm
 
-    from .reader import RoutingReader
+    from r3rdma.read.reader import RoutingReader
 
     if isinstance(sources, str):
         sources = [s for s in sources.split(",") if s]

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from numcodecs import Zstd
 
-from .errors import CorruptDataError
-from .records import buffer_checksum
+from r3rdma.errors import CorruptDataError
+from r3rdma.records import buffer_checksum
 
 __all__ = ["ShardDecoder", "ChunkJob", "chunk_pool", "zstd_content_size"]
 

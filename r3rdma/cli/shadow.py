@@ -12,8 +12,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from .integrations.hf_rollout import StepInfo
-from .integrations.hf_routers import find_moe_routers
+from r3rdma.integrations.hf_rollout import StepInfo
+from r3rdma.integrations.hf_routers import find_moe_routers
 
 __all__ = ["ShadowRecorder"]
 

@@ -30,10 +30,10 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .errors import ReplayError, ShapeMismatchError
-from .integrations.hf_replay import GateWeightsFn, gate_weights_fn
-from .integrations.hf_routers import MoeRouter, find_moe_routers
-from .reader import PackedRouting
+from r3rdma.errors import ReplayError, ShapeMismatchError
+from r3rdma.integrations.hf_replay import GateWeightsFn, gate_weights_fn
+from r3rdma.integrations.hf_routers import MoeRouter, find_moe_routers
+from r3rdma.read.reader import PackedRouting
 
 __all__ = ["ReplayBatch", "ReplayReport", "RouterReplay", "routing_agreement"]
 

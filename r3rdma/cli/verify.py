@@ -39,7 +39,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def _qwen3_16x64():
-    from .models import tiny_qwen3_moe
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     # >= 16 layers, >= 64 experts, top-8 like Qwen3-30B-A3B; small widths so a GPU runs it quickly.
     return tiny_qwen3_moe(
@@ -50,7 +50,7 @@ def _qwen3_16x64():
 
 
 def _small_qwen3():
-    from .models import tiny_qwen3_moe
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     # The CPU default: 5 MoE layers of 32 experts, top-4. Enough routing flips under bf16 vs
     # fp32 that the KL drop from replay stands out from bf16 noise on a few hundred tokens.
@@ -58,7 +58,7 @@ def _small_qwen3():
 
 
 def _qwen3_48x128():
-    from .models import tiny_qwen3_moe
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     # Qwen3-30B-A3B's routing geometry (48 MoE layers, 128 experts, top-8), narrow widths.
     return tiny_qwen3_moe(
@@ -69,7 +69,7 @@ def _qwen3_48x128():
 
 
 def _tiny(name: str):
-    from . import models
+    from r3rdma.integrations import hf_models as models
 
     return getattr(models, name)()
 
@@ -207,15 +207,15 @@ def run_verify(
     init: str = "fan-in",
     logit_gain: float = 4.0,
 ) -> VerifyResult:
-    from .demo import make_requests
-    from .integrations.hf_capture import attach_capturer, capturer_for_model
-    from .integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from .integrations.hf_routers import find_moe_routers
-    from .local_store import LocalRoutingStore
-    from .models import build_model
-    from .pipeline import RoutingWriter
-    from .reader import RoutingReader
-    from .replay import ReplayBatch, RouterReplay, routing_agreement
+    from r3rdma.cli.demo import make_requests
+    from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.integrations.hf_routers import find_moe_routers
+    from r3rdma.store.local_store import LocalRoutingStore
+    from r3rdma.integrations.hf_models import build_model
+    from r3rdma.write.writer import RoutingWriter
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.replay.router_replay import ReplayBatch, RouterReplay, routing_agreement
 
     started = time.perf_counter()
     if layout not in ("packed", "padded"):

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .integrations.hf_capture import attach_capturer, capturer_for_model
-from .integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest
-from .local_store import LocalRoutingStore
-from .models import build_model, tiny_qwen3_moe
-from .pipeline import RoutingWriter
-from .reader import RoutingReader
-from .shadow import ShadowRecorder
+from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
+from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest
+from r3rdma.store.local_store import LocalRoutingStore
+from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+from r3rdma.write.writer import RoutingWriter
+from r3rdma.read.reader import RoutingReader
+from r3rdma.cli.shadow import ShadowRecorder
 
 __all__ = ["DemoResult", "run_demo", "make_requests"]
 

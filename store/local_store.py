@@ -2,7 +2,7 @@
 
 One writer owns a root (an exclusive ``flock`` on ``<root>/.r3rdma.lock`` refuses a second);
 any number of readers may read it concurrently, and see a request only once its batch is
-committed (see :mod:`r3rdma.zarr_layout` for the format and the commit protocol).
+committed (see :mod:`r3rdma.store.layout` for the format and the commit protocol).
 
 Segments: a request may arrive in several records (later turns of a conversation, the prefill
 and decode engines of a disaggregated deployment). Records that do not yet complete their
@@ -27,7 +27,7 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
-from .errors import (
+from r3rdma.errors import (
     InvalidIdError,
     R3Error,
     SegmentError,
@@ -38,9 +38,9 @@ from .errors import (
     UnknownRequestError,
     UnknownRolloutError,
 )
-from .ids import validate_id
-from .records import RequestRecord
-from .zarr_layout import (
+from r3rdma.ids import validate_id
+from r3rdma.records import RequestRecord
+from r3rdma.store.layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_KEY,

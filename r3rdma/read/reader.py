@@ -15,12 +15,12 @@ import zarr.errors
 from tqdm.auto import tqdm
 from zarr.storage import LocalStore
 
-from .errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
-from .ids import validate_id
-from .records import checksum
-from .node_http import NodeHttpClient
-from .shard_codec import ShardDecoder, chunk_pool
-from .zarr_layout import INDEX_KEY, parse_array_name
+from r3rdma.errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
+from r3rdma.ids import validate_id
+from r3rdma.records import checksum
+from r3rdma.read.node_http import NodeHttpClient
+from r3rdma.store.shard_codec import ShardDecoder, chunk_pool
+from r3rdma.store.layout import INDEX_KEY, parse_array_name
 
 __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "to_torch"]
 
@@ -386,7 +386,7 @@ class _Source:
         if self.remote and (hi - lo) * 2 >= array.shape[0]:
             # Most of the array is wanted: fetch its shard files whole (one GET each) instead of
             # a ranged GET per inner chunk, then decode from memory, in parallel where the
-            # layout is ours (r3rdma.shard_codec), else through zarr.
+            # layout is ours (r3rdma.store.shard_codec), else through zarr.
             decoder = ShardDecoder.of(array.metadata.to_dict())
             if decoder is not None:
                 return self._fetch_and_decode(rollout_id, name, decoder)[lo:hi]

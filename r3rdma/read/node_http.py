@@ -46,9 +46,9 @@ from typing import Any, Callable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, CorruptDataError
-from .row_checksums import RowRangeChecksums
-from .shard_codec import ChunkJob, ShardDecoder, chunk_pool
+from r3rdma.errors import ConfigError, CorruptDataError
+from r3rdma.store.row_checksums import RowRangeChecksums
+from r3rdma.store.shard_codec import ChunkJob, ShardDecoder, chunk_pool
 
 __all__ = ["NodeHttpClient", "HttpStatusError", "ArrayRead"]
 

@@ -40,15 +40,15 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     import torch.distributed as dist
 
-    from .errors import ConfigError
-    from .integrations.hf_capture import attach_capturer, capturer_for_model
-    from .integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from .demo import make_requests
-    from .models import build_model, tiny_qwen3_moe
-    from .pipeline import RoutingWriter
-    from .shadow import ShadowRecorder
-    from .store_client import StoreNodesClient
-    from .transport import load_secret
+    from r3rdma.errors import ConfigError
+    from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.cli.demo import make_requests
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+    from r3rdma.write.writer import RoutingWriter
+    from r3rdma.cli.shadow import ShadowRecorder
+    from r3rdma.write.push_client import StoreNodesClient
+    from r3rdma.transport import load_secret
 
     if "RANK" not in os.environ:
         raise ConfigError("r3rdma rollout runs under torchrun (scripts/launch_rollout.sh); RANK is not set")

@@ -1,0 +1,66 @@
+"""The ``r3rdma`` command line: one module per command.
+
+Each command module exposes ``add_arguments(parser)`` and ``main(args)``. Only the module of
+the command being run is imported (its heavy imports: torch, zarr, transformers), so
+``r3rdma --help`` imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main", "build_parser"]
+
+# (command, subcommand or None, module, help)
+COMMANDS = [
+    ("demo", None, "r3rdma.cli.demo", "generate with a tiny MoE, capture, store, read back, verify bit-exactly"),
+    ("rollout", None, "r3rdma.cli.rollout", "torchrun worker: generate, capture with TP all-gather, push to store nodes"),
+    ("check", None, "r3rdma.cli.check", "trainer side: read a rollout from store nodes over HTTP, compare with shadow records"),
+    ("verify", None, "r3rdma.cli.verify", "measure rollout/trainer routing mismatch with and without replay"),
+    ("inspect", None, "r3rdma.cli.inspect", "summary of a rollout (local root or store node URL) and a PNG of expert load"),
+    ("delete", None, "r3rdma.cli.delete", "retention: delete rollouts (by id or by age) on every store node"),
+    ("bench", "reliability", "r3rdma.bench.reliability_bench", "crash cycles, fuzzing, auth, disk full and load: reliability figures"),
+    ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
+    ("bench", "transport", "r3rdma.bench.transport_bench", "r3rdma push vs raw ucxx send of the same bytes"),
+    ("bench", "read", "r3rdma.bench.read_bench", "reader over HTTP vs raw HTTP GETs of the same files"),
+    ("bench", "capture", "r3rdma.bench.capture_bench", "MoE decode loop with routing capture off vs on (GPU; CUDA graphs where possible)"),
+    ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
+    ("bench", "codecs", "r3rdma.bench.codec_bench", "stored bytes per token under standard codecs vs int32 / uint8 / base64"),
+    ("bench", "scaling", "r3rdma.bench.scaling_bench", "N store nodes on one machine ingesting concurrently vs N x one node"),
+    ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
+]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the command named in ``argv`` (if any) gets its module's arguments."""
+    argv = sys.argv[1:] if argv is None else argv
+    words = [a for a in argv if not a.startswith("-")]
+    parser = argparse.ArgumentParser(prog="r3rdma", description="Rollout Routing Replay store for MoE RL")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command, subcommand, module, help_text in COMMANDS:
+        if subcommand is None:
+            p = sub.add_parser(command, help=help_text, description=help_text)
+            chosen = words[:1] == [command]
+        else:
+            if command not in groups:
+                group = sub.add_parser(command, help=f"{command} programs; each prints one JSON line last")
+                groups[command] = group.add_subparsers(dest="subcommand", required=True, metavar="PROGRAM")
+            p = groups[command].add_parser(subcommand, help=help_text, description=help_text)
+            chosen = words[:2] == [command, subcommand]
+        p.set_defaults(_module=module)
+        if chosen:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
