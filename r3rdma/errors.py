@@ -91,19 +91,28 @@ class SegmentGapError(SegmentError):
 
 
 class CorruptDataError(R3Error, ValueError):
-    """Stored bytes fail their checksum or do not decode."""
+    """Stored bytes fail their checksum or do not decode: bytes that arrived whole violate
+    the format. (Bytes that did not all arrive are a :class:`TransportError`.)"""
 
 
 class StoreError(R3Error, OSError):
-    """The store could not durably write or read (disk full, permissions, I/O error)."""
+    """The store could not durably write or read (disk full, permissions, I/O error), or a
+    store node failed a request on its side (HTTP 5xx). Not a sign of damaged data."""
 
 
 class R3TimeoutError(R3Error, TimeoutError):
-    """A wait ran past its deadline."""
+    """A wait ran past its deadline (a peer that did not answer in time).
+
+    Retryable: nothing is known to be wrong with the data; try again, or another replica.
+    """
 
 
 class TransportError(R3Error, ConnectionError):
-    """A connection to a peer failed or was closed."""
+    """A connection to a peer failed or was closed: refused, reset, dropped mid-transfer (a
+    body that ended short), or the peer's name did not resolve.
+
+    Retryable: the data is not known to be damaged; try again, or another replica.
+    """
 
 
 class ProtocolError(R3Error, ValueError):
@@ -111,7 +120,8 @@ class ProtocolError(R3Error, ValueError):
 
 
 class AuthenticationError(R3Error, PermissionError):
-    """The peer did not prove knowledge of the shared secret."""
+    """The peer did not prove knowledge of the shared secret, or a store node refused the
+    token a reader or a retention call presented (HTTP 401/403)."""
 
 
 class ReplayError(R3Error, RuntimeError):

@@ -13,7 +13,6 @@ server, thread = serve_capture_metrics(9464, capturer=capturer, writer=writer)  
 
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -70,21 +69,15 @@ class CaptureMetrics(Collector):
         ):
             if obj is None:
                 continue
-            for attr, name, doc in counters:
-                value = getattr(obj, attr, None)
-                if value is not None:
-                    yield CounterMetricFamily(name, doc, value=float(value))
-            for attr, name, doc in gauges:
-                value = getattr(obj, attr, None)
-                if value is not None:
-                    yield GaugeMetricFamily(name, doc, value=float(value))
-        if self.client is not None:
-            down_until = getattr(self.client, "_down_until", {})
-            now = time.monotonic()
-            nodes = getattr(self.client, "nodes", [])
-            yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(nodes)))
+            for family, table in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+                for attr, name, doc in table:
+                    value = getattr(obj, attr, None)
+                    if value is not None:
+                        yield family(name, doc, value=float(value))
+        if self.client is not None and hasattr(self.client, "nodes_down"):
+            yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(self.client.nodes)))
             yield GaugeMetricFamily("r3rdma_push_nodes_down", "Store nodes in failover cool-down now",
-                                    value=float(sum(1 for t in down_until.values() if t > now)))
+                                    value=float(len(self.client.nodes_down())))
 
 
 def capture_registry(capturer: Any = None, writer: Any = None, client: Any = None) -> CollectorRegistry:

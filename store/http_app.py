@@ -32,7 +32,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from r3rdma.errors import InvalidIdError, R3Error, UnknownRolloutError
+from r3rdma.errors import ConfigError, InvalidIdError, R3Error, UnknownRolloutError
 from r3rdma.store.local_store import LocalRoutingStore, check_rollout_dir_name
 from r3rdma.store.layout import INDEX_KEY, read_group_attrs
 
@@ -51,7 +51,7 @@ def make_http_app(
 ) -> web.Application:
     """The read service of ``root``; with ``store`` (the node's writer) it also serves DELETEs."""
     if token is None and not public_read:
-        raise ValueError("the read service needs a token unless public_read is set")
+        raise ConfigError("the read service needs a token unless public_read is set, got neither")
     root = root.resolve()
     expected = f"Bearer {token}".encode() if token else None
 

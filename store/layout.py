@@ -37,8 +37,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -135,7 +133,3 @@ def read_group_attrs(path: Path) -> dict[str, Any] | None:
         return None
     doc = json.loads(raw)
     return doc.get("attributes", {})
-
-
-def numpy_dtype_name(dtype: np.dtype) -> str:
-    return np.dtype(dtype).name

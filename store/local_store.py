@@ -28,6 +28,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from r3rdma.errors import (
+    ConfigError,
     InvalidIdError,
     R3Error,
     SegmentError,
@@ -202,7 +203,7 @@ class LocalRoutingStore:
         being written is never deleted under its writer.
         """
         if not age_s >= 0:
-            raise ValueError(f"age_s must be a number >= 0, got {age_s!r}")
+            raise ConfigError(f"age_s must be a number >= 0, got {age_s!r}")
         cutoff = (time.time() if now is None else now) - age_s
         deleted = []
         with self._lock:

@@ -16,9 +16,6 @@ from r3rdma.transport import TransportLimits, UcxxServer
 
 from .address import NodeAddress
 from .http_app import make_http_app
-
-# Kept here rather than imported from r3rdma.capture.transfer, which needs torch (store nodes do not).
-PROBE_ROLLOUT_ID = "r3rdma-transfer-probe"
 from .metrics import NodeMetrics, bind_node_gauges
 
 __all__ = ["StoreNode", "NodeAddress"]
@@ -68,9 +65,8 @@ class StoreNode:
         Group commit: batches that arrive while a commit is running wait, then are committed
         together in one write + fsync + index replace. Each commit costs a few fsyncs
         (~40 ms here), so with many clients one-at-a-time commits queue up behind each other.
+        Transfer probes never get here: the transport acks them without calling the handler.
         """
-        if records and all(r.rollout_id == PROBE_ROLLOUT_ID for r in records):
-            return  # transfer-mode probe (r3rdma.capture.transfer): received and checked, not stored
         started = time.perf_counter()
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((records, done))

@@ -7,6 +7,10 @@ arrays. A trainer that reads a deleted rollout gets :class:`~r3rdma.errors.Unkno
 
 Every node is asked, in parallel; a node that cannot be reached makes the call raise after
 the others were done, so a retention run is either complete or says which nodes still hold data.
+Errors say what happened: :class:`AuthenticationError` (the node refused the token),
+:class:`TransportError` (connection refused, reset or closed) and :class:`R3TimeoutError`
+(both worth a retry: deletes are idempotent), :class:`StoreError` (the node failed: HTTP 5xx),
+:class:`CorruptDataError` (an answer that is not the JSON the node sends).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any, Sequence
 from r3rdma.errors import (
     AuthenticationError,
     ConfigError,
+    CorruptDataError,
     InvalidIdError,
     R3Error,
+    R3TimeoutError,
     StoreError,
     TransportError,
     UnknownRolloutError,
@@ -33,7 +39,8 @@ def delete_rollout(nodes: Sequence[str], rollout_id: str, *, token: str, timeout
     """Delete ``rollout_id`` (all its requests) on every node (``http://host:port``).
 
     Returns, per node, whether it held the rollout. Raises :class:`UnknownRolloutError` if no
-    node held it, :class:`TransportError` if a node could not be reached (after asking all).
+    node held it, :class:`TransportError` / :class:`R3TimeoutError` if a node could not be
+    reached or did not answer in ``timeout_s`` (after asking all).
     """
     validate_id(rollout_id, "rollout_id")
     results = _run(nodes, "DELETE", f"/v1/rollouts/{rollout_id}", token, timeout_s, missing_ok=True)
@@ -51,7 +58,13 @@ def delete_older_than(nodes: Sequence[str], age_s: float, *, token: str, timeout
     if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or not age_s >= 0:
         raise ConfigError(f"age_s must be a number >= 0, got {age_s!r}")
     results = _run(nodes, "DELETE", f"/v1/rollouts?older_than_s={float(age_s)!r}", token, timeout_s, missing_ok=False)
-    return {node: list(body["deleted"]) for node, body in results.items()}
+    out = {}
+    for node, body in results.items():
+        deleted = body.get("deleted") if isinstance(body, dict) else None
+        if not isinstance(deleted, list):
+            raise CorruptDataError(f"store node {node} answered DELETE /v1/rollouts with {str(body)[:200]!r}, not {{'deleted': [...]}}")
+        out[node] = deleted
+    return out
 
 
 def _run(nodes: Sequence[str], method: str, path: str, token: str, timeout_s: float, *, missing_ok: bool) -> dict[str, Any]:
@@ -72,19 +85,25 @@ async def _all(nodes: list[str], method: str, path: str, token: str, timeout_s: 
 
         async def one(node: str) -> Any:
             url = node.rstrip("/") + path
+            what = f"{method} {path.split('?')[0]}"  # never the headers: they hold the token
             try:
                 async with session.request(method, url, headers=headers) as response:
                     text = await response.text()
                     status = response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise TransportError(f"{method} {node}{path.split('?')[0]}: {type(e).__name__}: {e}") from e
+            except TimeoutError as e:  # asyncio's and aiohttp's timeouts (before OSError: a subclass)
+                raise R3TimeoutError(f"store node {node} did not answer {what} within {timeout_s} s (retryable)") from e
+            except (aiohttp.ClientError, OSError) as e:
+                raise TransportError(f"store node {node}: {what} failed (retryable): {type(e).__name__}: {e}") from e
             if status == 200:
-                return json.loads(text)
+                try:
+                    return json.loads(text)
+                except ValueError as e:
+                    raise CorruptDataError(f"store node {node} answered {what} with {text[:200]!r}, not JSON") from e
             if status == 404 and missing_ok:
                 return None
-            message = f"{node}: HTTP {status}: {text.strip()[:500]}"
-            if status == 401:
-                raise AuthenticationError(f"{message} (check the store token)")
+            message = f"store node {node} answered {what} with HTTP {status}: {text.strip()[:500]}"
+            if status in (401, 403):
+                raise AuthenticationError(f"{message} (the token was refused: check the store token)")
             if status == 400:
                 raise InvalidIdError(message)
             raise StoreError(message)

@@ -204,10 +204,18 @@ def test_abort_releases_state_and_stores_nothing():
 
 
 def test_failed_forward_cancels_step():
-    cap, _ = make()
-    cap.begin_step(["a"], [0], [1], [0])
+    cap, sink = make()
+    # A forward over "a" (4 tokens) and "b" (3 tokens) fails after its first MoE layer recorded.
+    cap.begin_step(["a", "b"], [0, 0], [4, 3], [0, 1, 2, 3, 8, 9, 10])
+    cap.record(cap.layer_map[0], torch.full((7, cap.top_k), cap.num_experts - 1))
     cap.cancel_step()
-    run_step(cap, ["a"], [0], [1], [0])  # a fresh step works
+    assert cap.rows_captured == 0
+    with pytest.raises(MissingRowsError):  # none of the cancelled step's rows count
+        cap.finish_request("b", prompt_len=3, generated_len=1)
+    run_step(cap, ["a"], [0], [4], [0, 1, 2, 3])  # the engine retries "a": a fresh step works
+    rec = cap.finish_request("a", prompt_len=4, generated_len=1)
+    np.testing.assert_array_equal(rec.ids_TLK, expected("a", 4, cap))  # the retried rows, not the cancelled ones
+    assert [r.request_id for r in sink.records] == ["a"] and cap.rows_captured == 4
 
 
 def test_gpu_direct_needs_a_sink_that_pushes_device_memory():

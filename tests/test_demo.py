@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_roundtrip_exact(tmp_path):
     proc = subprocess.run(
@@ -14,3 +16,35 @@ def test_demo_roundtrip_exact(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["roundtrip_exact"] is True
     assert result["requests"] == 10 and result["tokens"] > 10 and result["stored_bytes"] > 0
+
+
+def test_demo_builds_its_pipeline_from_routing_replay_config(tmp_path):
+    config = {"enable_routing_replay": True, "routing_store_type": "local", "local_store_dir": str(tmp_path / "r3"),
+              "rollout_id": "from-config", "zstd_level": 0, "flush_bytes": 4096}
+    proc = subprocess.run(
+        [sys.executable, "-m", "r3rdma", "demo", "--requests", "3", "--batch-size", "3",
+         "--routing-replay-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["roundtrip_exact"] is True and result["requests"] == 3
+    assert result["root"] == str(tmp_path / "r3")
+    assert (tmp_path / "r3" / "from-config" / "zarr.json").exists()  # the config's root and rollout id
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"routing_store_type": "rdma", "store_urls": ["127.0.0.1:1"]}, "expected routing_store_type 'local'"),
+        ({"enable_routing_replay": False}, "expected enable_routing_replay true"),
+    ],
+)
+def test_demo_refuses_a_config_it_cannot_read_back(config, match, tmp_path):
+    from r3rdma.cli.demo import run_demo
+    from r3rdma.config import R3Config
+    from r3rdma.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        run_demo(config=R3Config.from_json(dict(config, local_store_dir=str(tmp_path / "r3"))))
+    assert not (tmp_path / "r3").exists()

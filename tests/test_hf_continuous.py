@@ -1,10 +1,13 @@
 """Routing capture under transformers' own continuous batching, on a tiny random Qwen3-MoE (CPU).
 
-Ground truth for every request is one plain full-sequence forward of ``prompt + generated[:-1]``
-through the same model with router hooks: row p must hold the top-k ids the router chose for the
-token at position p. The comparison is exact (ids and their order within top-k): the continuous
-batching engine runs the same sdpa kernels on the same tokens, and routers sort top-k by score,
-so a differing order would mean a different score ranking, i.e. a real mismatch.
+Two checks per request. Against a :class:`ShadowRecorder` on the same forwards the capture must
+be exact: it is the same computation. Against a plain full-sequence forward of ``prompt +
+generated[:-1]`` (row p: the top-k ids the router chose for the token at position p), which is a
+different computation (one pass, no cache, other matmul shapes than chunked prefill and paged
+decode), scores agree to rounding only: a row must equal the plain forward's top-k (ids and
+their order) except where the ranking it differs in is a near tie of the plain forward's scores.
+
+transformers is a test extra: its imports are plain, so a moved import fails here, loudly.
 """
 
 from __future__ import annotations
@@ -12,25 +15,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-transformers = pytest.importorskip("transformers")
-from transformers import GenerationConfig  # noqa: E402
-
-try:
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-except ImportError:  # pragma: no cover
-    pytest.skip("transformers without continuous batching", allow_module_level=True)
-
-from r3rdma.errors import ConfigError  # noqa: E402
-from r3rdma.integrations.hf_capture import capturer_for_model  # noqa: E402
-from r3rdma.integrations.hf_continuous import HFContinuousDriver, run_continuous_batching  # noqa: E402
-from r3rdma.integrations.hf_rollout import RolloutRequest  # noqa: E402
-from r3rdma.integrations.hf_routers import find_moe_routers  # noqa: E402
-from r3rdma.store.local_store import LocalRoutingStore  # noqa: E402
-from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe  # noqa: E402
-from r3rdma.write.writer import RoutingWriter  # noqa: E402
-from r3rdma.read.reader import RoutingReader  # noqa: E402
-from r3rdma.cli.shadow import ShadowRecorder  # noqa: E402
+from r3rdma.errors import ConfigError
+from r3rdma.integrations.hf_capture import capturer_for_model
+from r3rdma.integrations.hf_continuous import HFContinuousDriver, run_continuous_batching
+from r3rdma.integrations.hf_rollout import RolloutRequest
+from r3rdma.integrations.hf_routers import find_moe_routers
+from r3rdma.store.local_store import LocalRoutingStore
+from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+from r3rdma.write.writer import RoutingWriter
+from r3rdma.read.reader import RoutingReader
+from r3rdma.cli.shadow import ShadowRecorder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,11 +62,12 @@ def _prompts(lengths, seed, prefix=()):
     return {f"req-{i}": list(prefix) + [int(t) for t in rng.integers(8, 512, int(n))] for i, n in enumerate(lengths)}
 
 
-def _ground_truth(model, tokens) -> np.ndarray:
-    """[T, L, K] top-k ids of a plain forward over ``tokens`` (one sequence, no cache)."""
+def _ground_truth(model, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """([T, L, K] top-k ids, [T, L, E] router logits) of a plain forward over ``tokens`` (one
+    sequence, no cache)."""
     routers = find_moe_routers(model)
     got = {}
-    handles = [r.module.register_forward_hook(lambda _m, _a, out, i=r.moe_idx: got.__setitem__(i, out[2].clone()))
+    handles = [r.module.register_forward_hook(lambda _m, _a, out, i=r.moe_idx: got.__setitem__(i, (out[0].clone(), out[2].clone())))
                for r in routers]
     try:
         with torch.no_grad():
@@ -77,16 +75,30 @@ def _ground_truth(model, tokens) -> np.ndarray:
     finally:
         for h in handles:
             h.remove()
-    return torch.stack([got[i] for i in range(len(routers))], dim=1).numpy().astype(np.int64)
+    ids = torch.stack([got[i][1] for i in range(len(routers))], dim=1).numpy().astype(np.int64)
+    logits = torch.stack([got[i][0] for i in range(len(routers))], dim=1).float().numpy()
+    return ids, logits
+
+
+#: Router logits here are O(1) in float32; chunked prefill and paged decode round differently
+#: from one full forward by ~1e-6. Two experts closer than this are a tie either may win.
+TIE_TOL = 1e-4
 
 
 def _check_rows(model, outputs, rows_of) -> None:
     for out in outputs:
-        expected = _ground_truth(model, list(out.prompt) + list(out.generated[:-1]))
+        expected, logits = _ground_truth(model, list(out.prompt) + list(out.generated[:-1]))
         got = np.asarray(rows_of(out.request_id)).astype(np.int64)
         assert got.shape == expected.shape == (len(out.prompt) + len(out.generated) - 1, 3, 4), out.request_id
-        bad = np.flatnonzero((got != expected).any(axis=(1, 2)))
-        assert bad.size == 0, f"{out.request_id}: rows differ at positions {bad[:10].tolist()}"
+        for t, layer in zip(*np.nonzero((got != expected).any(axis=2))):
+            # Only a near tie may rank differently: the captured ids must be a top-k ranking of
+            # the plain forward's scores to within TIE_TOL (descending, nothing left out higher).
+            scores = logits[t, layer]
+            chosen = scores[got[t, layer]]
+            rest = np.delete(scores, got[t, layer])
+            assert (np.diff(chosen) <= TIE_TOL).all() and chosen.min() >= rest.max() - TIE_TOL, (
+                f"{out.request_id}: position {t} layer {layer} captured {got[t, layer].tolist()}, a plain forward "
+                f"ranks {expected[t, layer].tolist()} (top scores {', '.join(f'{x:.5f}' for x in np.sort(scores)[::-1][:5])})")
 
 
 def _no_leftover_hooks(model, driver) -> None:

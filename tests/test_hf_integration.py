@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter
-from r3rdma.errors import ShapeMismatchError
+from r3rdma.errors import CaptureStateError, ShapeMismatchError
 from r3rdma.cli.demo import make_requests
 from r3rdma.integrations import find_moe_routers
 from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
@@ -77,6 +77,17 @@ def test_capture_detach_stops_recording():
     model = build_model(tiny_qwen3_moe())
     capturer = capturer_for_model(model, num_slots=16)
     detach = attach_capturer(model, capturer)
-    detach()
+    capturer.begin_step(["a"], [0], [3], [0, 1, 2])
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3]]))  # no step announced, and no error: hooks are gone
+        model(torch.tensor([[1, 2, 3]]))
+    capturer.end_step()
+    assert capturer.rows_captured == 3  # attached: every router recorded every token
+    detach()
+    capturer.begin_step(["a"], [3], [2], [3, 4])
+    with torch.no_grad():
+        model(torch.tensor([[4, 5]]))
+    with pytest.raises(CaptureStateError, match=rf"without routing for MoE layers \[{', '.join(map(str, capturer.layer_map))}\]"):
+        capturer.end_step()  # detached: no router recorded anything
+    assert capturer.rows_captured == 3
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # no step announced, and no error: the hooks are gone

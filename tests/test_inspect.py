@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from r3rdma import LocalRoutingStore
 from r3rdma.cli import main as cli_main
 from r3rdma.cli.inspect import inspect_rollout
+from r3rdma.errors import AuthenticationError, TransportError
 from r3rdma.write.push_client import StoreNodesClient
 
 from .store_nodes import new_token, start_node
@@ -67,3 +69,43 @@ def test_inspect_store_node_url_with_token(tmp_path, make_record, capsys):
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 120
     finally:
         node.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_inspect_wrong_token_and_refused_connection_exit_with_one_line(tmp_path, make_record, capsys):
+    """A refused token and a node that is not there: the library raises AuthenticationError /
+    TransportError; the command prints one line naming the error type (never the token) and
+    exits 2, no traceback."""
+    token, wrong = new_token(), new_token()
+    node = start_node(tmp_path / "node", token)
+    try:
+        with StoreNodesClient([node.push_url], secret=token) as client:
+            client.commit([make_record("a", rows=12)])
+        with pytest.raises(AuthenticationError, match="HTTP 401"):
+            inspect_rollout(node.http_url, "roll-0", token=wrong)
+        token_file = tmp_path / "wrong"
+        token_file.write_text(wrong + "\n")
+        capsys.readouterr()
+        assert cli_main(["inspect", node.http_url, "roll-0", "--token-file", str(token_file)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        assert err.startswith("r3rdma inspect: AuthenticationError: ") and node.http_url in err
+        assert wrong not in err and token not in err and "Traceback" not in err
+    finally:
+        node.stop(signal.SIGKILL)
+
+    with socket.socket() as bound:  # bound, not listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        with pytest.raises(TransportError):
+            inspect_rollout(url, "roll-0", token=token)
+        assert cli_main(["inspect", url, "roll-0", "--token-file", str(token_file)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("r3rdma inspect: TransportError: ") and url in err and "Traceback" not in err
+
+
+def test_inspect_missing_token_file_is_one_line(tmp_path, capsys):
+    assert cli_main(["inspect", str(tmp_path), "roll-0", "--token-file", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("r3rdma inspect: ConfigError: cannot read the token file") and len(err.strip().splitlines()) == 1

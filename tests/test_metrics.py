@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r3rdma import RoutingWriter
 from r3rdma.errors import StoreError
 from r3rdma.metrics import capture_registry, serve_capture_metrics
+from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient
 
 from .store_nodes import new_token, start_node
@@ -76,5 +77,23 @@ def test_push_client_and_store_node_metrics(tmp_path, make_record):
         assert store["r3rdma_store_connected_clients"] == 1  # the client is still connected
         assert store["r3rdma_store_root_bytes"] > 0
         assert store["r3rdma_store_disk_free_bytes"] > 0
+    finally:
+        node.stop(signal.SIGKILL)
+
+
+def test_nodes_in_failover_cooldown_are_public_and_exported(tmp_path, make_record):
+    token = new_token()
+    node = start_node(tmp_path / "node", token)
+    dead = "127.0.0.1:1"  # nothing listens there
+    try:
+        records = [make_record(f"q{i}") for i in range(8)]
+        limits = TransportLimits(timeout_s=2.0)
+        with StoreNodesClient([node.push_url, dead], secret=token, limits=limits, down_cooldown_s=600) as client:
+            assert any(client.owner(r) == dead for r in records)  # some pushes must fail over
+            assert client.nodes_down() == []
+            assert client.commit(records).failovers >= 1
+            assert client.nodes_down() == [dead]
+            engine = {s.name: s.value for f in capture_registry(client=client).collect() for s in f.samples}
+        assert engine["r3rdma_push_nodes"] == 2 and engine["r3rdma_push_nodes_down"] == 1
     finally:
         node.stop(signal.SIGKILL)

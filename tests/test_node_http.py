@@ -1,12 +1,14 @@
 """Remote reads of whole batch arrays through NodeHttpClient: bit-exact against zarr, damage
 refused, other layouts declined (the reader then goes through zarr), and chunks decoded while
-the shard is still arriving."""
+the shard is still arriving. Failures say what happened on every remote read path (a refused
+token, a node-side failure, a refused or dropped connection, a timeout, damaged bytes)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import socket
 import struct
 import threading
 from pathlib import Path
@@ -19,7 +21,13 @@ from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
 from r3rdma.store import shard_codec
-from r3rdma.errors import CorruptDataError
+from r3rdma.errors import (
+    AuthenticationError,
+    CorruptDataError,
+    R3TimeoutError,
+    StoreError,
+    TransportError,
+)
 from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.read.node_http import NodeHttpClient
 from r3rdma.records import buffer_checksum
@@ -198,13 +206,51 @@ def test_chunks_with_gaps_between_them_still_read(tmp_path, make_record, node_ro
     assert_reads_back(node, records)
 
 
-def test_wrong_token_is_reported_with_its_status(tmp_path, make_record, node_root):
+@pytest.mark.timeout(60)
+def test_wrong_token_is_an_authentication_error(tmp_path, make_record, node_root):
+    """A refused token is AuthenticationError (a PermissionError) naming the node, the path and
+    the status, never "corrupt data", and the token is in no message."""
     root = tmp_path / "node"
     populate(root, make_record, level=3)
     node = node_root(root)
-    with RoutingReader(node.http_url, token="wrong") as reader:
-        with pytest.raises(CorruptDataError, match="401"):
+    wrong = new_token()
+    reader = RoutingReader(node.http_url, token=wrong)
+    with reader, pytest.raises(AuthenticationError, match="HTTP 401") as raised:
+        reader.info("roll-0")
+    assert isinstance(raised.value, PermissionError)
+    assert node.http_url in str(raised.value) and "/zarr/roll-0/zarr.json" in str(raised.value)
+    assert wrong not in str(raised.value) and node.token not in str(raised.value)
+    client = NodeHttpClient(node.http_url, wrong)
+    try:  # the array path says the same (no internal HTTP status type leaks out)
+        with pytest.raises(AuthenticationError, match=r"b00000001/c/0/0/0: HTTP 401"):
+            client.read_array("roll-0/b00000001", "test")
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_is_a_transport_error(tmp_path):
+    """Nothing listens on the port: TransportError (a ConnectionError, retryable)."""
+    with socket.socket() as bound:  # bound, not listening: the kernel refuses connections
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        reader = RoutingReader(url, token="t")
+        with reader, pytest.raises(TransportError, match="ConnectionRefusedError") as raised:
             reader.info("roll-0")
+    assert isinstance(raised.value, ConnectionError) and url in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_never_answers_is_a_timeout(tmp_path):
+    """The node accepts the connection and never answers: R3TimeoutError after ``timeout_s``."""
+    with socket.socket() as silent:  # listening, never accepting: connects, no answer
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        reader = RoutingReader(url, token="t", timeout_s=0.3)
+        with reader, pytest.raises(R3TimeoutError, match="did not answer in time") as raised:
+            reader.info("roll-0")
+    assert isinstance(raised.value, TimeoutError) and url in str(raised.value)
 
 
 @contextlib.contextmanager
@@ -253,7 +299,8 @@ def test_a_connection_lost_mid_shard_is_reported(tmp_path, make_record, level):
 
     ids = [r.request_id for r in records]
     with serving(serve) as url, RoutingReader(url) as reader:
-        with pytest.raises(CorruptDataError, match=r"b00000001.*(ended after|cannot be read)"):
+        # A transfer cut short is the connection's failure, not damage: worth a retry.
+        with pytest.raises(TransportError, match=r"b00000001.*(shard body ended after \d+ of \d+ bytes|ConnectionResetError)"):
             reader.get_numpy("roll-0", ids)
         cut["on"] = False
         got = reader.get_numpy("roll-0", ids)
@@ -355,3 +402,178 @@ def test_rows_that_differ_from_the_index_are_refused(tmp_path, make_record, node
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r0"])["r0"], records[0].ids_TLK)
         with pytest.raises(CorruptDataError, match=r"request 'r1' .* rows 17\.\.42: crc32c"):
             reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
+
+
+# -- every remote read path says what went wrong ----------------------------------------------
+
+
+class FaultyNode:
+    """A store node's read service in a thread (aiohttp, 127.0.0.1, port 0) serving ``root``'s
+    files, Range included, except the requests ``fault`` matches; it does ``action`` to those:
+    answer an HTTP status, "hang" (answer nothing), "stall" (send half the body, then nothing),
+    "drop" (send half the body, then close the connection). ``stop()`` takes it down."""
+
+    def __init__(self, root: Path, fault, action) -> None:
+        self.root, self.fault, self.action = root, fault, action
+        self._release = threading.Event()  # lets hanging handlers end, so the server can stop
+        self._stack = contextlib.ExitStack()
+        self.url = self._stack.enter_context(serving(self._serve))
+
+    def stop(self) -> None:
+        self._release.set()
+        self._stack.close()
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        action = self.action if self.fault(request) else None
+        if isinstance(action, int):
+            return web.Response(status=action, text="injected failure\n")
+        if action == "hang":
+            await asyncio.to_thread(self._release.wait, 30)
+            raise web.HTTPServiceUnavailable()
+        path = self.root / request.match_info["path"]
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        if action is None:
+            return web.FileResponse(path)
+        body = path.read_bytes()
+        headers = {}
+        if "Range" in request.headers:
+            start, stop, _ = request.http_range.indices(len(body))
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(body)}"
+            body = body[start:stop]
+        headers["Content-Length"] = str(len(body))
+        response = web.StreamResponse(status=206 if "Content-Range" in headers else 200, headers=headers)
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        if action == "stall":
+            await asyncio.to_thread(self._release.wait, 30)
+        request.transport.close()
+        return response
+
+
+def _is_shard(request: web.Request) -> bool:
+    return request.match_info["path"].endswith("b00000001/c/0/0/0")
+
+
+# Each remote read path: which request to fail, and the read that makes it. b00000001 holds
+# r0..r3 (122 rows): all four are read whole by NodeHttpClient, r0 alone (17 rows) through
+# zarr's fsspec store (ranged GETs); stored_bytes asks fsspec for file sizes (HEAD, then GET).
+READ_PATHS = {
+    "index": (lambda rq: rq.match_info["path"] == "roll-0/zarr.json", lambda reader: reader.info("roll-0")),
+    "array-metadata": (lambda rq: rq.match_info["path"] == "roll-0/b00000001/zarr.json",
+                       lambda reader: reader.get_numpy("roll-0", ["r0", "r1", "r2", "r3"])),
+    "shard-whole": (_is_shard, lambda reader: reader.get_numpy("roll-0", ["r0", "r1", "r2", "r3"])),
+    "metadata-fsspec": (lambda rq: rq.match_info["path"] == "roll-0/b00000001/zarr.json",
+                        lambda reader: reader.get_numpy("roll-0", ["r0"])),
+    "shard-fsspec": (_is_shard, lambda reader: reader.get_numpy("roll-0", ["r0"])),
+    "stored-bytes": (_is_shard, lambda reader: reader.stored_bytes("roll-0")),
+}
+
+EXPECTED = {401: (AuthenticationError, "refused the token"), 403: (AuthenticationError, "refused the token"),
+            500: (StoreError, "failed the read"), 503: (StoreError, "failed the read")}
+
+
+@pytest.fixture(scope="module")
+def served_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults") / "node"
+    with LocalRoutingStore(root, zstd_level=0, chunk_rows=16) as store:  # as populate() lays it out
+        store.commit([_record(f"r{i}", rows=17 + 9 * i) for i in range(4)])
+        store.commit([_record(f"r{i}", rows=17 + 9 * i) for i in range(4, 6)])
+    return root
+
+
+def _record(request_id: str, *, rows: int):
+    from r3rdma.records import RequestRecord
+
+    rng = np.random.default_rng(sum(request_id.encode()))
+    return RequestRecord("roll-0", request_id, rng.integers(0, 40, size=(rows, 4, 3)).astype(np.uint8), (0, 1, 2, 3), 40)
+
+
+def faulty(root: Path, path: str, action) -> FaultyNode:
+    return FaultyNode(root, READ_PATHS[path][0], action)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status", sorted(EXPECTED))
+@pytest.mark.parametrize("path", sorted(READ_PATHS))
+def test_http_status_says_what_happened(served_root, path, status):
+    """401/403: AuthenticationError; 5xx: StoreError (the node's own failure); each names the
+    node and the status, on every read path."""
+    node = faulty(served_root, path, status)
+    try:
+        with RoutingReader(node.url, token="t", timeout_s=10) as reader:
+            cls, words = EXPECTED[status]
+            with pytest.raises(cls, match=f"{words}.*HTTP {status}") as raised:
+                READ_PATHS[path][1](reader)
+    finally:
+        node.stop()
+    assert node.url in str(raised.value) and not isinstance(raised.value, CorruptDataError)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", sorted(READ_PATHS))
+def test_a_node_that_stops_answering_is_a_timeout(served_root, path):
+    node = faulty(served_root, path, "hang")
+    try:
+        reader = RoutingReader(node.url, token="t", timeout_s=0.5)
+        with reader, pytest.raises(R3TimeoutError, match="did not answer in time") as raised:
+            READ_PATHS[path][1](reader)
+    finally:
+        node.stop()
+    assert node.url in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["index", "shard-whole", "shard-fsspec"])
+@pytest.mark.parametrize("action", ["drop", "stall"])
+def test_a_body_cut_short_is_retryable(served_root, path, action):
+    """Half a body, then the connection closes (TransportError) or goes silent (R3TimeoutError):
+    either is retryable, neither is "corrupt data"; the same read then succeeds."""
+    node = faulty(served_root, path, action)
+    try:
+        with RoutingReader(node.url, token="t", timeout_s=0.5) as reader:
+            with pytest.raises(TransportError if action == "drop" else R3TimeoutError) as raised:
+                READ_PATHS[path][1](reader)
+            node.action = None
+            READ_PATHS[path][1](reader)
+    finally:
+        node.stop()
+    assert node.url in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["array-metadata", "shard-whole", "shard-fsspec", "stored-bytes"])
+def test_a_node_gone_mid_read_is_a_transport_error(served_root, path):
+    """The reader holds the rollout's index; then the node goes away: connections refused."""
+    node = faulty(served_root, path, None)
+    try:
+        with RoutingReader(node.url, token="t", timeout_s=10) as reader:
+            reader.info("roll-0")
+            node.stop()
+            with pytest.raises(TransportError) as raised:
+                READ_PATHS[path][1](reader)
+    finally:
+        node.stop()  # again, if the read above failed first: stopping twice is harmless
+    assert isinstance(raised.value, ConnectionError) and node.url in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("read", ["shard-whole", "shard-fsspec"])
+def test_a_flipped_byte_is_still_corrupt_data(served_root, tmp_path, read):
+    """Bytes that arrived whole and fail their checksum: CorruptDataError, on both paths."""
+    import shutil
+
+    root = tmp_path / "node"
+    shutil.copytree(served_root, root)
+    meta = json.loads((root / "roll-0" / "b00000001" / "zarr.json").read_text())
+    shard = root.joinpath("roll-0", "b00000001", *SHARD)
+    blob = bytearray(shard.read_bytes())
+    blob[shard_codec.ShardDecoder.of(meta).index_bytes + 5] ^= 0x01  # a byte of chunk 0 (r0's rows)
+    shard.write_bytes(bytes(blob))
+    node = faulty(root, read, None)
+    try:
+        reader = RoutingReader(node.url, token="t", timeout_s=10)
+        with reader, pytest.raises(CorruptDataError, match="b00000001"):
+            READ_PATHS[read][1](reader)
+    finally:
+        node.stop()

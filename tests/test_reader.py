@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from r3rdma import CorruptDataError, LocalRoutingStore, RoutingReader, UnknownRequestError, UnknownRolloutError
+from r3rdma.errors import ConfigError, StoreError
 
 
 @pytest.fixture
@@ -93,3 +94,54 @@ def test_index_checksum_catches_what_zarr_cannot(tmp_path, make_record, monkeypa
     path.write_text(json.dumps(doc))
     with pytest.raises(CorruptDataError, match="index says"):
         RoutingReader(tmp_path).get("roll-0", ["a"])
+
+
+def test_ids_may_be_any_iterable_read_once(populated):
+    """A generator of ids is consumed once: get_packed used to iterate it twice and return an
+    empty batch."""
+    root, recs, _ = populated
+    order = ["r5", "r0", "r3"]
+    with RoutingReader(root) as reader:
+        want = reader.get_packed("roll-0", order)
+        packed = reader.get_packed("roll-0", (rid for rid in order))
+        assert packed.request_ids == tuple(order)
+        assert packed.cu_seqlens.tolist() == want.cu_seqlens.tolist() == [0, 58, 61, 97]
+        assert torch.equal(packed.ids_TLK, want.ids_TLK) and packed.start_rows == want.start_rows
+        got = reader.get("roll-0", iter(order))
+        assert list(got) == order
+        np.testing.assert_array_equal(got["r3"].numpy(), recs[3].ids_TLK)
+        assert list(reader.get_numpy("roll-0", (rid for rid in order))) == order
+
+
+def test_a_disk_error_on_a_local_root_is_a_store_error(populated, monkeypatch):
+    """An I/O error reading a local root is the disk's failure (StoreError), not damaged data,
+    on the index and on the arrays; a file that is simply gone still reads as absent."""
+    import errno
+
+    from zarr.storage import LocalStore
+
+    root, recs, _ = populated
+    real_get = LocalStore.get
+    failing = {"suffix": "roll-0/zarr.json"}
+
+    async def get(self, key, *args, **kwargs):
+        if key.endswith(failing["suffix"]):
+            raise OSError(errno.EIO, "Input/output error", key)
+        return await real_get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get", get)
+    with RoutingReader(root) as reader:
+        with pytest.raises(StoreError, match=r"index of rollout 'roll-0' failed: OSError: .*Input/output error"):
+            reader.info("roll-0")
+        failing["suffix"] = "b00000001/c/0/0/0"
+        with pytest.raises(StoreError, match=r"rollout 'roll-0' array b00000001 failed: OSError"):
+            reader.get("roll-0", ["r0"])
+        np.testing.assert_array_equal(reader.get("roll-0", ["r4"])["r4"].numpy(), recs[4].ids_TLK)
+        with pytest.raises(UnknownRolloutError):
+            reader.info("nope")
+
+
+def test_timeout_must_be_positive(tmp_path):
+    for bad in (0, -1, float("nan"), True, "5"):
+        with pytest.raises(ConfigError, match="timeout_s"):
+            RoutingReader(tmp_path, timeout_s=bad)

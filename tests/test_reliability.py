@@ -161,8 +161,19 @@ def test_client_vanishing_mid_transfer_frees_its_buffers(node):
     assert node.rss() - base < 160 << 20, (base >> 20, node.rss() >> 20)
 
 
-def test_inflight_budget_bounds_memory_under_concurrent_big_batches(node):
+@pytest.fixture
+def patient_node(tmp_path):
+    # Batches waiting for the in-flight budget wait behind others' fsyncs: on a loaded 2-core
+    # machine that can pass the 3 s stall timeout of `node`, which this test does not measure.
+    n = rb.spawn_node(tmp_path / "root", rb.new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
+                      "--timeout-s", "60")
+    yield n
+    n.kill()
+
+
+def test_inflight_budget_bounds_memory_under_concurrent_big_batches(patient_node):
     """4 clients push 24 MiB batches at once against a 64 MiB budget: all acked, bounded RSS."""
+    node = patient_node
     configure_ucx_env()
     rows = (24 << 20) // (8 * 4)
     recs = [RequestRecord("budget", f"b{i}", np.full((rows, 8, 4), i, np.uint8), tuple(range(8)), 64) for i in range(4)]

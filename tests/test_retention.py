@@ -1,15 +1,28 @@
 """Issue 7: retention. Delete a rollout on every node, delete by age, readers get a clear error."""
 
+import asyncio
+import contextlib
 import json
 import os
+import socket
+import threading
 import time
 
 import pytest
+from aiohttp import web
 
 from r3rdma import RoutingReader
 from r3rdma.bench import reliability_bench as rb
 from r3rdma.cli import main as cli_main
-from r3rdma.errors import AuthenticationError, InvalidIdError, UnknownRolloutError
+from r3rdma.errors import (
+    AuthenticationError,
+    CorruptDataError,
+    InvalidIdError,
+    R3TimeoutError,
+    StoreError,
+    TransportError,
+    UnknownRolloutError,
+)
 from r3rdma.store.local_store import LocalRoutingStore
 from r3rdma.store.retention import delete_older_than, delete_rollout
 from r3rdma.write.push_client import StoreNodesClient
@@ -92,3 +105,94 @@ def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
     finally:
         node.kill()
     assert rb.token_leaks(node) == []
+
+
+# -- a node that fails the delete: each failure says what it was ------------------------------
+
+
+@contextlib.contextmanager
+def answering(status: int, text: str):
+    """An HTTP server on 127.0.0.1 (aiohttp, in a thread) that answers every request with
+    ``status`` and ``text``; yields its base URL."""
+
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(status=status, text=text)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "status, text, expected",
+    [
+        (500, "StoreError: disk on fire", StoreError),
+        (503, "", StoreError),
+        (401, "missing or wrong bearer token", AuthenticationError),
+        (403, "forbidden", AuthenticationError),
+        (200, "<html>not json</html>", CorruptDataError),
+    ],
+)
+def test_delete_errors_name_the_node_and_status(status, text, expected):
+    with answering(status, text) as url, pytest.raises(expected) as raised:
+        delete_rollout([url], "r1", token="t" * 32)
+    assert url in str(raised.value) and "t" * 32 not in str(raised.value)
+    if status != 200:
+        assert f"HTTP {status}" in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_delete_older_than_refuses_an_answer_without_the_deleted_list():
+    with answering(200, '{"removed": []}') as url, pytest.raises(CorruptDataError, match="not {'deleted'"):
+        delete_older_than([url], 0, token="t" * 32)
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_and_silent_nodes_are_retryable(tmp_path, capsys):
+    """A refused connection is TransportError, a node that never answers R3TimeoutError (both
+    retryable: deletes are idempotent); the command prints one line and exits 2."""
+    with socket.socket() as bound, socket.socket() as silent:
+        bound.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # listening, never accepting: connects, no answer
+        refused = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        quiet = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(TransportError, match=f"{refused}.*retryable") as raised:
+            delete_rollout([refused], "r1", token="t" * 32)
+        assert isinstance(raised.value, ConnectionError)
+        with pytest.raises(R3TimeoutError, match=f"{quiet} did not answer DELETE /v1/rollouts within 0.3 s"):
+            delete_older_than([quiet], 0, token="t" * 32, timeout_s=0.3)
+        token_file = tmp_path / "tok"
+        token_file.write_text("t" * 32)
+        assert cli_main(["delete", "--nodes", refused, "--rollout", "r1", "--token-file", str(token_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("r3rdma delete: TransportError: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_one_node_down_leaves_the_run_incomplete_and_says_which():
+    with answering(200, '{"deleted": ["r1"]}') as good, socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        with pytest.raises(TransportError, match=f"retention incomplete on 1 of 2 nodes \\(done on \\['{good}'\\]\\): {down}"):
+            delete_rollout([good, down], "r1", token="t" * 32)
+
+
+def test_local_delete_older_than_refuses_a_bad_age(tmp_path):
+    from r3rdma.errors import ConfigError
+
+    with LocalRoutingStore(tmp_path) as store, pytest.raises(ConfigError, match="age_s"):
+        store.delete_older_than(-1)

@@ -10,7 +10,7 @@ import zarr
 from zarr.storage import FsspecStore
 
 from r3rdma import AuthenticationError, RoutingReader, RoutingWriter
-from r3rdma.errors import DuplicateRequestError
+from r3rdma.errors import CorruptDataError, DuplicateRequestError, TransportError
 from r3rdma.write.push_client import StoreNodesClient, rendezvous_order
 from r3rdma.transport import TransportLimits
 
@@ -164,6 +164,28 @@ def test_public_read(tmp_path, make_record):
         node.stop(signal.SIGKILL)
 
 
+@pytest.mark.timeout(120)
+def test_reader_errors_say_what_happened(tmp_path, make_record):
+    """Against a real node: a wrong token is AuthenticationError, whether the reader was given
+    the node's URL or a zarr FsspecStore of it; a node that is gone is TransportError. Neither
+    is CorruptDataError: one means "fix the token", the other "retry", not "the data is bad"."""
+    node = start_node(tmp_path / "n", new_token())
+    try:
+        with StoreNodesClient([node.push_url], secret=node.token) as client:
+            client.commit([make_record("e", rows=40)])
+        for source in (node.http_url, http_store(node, token=new_token())):
+            reader = RoutingReader(source, token=new_token())
+            with reader, pytest.raises(AuthenticationError, match="HTTP 401") as raised:
+                reader.get_numpy("roll-0", ["e"])
+            assert not isinstance(raised.value, CorruptDataError)
+        reader = RoutingReader(node.http_url, token=node.token)
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["e"])["e"], make_record("e", rows=40).ids_TLK)
+    finally:
+        node.stop(signal.SIGKILL)
+    with reader, pytest.raises(TransportError, match="ConnectionRefusedError"):
+        reader.info("roll-0")
+
+
 def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path, make_record):
     """Batches that wait for a running commit are committed together (one array, one index
     replace); when the merged commit is refused, each batch gets its own answer."""
@@ -195,15 +217,18 @@ def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path
     assert set(reader.info("roll-0").request_ids) == {"g0", "g1", "g2", "g3", "c", "d"}
 
 
-def test_transfer_probe_batches_are_acked_but_not_stored(two_nodes, make_record):
-    from r3rdma import UnknownRolloutError
-    from r3rdma.capture.transfer import PROBE_ROLLOUT_ID
-
+def test_transfer_probe_is_acked_not_stored_and_ids_are_not_special(two_nodes, make_record):
+    """Probe batches are marked in the batch header: the node acks them without storing
+    anything. Ids mean nothing special: a normal batch under the rollout id probes once used is
+    stored like any other."""
     node = two_nodes[0]
     with StoreNodesClient([node.push_url], secret=node.token) as client:
-        client.commit([make_record("p0", rollout_id=PROBE_ROLLOUT_ID)])
-        client.commit([make_record("real")])
-    assert not (node.root / PROBE_ROLLOUT_ID).exists()
-    with pytest.raises(UnknownRolloutError):
-        RoutingReader(http_store(node)).info(PROBE_ROLLOUT_ID)
-    assert RoutingReader(http_store(node)).info("roll-0").request_ids == ("real",)
+        result = client.probe_transfer_mode(device="cpu", probe_bytes=1 << 16, probe_rounds=1)
+        assert result.rounds == 1 and result.nbytes > 0
+        assert [p.name for p in node.root.iterdir() if p.is_dir()] == []  # no rollout written
+        rec = make_record("p0", rollout_id="r3rdma-transfer-probe")
+        client.commit([rec])
+    reader = RoutingReader(http_store(node))
+    assert reader.info("r3rdma-transfer-probe").request_ids == ("p0",)
+    np.testing.assert_array_equal(reader.get_numpy("r3rdma-transfer-probe", ["p0"])["p0"], rec.ids_TLK)
+    assert [p.name for p in node.root.iterdir() if p.is_dir()] == ["r3rdma-transfer-probe"]

@@ -16,15 +16,12 @@ from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.records import checksum
 from r3rdma.capture.transfer import (
     DeviceRows,
-    ProbeResult,
-    TransferConfig,
     pack_device_rows,
     probe_transfer_mode,
     push_device_rows,
-    resolve_transfer_mode,
     stage_to_host,
 )
-from r3rdma.transport import TransportLimits
+from r3rdma.transport import LoopbackClient, LoopbackServer, TransportLimits
 from r3rdma.transport.testing import LoopbackHarness, UcxxProcessHarness
 
 SECRET = b"transfer-test-secret"
@@ -63,23 +60,39 @@ def _check(items, got):
 # -- CPU ------------------------------------------------------------------------------------
 
 
-def test_config_validates_and_reads_env(monkeypatch):
-    monkeypatch.setenv("R3_TRANSFER_MODE", "staged")
-    assert TransferConfig().mode == "staged"
-    assert TransferConfig(mode="gpu_direct").mode == "gpu_direct"  # argument beats environment
-    monkeypatch.setenv("R3_TRANSFER_MODE", "rdma")
-    with pytest.raises(ConfigError, match="auto"):
-        TransferConfig()
-    with pytest.raises(ConfigError):
-        TransferConfig(mode="auto", probe_rounds=0)
+def test_probe_arguments_are_validated():
+    for bad in ({"probe_rounds": 0}, {"probe_bytes": 0}, {"min_gain": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            run(probe_transfer_mode(None, device="cpu", **bad))
 
 
-def test_resolve_mode():
-    assert resolve_transfer_mode(TransferConfig(mode="auto")) == "staged"  # nothing probed
-    assert resolve_transfer_mode(TransferConfig(mode="gpu_direct")) == "gpu_direct"
-    probe = ProbeResult("gpu_direct", 20.0, 1.2, 1 << 20, 3)
-    assert resolve_transfer_mode(TransferConfig(mode="auto"), probe=probe) == "gpu_direct"
-    assert resolve_transfer_mode(TransferConfig(mode="staged"), probe=probe) == "staged"
+def test_probe_pushes_reach_no_handler():
+    """The probe's pushes are probe batches: acked, never handed to the server's handler, so a
+    normal batch under the probe's own ids is the only one the handler sees."""
+    handled = []
+
+    async def handler(records):
+        handled.append([(r.rollout_id, r.request_id) for r in records])
+
+    async def main():
+        server = LoopbackServer(handler, secret=SECRET, limits=LIMITS)
+        await server.start()
+        client = LoopbackClient(server, secret=SECRET, limits=LIMITS)
+        try:
+            result = await probe_transfer_mode(client, device="cpu", probe_bytes=1 << 16, probe_rounds=2, min_gain=1e9)
+            await push_device_rows(client, [DeviceRows("transfer-probe", "probe", _rows("cpu", 6), (1, 3, 5, 7, 9), 200)],
+                                   "staged")
+        finally:
+            await client.close()
+            await server.stop()
+        return result
+
+    result = run(main())
+    assert handled == [[("transfer-probe", "probe")]]
+    rows = (1 << 16) // (48 * 8)
+    assert (result.nbytes, result.rounds) == (rows * 48 * 8, 2)
+    assert result.mode == "staged"  # gpu_direct would need to be 1e9 times faster
+    assert result.staged_gbps > 0 and result.gpu_direct_gbps > 0
 
 
 def test_pack_checks_dtype_and_offsets():
@@ -192,7 +205,7 @@ def test_gpu_probe_against_sink_process():
         async def main():
             limits = TransportLimits(max_payload_bytes=1 << 30, timeout_s=60)
             async with UcxxClient("127.0.0.1", ports["push_port"], secret=secret, limits=limits) as client:
-                return await probe_transfer_mode(client, config=TransferConfig(probe_bytes=16 << 20, probe_rounds=3))
+                return await probe_transfer_mode(client, probe_bytes=16 << 20, probe_rounds=3)
 
         result = run(main(), timeout=240)
         print("transfer probe:", json.dumps(result.to_json()))

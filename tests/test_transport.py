@@ -4,6 +4,7 @@ process, talking over loopback TCP/shared memory) must pass the same tests."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import numpy as np
@@ -65,7 +66,7 @@ def assert_same(sent: list[RequestRecord], got) -> None:
         assert g.ids_TLK.tobytes() == s.ids_TLK.tobytes()
         assert (g.rollout_id, g.layer_map, g.num_experts, g.start_row, g.crc32c) == (
             s.rollout_id, s.layer_map, s.num_experts, s.start_row, s.crc32c)
-        assert (g.final, g.total_rows) == (getattr(s, "final", True), getattr(s, "total_rows", None))
+        assert (g.final, g.total_rows) == (s.final, s.total_rows)
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +259,7 @@ def test_checksum_mismatch_is_corrupt_data(harness):
         async with Session(harness) as s:
             c = await s.client()
             rec = make(rollout(), "bad-crc")
-            meta = RecordMeta.of(rec, 0)
-            wrong = RecordMeta(*[(v ^ 1 if f == "crc32c" else v) for f, v in zip(RecordMeta.__slots__, (getattr(meta, f) for f in RecordMeta.__slots__))])
+            wrong = dataclasses.replace(RecordMeta.of(rec, 0), crc32c=rec.crc32c ^ 1)
             with pytest.raises(CorruptDataError, match="crc32c"):
                 await c.push_packed(PackedBatch((wrong,), rec.ids_TLK.reshape(-1).view(np.uint8)))
             # A packed batch without a checksum (device senders) is hashed by the receiver.
@@ -269,6 +269,30 @@ def test_checksum_mismatch_is_corrupt_data(harness):
             await c.push_packed(PackedBatch((nocrc,), rec2.ids_TLK.reshape(-1).view(np.uint8)))
             _, _, got = await harness.next_event(rid)
             assert_same([rec2], got)
+
+    run(main())
+
+
+def test_probe_batch_is_checked_and_acked_but_never_handled(harness):
+    async def main():
+        async with Session(harness) as s:
+            c = await s.client()
+            rid = rollout()
+            rec = make(rid, "probe", rows=40, seed=11)
+            payload = rec.ids_TLK.reshape(-1).view(np.uint8)
+            ack = await c.push_packed(PackedBatch((RecordMeta.of(rec, 0),), payload, probe=True))
+            assert (ack.requests, ack.bytes) == (1, rec.nbytes)
+            # Checked like any batch: a corrupt probe is refused, typed.
+            wrong = dataclasses.replace(RecordMeta.of(rec, 0), crc32c=rec.crc32c ^ 1)
+            with pytest.raises(CorruptDataError, match="crc32c"):
+                await c.push_packed(PackedBatch((wrong,), payload, probe=True))
+            # The handler reports batches in the order they arrive on this connection: had the
+            # probe reached it, its report ("probe") would come before this normal batch's.
+            real = make(rid, "real", seed=12)
+            await c.push([real])
+            kind, got_rollout, got = await harness.next_event(rid)
+            assert (kind, got_rollout) == ("batch", rid)
+            assert_same([real], got)
 
     run(main())
 

@@ -18,7 +18,7 @@ from r3rdma import errors
 from r3rdma.errors import ConfigError, ProtocolError, R3TimeoutError, TransportError
 from r3rdma.records import RequestRecord
 from r3rdma.transport import LoopbackClient, LoopbackServer, RecordMeta, TransportLimits, load_secret
-from r3rdma.transport.batch import check_batch_header, encode_records
+from r3rdma.transport.batch import batch_header, check_batch_header, encode_records, is_probe
 from r3rdma.transport.frames import Kind, Preamble, error_from_header, error_header, unpack_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,6 +140,18 @@ def test_valid_header_accepted():
     header, n = _valid()
     metas = check_batch_header(header, n, LIMITS)
     assert [m.request_id for m in metas] == ["a", "b"] and isinstance(metas[0], RecordMeta)
+    assert not is_probe(header)
+
+
+def test_probe_is_an_optional_header_key():
+    header, n = _valid()
+    # Written only on probes, so every other batch keeps the keys older receivers know.
+    assert batch_header(1, header["records"], header["frames"]) == header
+    probe = batch_header(1, header["records"], header["frames"], probe=True)
+    assert probe == {**header, "probe": True}
+    assert [m.request_id for m in check_batch_header(probe, n, LIMITS)] == ["a", "b"] and is_probe(probe)
+    plain = {**header, "probe": False}  # accepted, and means a normal batch
+    assert len(check_batch_header(plain, n, LIMITS)) == 2 and not is_probe(plain)
 
 
 @pytest.mark.parametrize(
@@ -156,8 +168,12 @@ def test_valid_header_accepted():
         (lambda h: h["records"][0].update(extra=1), "keys"),
         (lambda h: h["records"][1].update(rows=1000), "past the"),
         (lambda h: h.update(frames=[1]), "frames add up"),
-        (lambda h: h.update(records=[]), "non-empty"),
+        (lambda h: h.update(records=[]), r"records must be a list of 1\.\."),
+        (lambda h: h.update(frames={}), "frames must be a list"),
         (lambda h: h.pop("seq"), "keys"),
+        (lambda h: h.update(probe=1), "probe must be a bool"),
+        (lambda h: h.update(probe="yes"), "probe must be a bool"),
+        (lambda h: h.update(stored=False), "keys"),
         (lambda h: h["records"][0].update(final=1), "final"),
         (lambda h: h["records"][0].update(final=False, total_rows=4), "total_rows"),
     ],
@@ -177,7 +193,7 @@ _values = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(header=st.dictionaries(st.sampled_from(["seq", "frames", "records", "x"]), _values), n=st.integers(0, 1 << 20))
+@given(header=st.dictionaries(st.sampled_from(["seq", "frames", "records", "probe", "x"]), _values), n=st.integers(0, 1 << 20))
 def test_garbage_headers_only_raise_protocol_error(header, n):
     try:
         check_batch_header(header, n, LIMITS)

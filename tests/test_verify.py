@@ -31,9 +31,11 @@ def test_cli_verify_cpu_run(capsys):
 
 def test_same_numeric_setting_measures_no_mismatch():
     # fp32 rollout with a KV cache vs fp32 full-sequence training, right-padded: the measurement
-    # itself (token alignment, sampled-token log-probs, row mapping) must read ~0.
+    # itself (token alignment, sampled-token log-probs, row mapping) must read ~0. Not exactly 0
+    # without replay: decode with a cache and one full forward round differently, so a near tie
+    # between two experts may go either way (a misaligned row mapping would differ on most).
     s = run_verify(rollout_dtype="float32", layout="padded", model_config="tiny-qwen3-moe", **SMALL).summary
-    assert s["router_decisions_differ"] == 0 and s["router_decisions_differ_replay"] == 0
+    assert s["router_decisions_differ"] < 1e-2 and s["router_decisions_differ_replay"] == 0
     assert s["kl_k3_no_replay"] < 1e-9 and s["mean_abs_logp_diff_no_replay"] < 1e-5
 
 

@@ -20,7 +20,8 @@ __all__ = ["Handler", "PushAck", "ServerAddress", "TransportServer", "TransportC
 
 #: The server's callback for one batch. It must make the records durable before returning:
 #: the client's ack is sent only after it returns. Raising an ``R3Error`` sends that error
-#: back, typed; the connection stays usable.
+#: back, typed; the connection stays usable. Probe batches (``PackedBatch.probe``) never reach
+#: it: they are acked once received and checksummed.
 Handler = Callable[[list[RequestRecord]], Awaitable[None]]
 
 

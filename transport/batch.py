@@ -21,7 +21,7 @@ from r3rdma.records import RequestRecord, routing_dtype
 from .device import PayloadBuffer, payload_nbytes
 from .limits import TransportLimits
 
-__all__ = ["RecordMeta", "PackedBatch", "encode_records", "decode_batch", "ZERO_COPY_MIN_BYTES"]
+__all__ = ["RecordMeta", "PackedBatch", "encode_records", "decode_batch", "is_probe", "ZERO_COPY_MIN_BYTES"]
 
 #: A request at least this large is sent as its own frame, straight from its array, instead
 #: of being copied into a coalesced frame with its neighbours. Measured on the 2-core VM: an
@@ -47,9 +47,11 @@ _ENTRY_KEYS = frozenset(
         "total_rows",
     }
 )
-# Segment fields arrived in RequestRecord later; stay compatible with a records.py without them.
-_HAS_SEGMENTS = "final" in getattr(RequestRecord, "__dataclass_fields__", {})
 _BATCH_KEYS = frozenset({"seq", "frames", "records"})
+#: Keys a batch header may carry beyond _BATCH_KEYS. A sender writes them only when they
+#: differ from their default, so a receiver that predates one refuses the batch (unknown
+#: key) rather than misreading it, and batches without them stay readable by every peer.
+_OPTIONAL_BATCH_KEYS = frozenset({"probe"})
 _DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
 
 
@@ -111,8 +113,8 @@ class RecordMeta:
             record.start_row,
             record.crc32c,
             offset,
-            bool(getattr(record, "final", True)),
-            getattr(record, "total_rows", None),
+            record.final,
+            record.total_rows,
         )
 
 
@@ -128,6 +130,9 @@ class PackedBatch:
 
     metas: tuple[RecordMeta, ...]
     payload: PayloadBuffer
+    #: A transfer probe: the receiver checks it like any batch and acks it, but never hands
+    #: it to its handler (nothing is stored). See docs/PROTOCOL.md, "Probe batches".
+    probe: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -182,8 +187,16 @@ def _frames(views: list[np.ndarray], threshold: int) -> list[np.ndarray]:
     return frames
 
 
-def batch_header(seq: int, table: list[dict[str, Any]], frames: Sequence[int]) -> dict[str, Any]:
-    return {"seq": seq, "frames": list(frames), "records": table}
+def batch_header(seq: int, table: list[dict[str, Any]], frames: Sequence[int], *, probe: bool = False) -> dict[str, Any]:
+    header: dict[str, Any] = {"seq": seq, "frames": list(frames), "records": table}
+    if probe:
+        header["probe"] = True  # optional key: written only when set (see _OPTIONAL_BATCH_KEYS)
+    return header
+
+
+def is_probe(header: dict[str, Any]) -> bool:
+    """Whether a header that passed :func:`check_batch_header` marks a probe batch."""
+    return header.get("probe", False)
 
 
 def check_batch_header(header: dict[str, Any], payload_len: int, limits: TransportLimits) -> list[RecordMeta]:
@@ -192,25 +205,21 @@ def check_batch_header(header: dict[str, Any], payload_len: int, limits: Transpo
     Everything is checked before the payload is received: key sets, types, id syntax,
     dtype rule, shapes, and that the entries tile the payload exactly, in order.
     """
-    if set(header) != _BATCH_KEYS:
-        raise ProtocolError(f"batch header keys must be {sorted(_BATCH_KEYS)}, got {sorted(map(str, header))}")
-    _int(header["seq"], "seq", 0)
-    frames = header["frames"]
-    if not isinstance(frames, list) or len(frames) > limits.max_frames:
+    keys = set(header)
+    if not _BATCH_KEYS <= keys <= _BATCH_KEYS | _OPTIONAL_BATCH_KEYS:
         raise ProtocolError(
-            f"batch frames must be a list of at most {limits.max_frames} lengths, got "
-            f"{type(frames).__name__} of {len(frames) if isinstance(frames, list) else '?'}"
+            f"batch header keys must be {sorted(_BATCH_KEYS)}, optionally with {sorted(_OPTIONAL_BATCH_KEYS)}, "
+            f"got {sorted(map(str, keys))}"
         )
+    _int(header["seq"], "seq", 0)
+    if not isinstance(header.get("probe", False), bool):
+        raise ProtocolError(f"batch probe must be a bool, got {header['probe']!r}")
+    frames = _list(header["frames"], "batch frames", 0, limits.max_frames)
     for i, n in enumerate(frames):
         _int(n, f"frames[{i}]", 1)
     if sum(frames) != payload_len:
         raise ProtocolError(f"batch frames add up to {sum(frames)} bytes but the preamble announced {payload_len}")
-    entries = header["records"]
-    if not isinstance(entries, list) or not entries or len(entries) > limits.max_records:
-        raise ProtocolError(
-            f"batch records must be a non-empty list of at most {limits.max_records} entries, got "
-            f"{type(entries).__name__} of {len(entries) if isinstance(entries, list) else '?'}"
-        )
+    entries = _list(header["records"], "batch records", 1, limits.max_records)
     metas = []
     offset = 0
     for i, entry in enumerate(entries):
@@ -255,7 +264,6 @@ def decode_batch(
         if meta.offset % dtype.itemsize:
             raw = raw.copy()  # keep multi-byte ids aligned for downstream kernels
         ids_TLK = raw.view(dtype).reshape(meta.rows, meta.layers, meta.top_k)
-        segment = {"final": meta.final, "total_rows": meta.total_rows} if _HAS_SEGMENTS else {}
         try:
             records.append(
                 RequestRecord(
@@ -266,7 +274,8 @@ def decode_batch(
                     meta.num_experts,
                     meta.start_row,
                     crc if crc is not None else (-1 if meta.crc32c is None else meta.crc32c),
-                    **segment,
+                    final=meta.final,
+                    total_rows=meta.total_rows,
                     checksum_verified=crc is not None,  # a copy for alignment has the same bytes
                 )
             )
@@ -301,12 +310,7 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
             f"records[{i}].dtype must be {expected.name if expected else 'int32 with < 2**31 experts'} "
             f"for {num_experts} experts, got {dtype!r}"
         )
-    layer_map = entry["layer_map"]
-    if not isinstance(layer_map, list) or len(layer_map) != layers:
-        raise ProtocolError(
-            f"records[{i}].layer_map must list {layers} layer indices, got "
-            f"{layer_map if not isinstance(layer_map, list) else f'{len(layer_map)} entries'}"
-        )
+    layer_map = _list(entry["layer_map"], f"records[{i}].layer_map", layers, layers)
     for j, layer in enumerate(layer_map):
         _int(layer, f"records[{i}].layer_map[{j}]", 0)
     crc = entry["crc32c"]
@@ -325,12 +329,18 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
                 f"records[{i}].total_rows must be null on a part (final=false) and in "
                 f"{rows}..{start_row + rows} on a final record, got {total_rows} (final={final})"
             )
-    if not _HAS_SEGMENTS and (not final or total_rows is not None):
-        raise ProtocolError(f"records[{i}]: this receiver does not support request segments")
     return RecordMeta(
         rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset,
         final, total_rows,
     )
+
+
+def _list(value: object, what: str, least: int, most: int) -> list:
+    if not isinstance(value, list) or not least <= len(value) <= most:
+        got = f"{len(value)} entries" if isinstance(value, list) else type(value).__name__
+        size = least if least == most else f"{least}..{most}"
+        raise ProtocolError(f"{what} must be a list of {size} entries, got {got}")
+    return value
 
 
 def _int(value: object, what: str, minimum: int) -> int:

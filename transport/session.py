@@ -26,7 +26,7 @@ from r3rdma.records import RequestRecord
 
 from . import auth
 from .base import Handler, PushAck, ServerAddress, TransportClient, TransportServer
-from .batch import PackedBatch, batch_header, check_batch_header, decode_batch, encode_records, packed_table
+from .batch import PackedBatch, batch_header, check_batch_header, decode_batch, encode_records, is_probe, packed_table
 from .conn import Conn
 from .device import PayloadBuffer, payload_nbytes
 from .frames import (
@@ -328,15 +328,16 @@ class ConnServer(TransportServer):
             return await self._stream_broken(conn, version, e, seq)
         base = self.buffers.take(pre.payload_len)
         try:
-            return await self._receive_and_handle(conn, version, pre, seq, metas, header["frames"], base)
+            return await self._receive_and_handle(conn, version, pre, seq, metas, header, base)
         finally:
             self.buffers.give_back(base)  # kept by the pool only if no record still views it
 
     async def _receive_and_handle(
-        self, conn: Conn, version: int, pre: Preamble, seq: int, metas: list, frame_sizes: list[int], base: np.ndarray
+        self, conn: Conn, version: int, pre: Preamble, seq: int, metas: list, header: dict[str, Any], base: np.ndarray
     ) -> bool:
         limits = self.limits
         t = limits.timeout_s
+        frame_sizes: list[int] = header["frames"]
         payload = base[: pre.payload_len]
         if any(m.crc32c is None for m in metas):
             # UCX does not report a *shorter* message, so bytes a frame did not fill keep what
@@ -364,7 +365,8 @@ class ConnServer(TransportServer):
             # The message was consumed entirely: errors from here on leave the stream in sync.
             try:
                 records = decode_batch(metas, payload, await hasher.results())
-                await timed(self._handler(records), limits.handler_timeout_s, "handler (durable write)")
+                if not is_probe(header):  # a probe is received and checked like any batch, never stored
+                    await timed(self._handler(records), limits.handler_timeout_s, "handler (durable write)")
             except R3Error as e:
                 return await self._send_error(conn, version, e, seq=seq, fatal=False)
             except Exception as e:  # a bug in the handler: report it typed, keep serving
@@ -411,26 +413,28 @@ async def client_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -
     client_nonce = auth.new_nonce()
     hello = {"versions": list(SUPPORTED_VERSIONS), "nonce": client_nonce}
     await send_message(conn, PROTOCOL_VERSION, Kind.HELLO, hello, timeout=t)
-    pre = await recv_preamble(conn, t, f"waiting for CHALLENGE from {conn.peer}")
-    expect(pre, (Kind.CHALLENGE, Kind.ERROR), None)
-    challenge = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving CHALLENGE")
-    if pre.kind is Kind.ERROR:
-        raise error_from_header(challenge)
+    pre, challenge = await _handshake_reply(conn, Kind.CHALLENGE, None, t)
     version = challenge.get("version")
     if version not in SUPPORTED_VERSIONS or pre.version != version:
         raise ProtocolError(f"server chose protocol version {version!r}; this client speaks {list(SUPPORTED_VERSIONS)}")
     server_nonce = _bytes_field(challenge, "nonce", auth.NONCE_BYTES, "CHALLENGE")
     proof = auth.client_proof(secret, version, client_nonce, server_nonce)
     await send_message(conn, version, Kind.AUTH, {"proof": proof}, timeout=t)
-    pre = await recv_preamble(conn, t, f"waiting for AUTH_OK from {conn.peer}")
-    expect(pre, (Kind.AUTH_OK, Kind.ERROR), version)
-    answer = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving AUTH_OK")
-    if pre.kind is Kind.ERROR:
-        raise error_from_header(answer)
+    _, answer = await _handshake_reply(conn, Kind.AUTH_OK, version, t)
     expected = auth.server_proof(secret, version, client_nonce, server_nonce)
     if not auth.proofs_match(expected, answer.get("proof")):
         raise AuthenticationError("server proof does not match the shared secret: not the server we expected")
     return version
+
+
+async def _handshake_reply(conn: Conn, kind: Kind, version: int | None, t: float) -> tuple[Preamble, dict[str, Any]]:
+    """The server's ``kind`` answer during the hello; its ERROR frame raised as its typed error."""
+    pre = await recv_preamble(conn, t, f"waiting for {kind.name} from {conn.peer}")
+    expect(pre, (kind, Kind.ERROR), version)
+    header = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, f"receiving {kind.name}")
+    if pre.kind is Kind.ERROR:
+        raise error_from_header(header)
+    return pre, header
 
 
 async def recv_reply(conn: Conn, version: int, seq: int, limits: TransportLimits) -> PushAck:
@@ -495,15 +499,15 @@ class ConnClient(TransportClient):
         if len(records) > self.limits.max_records:
             raise ProtocolError(f"a batch holds at most {self.limits.max_records} records, got {len(records)}")
         table, frames = encode_records(records, max_frames=self.limits.max_frames)
-        return await self._push(table, frames)
+        return await self._push(table, frames, probe=False)
 
     async def push_packed(self, batch: PackedBatch) -> PushAck:
         if not batch.metas:
             raise ProtocolError("push needs at least one record, got an empty batch")
         table = packed_table(batch)
-        return await self._push(table, [batch.payload] if batch.nbytes else [])
+        return await self._push(table, [batch.payload] if batch.nbytes else [], probe=batch.probe)
 
-    async def _push(self, table: list[dict[str, Any]], frames: list[PayloadBuffer]) -> PushAck:
+    async def _push(self, table: list[dict[str, Any]], frames: list[PayloadBuffer], *, probe: bool) -> PushAck:
         async with self._lock:
             if not self.connected:  # first push, or the previous connection failed / idled out
                 await self.connect()
@@ -512,7 +516,7 @@ class ConnClient(TransportClient):
             self._seq += 1
             seq = self._seq
             try:
-                return await self._exchange(conn, seq, table, frames)
+                return await self._exchange(conn, seq, table, frames, probe)
             except R3Error as e:
                 if getattr(e, "fatal", True):
                     # Transport failure, timeout, protocol error, or a fatal error frame: the
@@ -524,10 +528,10 @@ class ConnClient(TransportClient):
                 raise
 
     async def _exchange(
-        self, conn: Conn, seq: int, table: list[dict[str, Any]], frames: list[PayloadBuffer]
+        self, conn: Conn, seq: int, table: list[dict[str, Any]], frames: list[PayloadBuffer], probe: bool
     ) -> PushAck:
         limits = self.limits
-        header = batch_header(seq, table, [payload_nbytes(f) for f in frames])
+        header = batch_header(seq, table, [payload_nbytes(f) for f in frames], probe=probe)
         # Post the reply receive first: if the server refuses the message part-way (limits)
         # it answers with an error frame and closes, which fails our remaining sends. The
         # error frame, not the broken pipe, is what the caller must see.

@@ -50,7 +50,7 @@ class RecordCopy:
     def of(cls, r: RequestRecord) -> RecordCopy:
         return cls(
             r.rollout_id, r.request_id, r.ids_TLK.copy(), r.layer_map, r.num_experts, r.start_row, r.crc32c,
-            getattr(r, "final", True), getattr(r, "total_rows", None),
+            r.final, r.total_rows,
         )
 
 

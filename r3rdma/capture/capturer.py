@@ -28,13 +28,11 @@ prefill/decode disaggregation (``finish_request(..., store_as=, start_row=, fina
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
-
 import contextlib
 import queue
 import threading
 import zlib
-from typing import Iterator
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -44,7 +42,7 @@ from r3rdma.ids import validate_id
 from r3rdma.kernels import gather_rows, graph_regime, record_layer, table_dtype, write_step_rows
 from r3rdma.records import RequestRecord, routing_dtype
 
-__all__ = ["RoutingCapturer", "RoutingSink", "num_routing_rows"]
+__all__ = ["RoutingCapturer", "RoutingSink", "DeviceRowsSink", "num_routing_rows"]
 
 
 def num_routing_rows(prompt_len: int, generated_len: int) -> int:
@@ -61,6 +59,28 @@ class RoutingSink(Protocol):
     """Where finished requests go (a :class:`~r3rdma.write.writer.RoutingWriter`, a test list...)."""
 
     def submit(self, record: RequestRecord) -> None: ...
+
+
+@runtime_checkable
+class DeviceRowsSink(Protocol):
+    """A sink that can take :class:`~r3rdma.capture.transfer.DeviceRows` (GPU-direct pushes) and
+    measure whether that beats staging: a :class:`~r3rdma.write.writer.RoutingWriter`.
+
+    ``accepts_device_rows`` says whether it can *now*: a writer over store nodes can, a writer
+    over the local store cannot (its store writes host bytes), so the attribute is a value, not
+    only a presence.
+    """
+
+    @property
+    def accepts_device_rows(self) -> bool: ...
+
+    def submit(self, record) -> None: ...
+
+    def probe_transfer_mode(self, device=None): ...
+
+
+def _takes_device_rows(sink: object) -> bool:
+    return isinstance(sink, DeviceRowsSink) and bool(sink.accepts_device_rows)
 
 
 class _RequestState:
@@ -122,6 +142,13 @@ class RoutingCapturer:
             ``0 .. num_experts - 1``). ``record`` maps ids through it on the device, without a
             host sync, so the stored ids are always logical. ``num_experts`` counts logical
             experts. Change it between steps with :meth:`set_expert_map`.
+        owns_sink: :meth:`close` also closes ``sink`` (which must then have ``close()``, taking
+            the timeout when :meth:`close` is given one).
+            :meth:`R3Config.build_capturer <r3rdma.config.R3Config.build_capturer>` sets it for
+            the writer (and store) it builds; a sink the caller passes in stays the caller's to
+            close unless it says otherwise.
+
+    A capturer is a context manager: ``with`` closes it (see :meth:`close`).
     """
 
     def __init__(
@@ -138,6 +165,7 @@ class RoutingCapturer:
         expert_map: torch.Tensor | Sequence[int] | None = None,
         tp_group: "torch.distributed.ProcessGroup | None" = None,
         transfer_mode: str = "staged",
+        owns_sink: bool = False,
     ) -> None:
         self.layer_map = tuple(int(x) for x in layer_map)
         if not self.layer_map:
@@ -150,9 +178,15 @@ class RoutingCapturer:
         self.num_experts = int(num_experts)
         self.num_slots = int(num_slots)
         self.storage_dtype = routing_dtype(num_experts)
+        if owns_sink and not callable(getattr(sink, "close", None)):
+            raise ConfigError(f"owns_sink=True needs a sink with close(), got {type(sink).__name__}")
         self.sink = sink
+        self.owns_sink = bool(owns_sink)
         self.rollout_id = validate_id(rollout_id, "rollout_id")
-        self.device = torch.device(device)
+        self.device = _device(device)
+        if (self.device.type == "cuda" or pin_memory) and not torch.cuda.is_available():
+            what = f"device {self.device}" if self.device.type == "cuda" else "pin_memory=True (page-locked host memory)"
+            raise ConfigError(f"{what} needs CUDA, but torch sees no CUDA device (torch {torch.__version__})")
         self._moe_index = {layer: i for i, layer in enumerate(self.layer_map)}
         dtype = table_dtype(num_experts)
         shape = (self.num_slots, len(self.layer_map), self.top_k)
@@ -174,12 +208,12 @@ class RoutingCapturer:
             # Measured once, at start-up, against the sink's first store node when the sink can
             # push device memory; otherwise (local store, CPU) staged, as r3rdma.capture.transfer says.
             transfer_mode = "staged"
-            if self._cuda and getattr(sink, "accepts_device_rows", False):
+            if self._cuda and _takes_device_rows(sink):
                 self.transfer_probe = sink.probe_transfer_mode(device=self.device)
                 transfer_mode = self.transfer_probe.mode
         if transfer_mode not in ("staged", "gpu_direct"):
             raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
-        if transfer_mode == "gpu_direct" and not getattr(sink, "accepts_device_rows", False):
+        if transfer_mode == "gpu_direct" and not _takes_device_rows(sink):
             raise ConfigError(
                 "transfer_mode 'gpu_direct' needs a sink that pushes device memory (a RoutingWriter over a "
                 f"StoreNodesClient); {type(sink).__name__} does not"
@@ -662,13 +696,36 @@ class RoutingCapturer:
         self._raise_finisher_error()
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the finisher thread (if one was started)."""
+        """Flush, stop the finisher thread (if one was started), then close the sink if the
+        capturer owns it (``owns_sink``: a capturer from :meth:`R3Config.build_capturer
+        <r3rdma.config.R3Config.build_capturer>`, whose writer then commits what it holds and
+        closes its store). A sink the caller passed in is left open.
+
+        Everything is released even when a step fails; the first error is raised. Calling it
+        again does nothing more.
+        """
+        errors: list[BaseException] = []
         try:
             self.flush(timeout)
-        finally:
-            if self._finisher is not None:
-                self._finisher.stop()
-                self._finisher = None
+        except BaseException as e:
+            errors.append(e)
+        if self._finisher is not None:
+            self._finisher.stop()
+            self._finisher = None
+        if self.owns_sink:
+            self.owns_sink = False  # closed once, even if close() is called again
+            try:
+                self.sink.close() if timeout is None else self.sink.close(timeout)
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "RoutingCapturer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _raise_finisher_error(self) -> None:
         if self._finisher is not None and self._finisher.error is not None:
@@ -877,6 +934,13 @@ class _Finisher:
             except BaseException as e:  # raised to the engine at its next finish / flush
                 if self.error is None:
                     self.error = e
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must name a torch device such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from e
 
 
 def _host_int64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

@@ -9,9 +9,11 @@ there two paths reach a store node:
   machines here, against 1.1+ GB/s for host buffers).
 - ``staged``: an asynchronous D2H copy into pinned host memory (55 GB/s), then a host push.
 
-``auto`` measures both against a sink at start-up (:func:`probe_transfer_mode`) and keeps the
-faster. Without a sink to probe, ``auto`` means ``staged``: it is never much slower (a D2H
-copy into pinned memory costs ~20 us per MB) and it is the only good choice without RDMA.
+``auto`` measures both against a store node at start-up (:func:`probe_transfer_mode`, with
+probe batches that the node checks, acks and never stores) and keeps the faster. Without a
+node to probe, ``auto`` means ``staged``: it is never much slower (a D2H copy into pinned
+memory costs ~20 us per MB) and it is the only good choice without RDMA. The mode itself is
+a string argument of :class:`~r3rdma.capture.capturer.RoutingCapturer`.
 
 Either way the producing stream is synchronised before the bytes are sent: ucxx ignores the
 stream of ``__cuda_array_interface__`` (transport/device.py). The wait happens on the
@@ -26,10 +28,9 @@ runs on the hot path.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -40,11 +41,9 @@ from r3rdma.records import routing_dtype
 
 __all__ = [
     "TRANSFER_MODES",
-    "TransferConfig",
     "DeviceRows",
     "StagedRows",
     "ProbeResult",
-    "resolve_transfer_mode",
     "stage_to_host",
     "pack_device_rows",
     "push_device_rows",
@@ -52,33 +51,6 @@ __all__ = [
 ]
 
 TRANSFER_MODES = ("auto", "gpu_direct", "staged")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferConfig:
-    """How finished routing leaves the GPU.
-
-    Args:
-        mode: ``auto`` (probe at start-up, else ``staged``), ``gpu_direct`` or ``staged``.
-            Default from ``R3_TRANSFER_MODE``, else ``auto``.
-        probe_bytes: payload size of each probe push (MB-sized: pushes are batched to MBs).
-        probe_rounds: pushes per path; the median is compared.
-        min_gain: ``gpu_direct`` is chosen only when it is this much faster than ``staged``
-            (the staged path also frees device memory sooner).
-    """
-
-    mode: str = field(default_factory=lambda: os.environ.get("R3_TRANSFER_MODE", "auto"))
-    probe_bytes: int = 8 << 20
-    probe_rounds: int = 5
-    min_gain: float = 1.1
-
-    def __post_init__(self) -> None:
-        if self.mode not in TRANSFER_MODES:
-            raise ConfigError(f"transfer mode must be one of {TRANSFER_MODES}, got {self.mode!r}")
-        if self.probe_bytes < 1 or self.probe_rounds < 1:
-            raise ConfigError(f"probe_bytes and probe_rounds must be >= 1, got {self.probe_bytes}, {self.probe_rounds}")
-        if self.min_gain <= 0:
-            raise ConfigError(f"min_gain must be > 0, got {self.min_gain}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,12 +162,13 @@ def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
     return tuple(metas), payload
 
 
-async def push_device_rows(client, items: Sequence[DeviceRows], mode: str):
+async def push_device_rows(client, items: Sequence[DeviceRows], mode: str, *, probe: bool = False):
     """Push requests whose rows are on the GPU with one ``push_packed``; return the ack.
 
     ``gpu_direct``: the packed device buffer is the payload. ``staged``: it is copied to pinned
     host memory first. In both cases the thread that pushes waits (in a worker thread, so the
-    event loop keeps running) for the producing stream before UCX reads any byte.
+    event loop keeps running) for the producing stream before UCX reads any byte. ``probe``
+    marks the batch as a transfer probe: the receiver checks and acks it, and stores nothing.
     """
     from r3rdma.transport import PackedBatch
 
@@ -204,7 +177,7 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str):
     device = items[0].ids_TLK.device if items else torch.device("cpu")
     if device.type != "cuda":
         metas, payload = pack_device_rows(items)
-        return await client.push_packed(PackedBatch(metas, payload.numpy()))
+        return await client.push_packed(PackedBatch(metas, payload.numpy(), probe))
     with torch.cuda.device(device):  # this thread's current device may be another GPU
         for item in items:
             if item.ready is not None:
@@ -217,55 +190,51 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str):
             done.record()
     if mode == "staged":
         host = await asyncio.to_thread(staged.wait)
-        return await client.push_packed(PackedBatch(metas, host))
+        return await client.push_packed(PackedBatch(metas, host, probe))
     # ucxx ignores the CAI stream: the bytes must be complete before the send is posted.
     await asyncio.to_thread(done.synchronize)
-    return await client.push_packed(PackedBatch(metas, payload))
+    return await client.push_packed(PackedBatch(metas, payload, probe))
 
 
-def resolve_transfer_mode(config: TransferConfig | None = None, *, probe: ProbeResult | None = None) -> str:
-    """``gpu_direct`` or ``staged``: the configured mode, or for ``auto`` the probe's choice
-    (``staged`` when nothing was probed)."""
-    config = config or TransferConfig()
-    if config.mode != "auto":
-        return config.mode
-    return probe.mode if probe is not None else "staged"
+async def probe_transfer_mode(client, *, device: torch.device | str | None = None, probe_bytes: int = 8 << 20,
+                              probe_rounds: int = 5, min_gain: float = 1.1) -> ProbeResult:
+    """Push the same bytes both ways to ``client`` (a TransportClient) and pick the faster.
 
+    The pushes are probe batches (``PackedBatch.probe``): any server, a store node included,
+    receives and checksums them like other batches, acks them, and hands nothing to its
+    handler, so nothing is stored. Times whole pushes, acks included: what the pipeline would
+    pay per batch.
 
-#: Store nodes acknowledge batches of this rollout without storing them: probe traffic.
-PROBE_ROLLOUT_ID = "r3rdma-transfer-probe"
-
-
-async def probe_transfer_mode(client, *, device: torch.device | str | None = None, config: TransferConfig | None = None,
-                              rollout_id: str = PROBE_ROLLOUT_ID) -> ProbeResult:
-    """Push the same bytes both ways to ``client`` (a connected TransportClient) and pick the faster.
-
-    Point ``client`` at a sink that discards (a UcxxServer whose handler returns at once) or at
-    a store node that accepts the probe rollout ``rollout_id``; each push is a fresh request id.
-    Times whole pushes, acks included: what the pipeline would pay per batch.
+    Args:
+        device: where the probe rows live (default: the current CUDA device).
+        probe_bytes: payload size of each push (MB-sized: pushes are batched to MBs).
+        probe_rounds: pushes per path after one warm-up each; the medians are compared.
+        min_gain: ``gpu_direct`` is chosen only when it is this much faster than ``staged``
+            (the staged path also frees device memory sooner).
     """
-    config = config or TransferConfig()
+    if probe_bytes < 1 or probe_rounds < 1:
+        raise ConfigError(f"probe_bytes and probe_rounds must be >= 1, got {probe_bytes}, {probe_rounds}")
+    if min_gain <= 0:
+        raise ConfigError(f"min_gain must be > 0, got {min_gain}")
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     layers, k = 48, 8
-    rows = max(1, config.probe_bytes // (layers * k))
+    rows = max(1, probe_bytes // (layers * k))
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, 128, (rows, layers, k), generator=gen, device=device).to(torch.uint8)
-    counter = iter(range(1 << 30))
-    nonce = f"{os.getpid()}.{time.monotonic_ns()}"
+    item = DeviceRows("transfer-probe", "probe", ids, tuple(range(layers)), 128)  # ids: any valid ones
 
     async def once(mode: str) -> float:
-        item = DeviceRows(rollout_id, f"probe.{nonce}.{next(counter)}", ids, tuple(range(layers)), 128)
         t0 = time.perf_counter()
-        await push_device_rows(client, [item], mode)
+        await push_device_rows(client, [item], mode, probe=True)
         return time.perf_counter() - t0
 
     for mode in ("gpu_direct", "staged"):  # warm-up: registration caches, pinned blocks
         await once(mode)
     times: dict[str, list[float]] = {"gpu_direct": [], "staged": []}
-    for _ in range(config.probe_rounds):  # interleaved, so drift hits both alike
+    for _ in range(probe_rounds):  # interleaved, so drift hits both alike
         for mode in times:
             times[mode].append(await once(mode))
     nbytes = ids.numel()
     gbps = {m: nbytes / statistics.median(t) / 1e9 for m, t in times.items()}
-    mode = "gpu_direct" if gbps["gpu_direct"] >= config.min_gain * gbps["staged"] else "staged"
-    return ProbeResult(mode, gbps["gpu_direct"], gbps["staged"], nbytes, config.probe_rounds)
+    mode = "gpu_direct" if gbps["gpu_direct"] >= min_gain * gbps["staged"] else "staged"
+    return ProbeResult(mode, gbps["gpu_direct"], gbps["staged"], nbytes, probe_rounds)

@@ -2,7 +2,8 @@
 
 Reads every request of a rollout remotely from the store nodes' HTTP services and compares it
 bit-exactly with the shadow records the rollout ranks wrote. Last line is JSON with
-{"requests", "tokens", "stored_bytes", "roundtrip_exact", "store_nodes"}; exit 1 if not exact.
+{"requests", "tokens", "stored_bytes", "roundtrip_exact", "store_nodes"}; exit 1 if not exact,
+2 (one line naming the error type on stderr) if the read fails.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -25,22 +27,27 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    from r3rdma.errors import R3Error
     from r3rdma.read.reader import RoutingReader
     from r3rdma.transport import load_secret
 
     urls = [u for u in args.http_urls.split(",") if u]
-    token = load_secret(args.token_file).decode()
     shadow: dict[str, np.ndarray] = {}
     for path in sorted(glob.glob(os.path.join(args.shadow_dir, "dp*.npz"))):
         with np.load(path) as data:
             shadow.update({k: data[k] for k in data.files})
-    reader = RoutingReader(urls, token=token)
-    info = reader.info(args.rollout_id)
-    got = reader.get_numpy(args.rollout_id, sorted(shadow))
+    try:
+        token = load_secret(args.token_file).decode()
+        with RoutingReader(urls, token=token) as reader:
+            info = reader.info(args.rollout_id)
+            got = reader.get_numpy(args.rollout_id, sorted(shadow))
+            per_node = reader.stored_bytes(args.rollout_id)
+    except R3Error as e:
+        print(f"r3rdma check: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     mismatched = [rid for rid, rows in shadow.items() if not np.array_equal(got[rid].astype(np.int64), rows)]
     extra = sorted(set(info.request_ids) - set(shadow))
     tokens = sum(a.shape[0] for a in shadow.values())
-    per_node = reader.stored_bytes(args.rollout_id)
     exact = bool(shadow) and not mismatched and not extra
     print(f"r3rdma check: {len(shadow)} requests, {tokens} rows read over HTTP from {len(urls)} store nodes")
     for url, nbytes in per_node.items():

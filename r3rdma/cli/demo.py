@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+from r3rdma.config import R3Config
+from r3rdma.errors import ConfigError
 
-from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
-from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest
-from r3rdma.store.local_store import LocalRoutingStore
-from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
-from r3rdma.write.writer import RoutingWriter
-from r3rdma.read.reader import RoutingReader
-from r3rdma.cli.shadow import ShadowRecorder
+if TYPE_CHECKING:
+    from r3rdma.integrations.hf_rollout import RolloutRequest
 
-__all__ = ["DemoResult", "run_demo", "make_requests"]
+__all__ = ["DemoResult", "run_demo", "make_requests", "demo_config"]
+
+# The demo's own writer setting: small batches, so a dozen requests make several commits.
+DEMO_FLUSH_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,11 @@ class DemoResult:
 
 
 def make_requests(n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_prompt: int = 48,
-                  min_new: int = 2, max_new: int = 24) -> list[RolloutRequest]:
+                  min_new: int = 2, max_new: int = 24) -> "list[RolloutRequest]":
+    import numpy as np
+
+    from r3rdma.integrations.hf_rollout import RolloutRequest
+
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -55,24 +60,56 @@ def make_requests(n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_pro
     return out
 
 
+def demo_config(root: str, rollout_id: str = "demo-rollout-0") -> R3Config:
+    """The pipeline the demo builds without ``--routing-replay-config``: a local store at
+    ``root``, small writer batches, the slot table on the model's device, staged transfers."""
+    return R3Config(routing_store_type="local", local_store_dir=root, rollout_id=rollout_id,
+                    flush_bytes=DEMO_FLUSH_BYTES, slot_table_device="auto", transfer_mode="staged")
+
+
 def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int = 5, seed: int = 0,
-             rollout_id: str = "demo-rollout-0") -> DemoResult:
+             rollout_id: str = "demo-rollout-0", config: R3Config | None = None) -> DemoResult:
+    """Generate, capture through ``config.build_capturer``, store, read back, compare with shadow hooks.
+
+    ``config``: the pipeline to build (a local store: the demo reads its root back); None:
+    :func:`demo_config` over ``root`` (a new temporary directory when None) and ``rollout_id``.
+    With ``config`` the root and the rollout id are the config's.
+    """
+    import numpy as np
+
+    from r3rdma.cli.shadow import ShadowRecorder
+    from r3rdma.integrations.hf_capture import attach_capturer
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.read.reader import RoutingReader
+
     started = time.perf_counter()
-    root = root or tempfile.mkdtemp(prefix="r3rdma-demo-")
-    config = tiny_qwen3_moe()
-    model = build_model(config, seed=seed)
-    requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed)
+    if config is None:
+        config = demo_config(root or tempfile.mkdtemp(prefix="r3rdma-demo-"), rollout_id)
+    elif root is not None:
+        raise ConfigError(f"run_demo takes root or config, not both (root={root!r}, config's local_store_dir="
+                          f"{config.local_store_dir!r})")
+    if config.routing_store_type != "local":
+        raise ConfigError("r3rdma demo reads its rollout back from a local root: expected routing_store_type 'local', "
+                          f"got {config.routing_store_type!r} (r3rdma rollout pushes to store nodes)")
+    if not config.enable_routing_replay:
+        raise ConfigError("r3rdma demo checks a capture round trip: expected enable_routing_replay true, got false")
+    root, rollout_id = config.local_store_dir, config.rollout_id
+    model_config = tiny_qwen3_moe()
+    model = build_model(model_config, seed=seed)
+    requests = make_requests(num_requests, vocab=model_config.vocab_size, seed=seed)
     # Few blocks, so later waves reuse slots freed by earlier ones, as in a real KV cache.
     allocator = BlockAllocator(num_blocks=batch_size * 6, block_size=16)
-    with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 16) as writer:
-        capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
+    # Leaving the block closes the capturer: every request is durable and the root's lock released.
+    with config.build_capturer(model=model, num_slots=allocator.num_slots) as capturer:
         detach = attach_capturer(model, capturer)
         shadow = ShadowRecorder(model)
-        driver = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=batch_size,
-                                 eos_token_id=7, seed=seed, step_listeners=[shadow.on_step])
-        outputs = driver.run(requests)
-        detach()
-        writer.flush()
+        try:
+            driver = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=batch_size,
+                                     eos_token_id=7, seed=seed, step_listeners=[shadow.on_step])
+            outputs = driver.run(requests)
+        finally:
+            detach()
     reader = RoutingReader(root)
     stored = reader.get(rollout_id, [o.request_id for o in outputs])
     mismatched = []
@@ -96,20 +133,32 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
         raw_int32_bytes=tokens * info.num_layers * info.top_k * 4,
         roundtrip_exact=not mismatched and len(stored) == len(outputs),
         mismatched=tuple(mismatched),
-        root=root,
+        root=str(root),
         seconds=time.perf_counter() - started,
     )
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--root", default=None, help="store root (default: a new temporary directory)")
+    parser.add_argument("--root", default=None,
+                        help="store root (default: a new temporary directory; with --routing-replay-config, "
+                             "the config's local_store_dir unless given)")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing-replay-config", metavar="JSON", default=None,
+                        help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
+                             "R3_* variables fill the keys it omits); routing_store_type must be 'local'")
 
 
 def main(args) -> int:
-    result = run_demo(root=args.root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed)
+    config = None
+    root = args.root
+    if args.routing_replay_config is not None:
+        config = R3Config.from_json(args.routing_replay_config)
+        if root is not None:  # the flag is an argument too: it beats the JSON's local_store_dir
+            config = dataclasses.replace(config, local_store_dir=root)
+            root = None
+    result = run_demo(root=root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed, config=config)
     print(f"r3rdma demo: tiny Qwen3-MoE, {result.requests} requests, {result.tokens} routing rows")
     print(f"  store root:   {result.root}")
     print(f"  stored bytes: {result.stored_bytes} on disk (int32 raw would be {result.raw_int32_bytes})")

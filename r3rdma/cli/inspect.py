@@ -4,7 +4,8 @@
 root or a store node's ``http://host:port`` (several, comma-separated, for a rollout spread
 over nodes). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
 base64, layers, top-k, experts, per-layer expert load balance) and writes a heatmap of expert
-load per layer. The last line is JSON.
+load per layer. The last line is JSON. A read that fails (token refused, node unreachable,
+damaged data) prints one line naming the error type to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -140,13 +141,22 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    elif os.environ.get("R3_STORE_TOKEN"):
-        token = os.environ["R3_STORE_TOKEN"]
-    summary, load = inspect_rollout(args.source, args.rollout, token=token)
+    from r3rdma.errors import ConfigError, R3Error
+
+    try:
+        token = None
+        if args.token_file:
+            try:
+                with open(args.token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read the token file {args.token_file!r}: {e}") from e
+        elif os.environ.get("R3_STORE_TOKEN"):
+            token = os.environ["R3_STORE_TOKEN"]
+        summary, load = inspect_rollout(args.source, args.rollout, token=token)
+    except R3Error as e:
+        print(f"r3rdma inspect: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     s = summary
     print(f"rollout {s.rollout_id} on {', '.join(s.sources)}")
     print(f"  requests:  {s.requests}  (rows per request min {s.rows_min}, median {s.rows_median:g}, max {s.rows_max})")

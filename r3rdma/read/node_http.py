@@ -30,6 +30,12 @@ then a decode of the whole shard once its last byte is in. Here:
 Anything that is not that layout (other codecs, several shards) comes back as None and the
 caller reads through zarr. Connections are kept alive and reused; every socket wait is
 bounded by ``timeout_s``.
+
+Errors say what happened (:func:`read_error`, also used by the reader for its reads through
+zarr's fsspec store): a refused token is :class:`AuthenticationError`; a connection refused,
+reset or closed mid-body is :class:`TransportError` and a wait past ``timeout_s`` is
+:class:`R3TimeoutError` (both retryable); another status (5xx) is :class:`StoreError`; only
+bytes that arrived whole and fail their checksum or format are :class:`CorruptDataError`.
 """
 
 from __future__ import annotations
@@ -46,11 +52,19 @@ from typing import Any, Callable, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
-from r3rdma.errors import ConfigError, CorruptDataError
+from r3rdma.errors import (
+    AuthenticationError,
+    ConfigError,
+    CorruptDataError,
+    R3Error,
+    R3TimeoutError,
+    StoreError,
+    TransportError,
+)
 from r3rdma.store.row_checksums import RowRangeChecksums
 from r3rdma.store.shard_codec import ChunkJob, ShardDecoder, chunk_pool
 
-__all__ = ["NodeHttpClient", "HttpStatusError", "ArrayRead"]
+__all__ = ["NodeHttpClient", "ArrayRead", "read_error", "status_error"]
 
 _SHARD_KEY = "c/0/0/0"  # the one shard of a batch array (default key encoding, "/" separator)
 _READ_STEP = 1 << 20  # bytes per readinto: chunks are placed at most this far behind the transfer
@@ -67,12 +81,54 @@ class ArrayRead(NamedTuple):
     crc32c: list[int]
 
 
-class HttpStatusError(Exception):
-    """A store node answered a read with an unexpected HTTP status."""
+def status_error(node: str, what: str, status: int, text: str = "") -> R3Error:
+    """The error for store node ``node`` answering ``what`` (e.g. ``GET /zarr/<key>``) with an
+    HTTP ``status`` the caller cannot use (a 404 that means "absent" is the caller's to handle)."""
+    if status in (401, 403):
+        # The node's text says no more than this; the token itself is never in a message.
+        return AuthenticationError(
+            f"store node {node} refused the token ({what}: HTTP {status}); "
+            "give the reader the node's token (--token-file / R3_STORE_TOKEN)"
+        )
+    detail = " ".join(text.split())[:200]
+    side = "failed" if status >= 500 else "refused"  # 5xx: the node's own failure
+    return StoreError(f"store node {node} {side} the read ({what}: HTTP {status}{' ' + detail if detail else ''})")
 
-    def __init__(self, url: str, status: int, text: str) -> None:
-        super().__init__(f"GET {url}: HTTP {status} {text.strip()[:200]}")
-        self.status = status
+
+def read_error(node: str, what: str, error: BaseException) -> R3Error | None:
+    """The :class:`R3Error` for ``error``, raised while reading ``what`` from store node
+    ``node`` over HTTP (http.client, or aiohttp under zarr's fsspec store); None when it is
+    not a failure to talk to the node (the caller decides: absent, corrupt, a bug).
+
+    - R3Error: itself;
+    - a refused token (401/403): AuthenticationError; 404: None (absent); another HTTP status:
+      see :func:`status_error`;
+    - a timeout: R3TimeoutError; a connection refused, reset or closed mid-body, a DNS failure,
+      an unparsable HTTP response: TransportError. Both are worth a retry;
+    - FileNotFoundError: fsspec raises it for a 404 (None here), and also for a status or
+      connection error while it probes a file's size (then its cause says which).
+    """
+    import aiohttp
+
+    if isinstance(error, R3Error):
+        return error
+    if isinstance(error, FileNotFoundError):
+        cause = error.__cause__
+        return None if cause is None or isinstance(cause, FileNotFoundError) else read_error(node, what, cause)
+    if isinstance(error, aiohttp.ClientResponseError):
+        return None if error.status == 404 else status_error(node, what, error.status, error.message)
+    if isinstance(error, TimeoutError):  # socket.timeout, asyncio's and aiohttp's timeouts
+        return R3TimeoutError(f"store node {node} did not answer in time ({what}; retryable): {_describe(error)}")
+    if isinstance(error, (OSError, http.client.HTTPException, aiohttp.ClientError)):
+        # ConnectionError (refused, reset), socket.gaierror (DNS), ssl errors, IncompleteRead,
+        # aiohttp's connection and payload errors.
+        return TransportError(f"connection to store node {node} failed ({what}; retryable): {_describe(error)}")
+    return None
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class NodeHttpClient:
@@ -105,11 +161,14 @@ class NodeHttpClient:
 
     def get_json(self, key: str) -> dict[str, Any] | None:
         """The JSON document at ``key``, or None if the node has no such file (404)."""
-        status, body = self._get(key)
+        try:
+            status, body = self._get(key)
+        except (OSError, http.client.HTTPException) as e:
+            raise self._failed(key, e) from e
         if status == 404:
             return None
         if status != 200:
-            raise HttpStatusError(self._url(key), status, body.decode(errors="replace"))
+            raise status_error(self.base_url, self._what(key), status, body.decode(errors="replace"))
         try:
             document = json.loads(body)
         except ValueError as e:
@@ -133,11 +192,11 @@ class NodeHttpClient:
         meta_f = self._helpers.submit(self.get_json, prefix + "zarr.json")
         try:
             conn, response = self._request(shard)
-        except BaseException:
-            _settle(meta_f)
-            raise
-        try:
             return self._read_array(prefix, shard, meta_f, conn, response, where, crc_ranges)
+        except R3Error:
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            raise self._failed(shard, e) from e
         finally:
             _settle(meta_f)
 
@@ -145,6 +204,16 @@ class NodeHttpClient:
 
     def _url(self, key: str) -> str:
         return f"{self.base_url}/zarr/{key}"
+
+    def _what(self, key: str) -> str:
+        return f"GET {self._prefix}{key}"
+
+    def _failed(self, key: str, error: OSError | http.client.HTTPException) -> R3Error:
+        """The R3Error that says why ``GET key`` failed: the connection or its wait."""
+        what = self._what(key)
+        return read_error(self.base_url, what, error) or TransportError(
+            f"connection to store node {self.base_url} failed ({what}; retryable): {_describe(error)}"
+        )
 
     def _new_connection(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
@@ -205,13 +274,12 @@ class NodeHttpClient:
         try:
             if response.status != 200:
                 body = response.read()
-                decoder = decoder_of(meta_f.result())
-                if decoder is None:
-                    self._release(conn, response)
-                    return None  # not our layout: zarr will say what this status means
                 if response.status != 404:
-                    raise HttpStatusError(self._url(shard), response.status, body.decode(errors="replace"))
+                    raise status_error(self.base_url, self._what(shard), response.status, body.decode(errors="replace"))
+                decoder = decoder_of(meta_f.result())
                 self._release(conn, response)
+                if decoder is None:
+                    return None  # not our layout: zarr reads what a missing shard means
                 out = np.empty(decoder.shape, dtype=decoder.dtype)
                 decoder.decode_into(out, 0, None, where)  # no shard file: every chunk is the fill value
                 return ArrayRead(out, RowRangeChecksums(out, crc_ranges, ()).values)
@@ -436,7 +504,13 @@ class _Body:
         self._response.read()
 
     def _ended(self, received: int) -> NoReturn:
-        raise CorruptDataError(f"{self._where}: shard body ended after {received} of {self.size} bytes")
+        # The connection closed before Content-Length bytes came: the node or the network
+        # dropped it, the file is not damaged (a short file is sent whole, with its own
+        # length, and fails its index or checksums instead).
+        raise TransportError(
+            f"{self._where}: shard body ended after {received} of {self.size} bytes: "
+            "the connection closed mid-body (retryable)"
+        )
 
 
 def _settle(*futures: Future) -> None:

@@ -1,4 +1,13 @@
-"""Trainer-side reads of committed routing, from a local root (remote roots: see ``source``)."""
+"""Trainer-side reads of committed routing, from local roots and store nodes over HTTP.
+
+Errors say what happened, so a trainer can tell "retry" from "the data is damaged":
+:class:`TransportError` (connection refused, reset or dropped mid-body) and
+:class:`R3TimeoutError` are worth a retry; :class:`AuthenticationError` (the node refused the
+token) and :class:`StoreError` (the node or the local disk failed the read: HTTP 5xx, I/O
+error) are not the data's fault; :class:`CorruptDataError` means bytes that arrived whole fail
+their checksum or the format; :class:`UnknownRolloutError` / :class:`UnknownRequestError`: not
+committed (or deleted).
+"""
 
 from __future__ import annotations
 
@@ -15,10 +24,17 @@ import zarr.errors
 from tqdm.auto import tqdm
 from zarr.storage import LocalStore
 
-from r3rdma.errors import ConfigError, CorruptDataError, UnknownRequestError, UnknownRolloutError
+from r3rdma.errors import (
+    ConfigError,
+    CorruptDataError,
+    R3Error,
+    StoreError,
+    UnknownRequestError,
+    UnknownRolloutError,
+)
 from r3rdma.ids import validate_id
 from r3rdma.records import checksum
-from r3rdma.read.node_http import NodeHttpClient
+from r3rdma.read.node_http import NodeHttpClient, read_error
 from r3rdma.store.shard_codec import ShardDecoder, chunk_pool
 from r3rdma.store.layout import INDEX_KEY, parse_array_name
 
@@ -76,7 +92,8 @@ class RoutingReader:
     rollout's requests were spread over) their indexes are merged; a request found on two
     nodes (re-pushed after a failover) must have the same checksum on both. Reads run in
     parallel over nodes and arrays (``max_workers``). Each returned segment is verified
-    against the CRC-32C in the index unless ``verify=False``.
+    against the CRC-32C in the index unless ``verify=False``. ``timeout_s`` bounds every wait
+    on a store node (connect, each read of the answer): past it, :class:`R3TimeoutError`.
     """
 
     def __init__(
@@ -87,6 +104,7 @@ class RoutingReader:
         verify: bool = True,
         max_workers: int = 8,
         progress: bool | None = None,
+        timeout_s: float = 60.0,
     ) -> None:
         """``progress``: show a tqdm bar on reads of many arrays (None: only when stderr is a TTY)."""
         if isinstance(sources, (list, tuple)):
@@ -95,7 +113,9 @@ class RoutingReader:
             items = [sources]
         if not items:
             raise ConfigError("RoutingReader needs at least one source")
-        self._sources = [_Source.of(item, token) for item in items]
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        self._sources = [_Source.of(item, token, float(timeout_s)) for item in items]
         self._verify = verify
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
         self._indexes: dict[str, _MergedIndex] = {}
@@ -216,8 +236,9 @@ class RoutingReader:
         """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids)."""
         return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids).items()}
 
-    def get_packed(self, rollout_id: str, request_ids: Sequence[str]) -> PackedRouting:
+    def get_packed(self, rollout_id: str, request_ids: Iterable[str]) -> PackedRouting:
         """Requests concatenated along tokens in the given order, with ``cu_seqlens``."""
+        request_ids = list(request_ids)  # iterated several times below: a generator only once
         arrays = self.get_numpy(rollout_id, request_ids)
         merged = self._index(rollout_id)
         geometry = merged.geometry
@@ -323,13 +344,17 @@ class _Source:
         self.http = http
 
     @classmethod
-    def of(cls, item: Any, token: str | None) -> "_Source":
+    def of(cls, item: Any, token: str | None, timeout_s: float) -> "_Source":
         if isinstance(item, str) and item.startswith(("http://", "https://")):
+            import aiohttp
             from zarr.storage import FsspecStore
 
             headers = {"Authorization": f"Bearer {token}"} if token else {}
-            store = FsspecStore.from_url(item.rstrip("/") + "/zarr", storage_options={"headers": headers}, read_only=True)
-            return cls(item, store, remote=True, http=NodeHttpClient(item, token))
+            # Like NodeHttpClient's: each wait (connect, each read) is bounded, not the transfer.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+            options = {"headers": headers, "client_kwargs": {"timeout": timeout}}
+            store = FsspecStore.from_url(item.rstrip("/") + "/zarr", storage_options=options, read_only=True)
+            return cls(item, store, remote=True, http=NodeHttpClient(item, token, timeout_s=timeout_s))
         if isinstance(item, (str, os.PathLike)):
             return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
         return cls(str(item), item, remote=not isinstance(item, LocalStore))
@@ -337,6 +362,17 @@ class _Source:
     def close(self) -> None:
         if self.http is not None:
             self.http.close()
+
+    def failure(self, what: str, error: Exception) -> R3Error | None:
+        """The R3Error that says why reading ``what`` here failed, or None when ``error`` is
+        no failure to reach the data (absent, garbled: the caller decides)."""
+        if isinstance(error, R3Error):
+            return error  # already says what happened
+        if self.remote:
+            return read_error(self.name, what, error)
+        if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+            return StoreError(f"{self.name}: {what} failed: {type(error).__name__}: {error}")
+        return None
 
     def index(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout's index here, or None when this root has no such rollout."""
@@ -349,9 +385,15 @@ class _Source:
             else:
                 group = zarr.open_group(self.store, path=rollout_id, mode="r", zarr_format=3)
                 index = group.attrs.asdict().get(INDEX_KEY)
-        except (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError):
-            return None
-        except Exception as e:  # HTTP 401/5xx, garbled JSON: not "absent", say what happened
+        except R3Error:
+            raise
+        except Exception as e:
+            # A refused token, a lost connection, a disk error: say so, it is not "absent".
+            failure = self.failure(f"reading the index of rollout {rollout_id!r}", e)
+            if failure is not None:
+                raise failure from e
+            if isinstance(e, (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)):
+                return None
             raise CorruptDataError(f"cannot read the index of rollout {rollout_id!r} from {self.name}: {e}") from e
         if not isinstance(index, dict) or "requests" not in index:
             return None
@@ -369,12 +411,7 @@ class _Source:
             # ranges) while it streams.
             where = f"{self.name}: rollout {rollout_id!r} array {name}"
             ranges = [(lo + a, lo + b) for a, b in crc_ranges]
-            try:
-                whole = self.http.read_array(f"{rollout_id}/{name}", where, ranges)
-            except CorruptDataError:
-                raise
-            except Exception as e:  # HTTP status, connection lost, timeout
-                raise CorruptDataError(f"{where} cannot be read: {e}") from e
+            whole = self.http.read_array(f"{rollout_id}/{name}", where, ranges)
             if whole is not None:
                 if whole.array.shape[0] < hi:
                     raise CorruptDataError(f"{where} has {whole.array.shape[0]} rows; the index lists rows up to {hi}")
@@ -383,17 +420,23 @@ class _Source:
 
     def _read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
         array = self._open_array(rollout_id, name)
-        if self.remote and (hi - lo) * 2 >= array.shape[0]:
-            # Most of the array is wanted: fetch its shard files whole (one GET each) instead of
-            # a ranged GET per inner chunk, then decode from memory, in parallel where the
-            # layout is ours (r3rdma.store.shard_codec), else through zarr.
-            decoder = ShardDecoder.of(array.metadata.to_dict())
-            if decoder is not None:
-                return self._fetch_and_decode(rollout_id, name, decoder)[lo:hi]
-            array = self._fetch_whole(rollout_id, name, array)
         try:
+            if self.remote and (hi - lo) * 2 >= array.shape[0]:
+                # Most of the array is wanted: fetch its shard files whole (one GET each) instead
+                # of a ranged GET per inner chunk, then decode from memory, in parallel where the
+                # layout is ours (r3rdma.store.shard_codec), else through zarr.
+                decoder = ShardDecoder.of(array.metadata.to_dict())
+                if decoder is not None:
+                    return self._fetch_and_decode(rollout_id, name, decoder)[lo:hi]
+                array = self._fetch_whole(rollout_id, name, array)
             return array[lo:hi]
-        except Exception as e:  # zarr reports a chunk checksum mismatch as ValueError
+        except R3Error:
+            raise
+        except Exception as e:
+            failure = self.failure(f"reading rollout {rollout_id!r} array {name}", e)
+            if failure is not None:
+                raise failure from e
+            # zarr reports a chunk checksum mismatch as ValueError
             raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} rows {lo}..{hi - 1} cannot be read: {e}") from e
 
     def _fetch_and_decode(self, rollout_id: str, name: str, decoder: ShardDecoder) -> np.ndarray:
@@ -415,19 +458,41 @@ class _Source:
         return out
 
     def stored_bytes(self, rollout_id: str, arrays: list[str]) -> int:
-        from zarr.core.sync import sync
-
-        total = sync(self.store.getsize(f"{rollout_id}/zarr.json"))
+        total = self._size(rollout_id, "zarr.json")
+        if total is None:
+            raise UnknownRolloutError(f"rollout {rollout_id!r} is gone from {self.name} (deleted while being read?)")
         for name in arrays:
             array = self._open_array(rollout_id, name)
             for key in ["zarr.json", *_shard_keys(array)]:
-                total += sync(self.store.getsize(f"{rollout_id}/{name}/{key}"))
-        return int(total)
+                # A shard zarr left out (every chunk the fill value) stores nothing.
+                total += self._size(rollout_id, f"{name}/{key}") or 0
+        return total
+
+    def _size(self, rollout_id: str, key: str) -> int | None:
+        """Bytes of the file ``key`` of the rollout, or None when there is no such file."""
+        from zarr.core.sync import sync
+
+        try:
+            return int(sync(self.store.getsize(f"{rollout_id}/{key}")))
+        except R3Error:
+            raise
+        except Exception as e:
+            failure = self.failure(f"reading the size of {key} of rollout {rollout_id!r}", e)
+            if failure is not None:
+                raise failure from e
+            if isinstance(e, FileNotFoundError):
+                return None
+            raise CorruptDataError(f"{self.name}: the size of {key} of rollout {rollout_id!r} cannot be read: {e}") from e
 
     def _open_array(self, rollout_id: str, name: str) -> zarr.Array:
         try:
             return zarr.open_array(self.store, path=f"{rollout_id}/{name}", mode="r", zarr_format=3)
+        except R3Error:
+            raise
         except Exception as e:  # zarr raises several types for missing/garbled metadata
+            failure = self.failure(f"reading the metadata of rollout {rollout_id!r} array {name}", e)
+            if failure is not None:
+                raise failure from e
             raise CorruptDataError(f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened from {self.name}: {e}") from e
 
     def _fetch_whole(self, rollout_id: str, name: str, array: zarr.Array) -> zarr.Array:

@@ -87,27 +87,21 @@ class StoreNodesClient:
 
     def commit(self, records: Sequence[RequestRecord]) -> PushStats:
         """Push ``records``; return once every one is durable on some node."""
-        future = asyncio.run_coroutine_threadsafe(self._commit(list(records)), self._loop)
-        try:
-            return future.result(self._commit_timeout)
-        except TimeoutError as e:
-            future.cancel()
-            raise R3TimeoutError(f"pushing {len(records)} requests took over {self._commit_timeout} s") from e
+        records = list(records)
+        return self._wait(self._commit(records), f"pushing {len(records)} requests")
 
     def commit_device(self, items) -> PushStats:
         """Push :class:`~r3rdma.capture.transfer.DeviceRows` GPU-direct: the device buffers are the UCX
         payload (each item's ``ready`` event is waited on first). Same placement and failover
         as :meth:`commit`."""
-        future = asyncio.run_coroutine_threadsafe(self._commit(list(items), device=True), self._loop)
-        try:
-            return future.result(self._commit_timeout)
-        except TimeoutError as e:
-            future.cancel()
-            raise R3TimeoutError(f"pushing {len(items)} requests took over {self._commit_timeout} s") from e
+        items = list(items)
+        return self._wait(self._commit(items, device=True), f"pushing {len(items)} requests")
 
-    def probe_transfer_mode(self, device=None, config=None):
-        """Measure GPU-direct against staged pushes to the first store node (probe batches are
-        acknowledged and dropped by the node); return a :class:`~r3rdma.capture.transfer.ProbeResult`."""
+    def probe_transfer_mode(self, device=None, **probe_kwargs):
+        """Measure GPU-direct against staged pushes to the first store node; return a
+        :class:`~r3rdma.capture.transfer.ProbeResult`. The pushes are probe batches, which the
+        node checks and acks without storing them. ``probe_kwargs`` (``probe_bytes``,
+        ``probe_rounds``, ``min_gain``) go to :func:`~r3rdma.capture.transfer.probe_transfer_mode`."""
         from r3rdma.capture.transfer import probe_transfer_mode
         from r3rdma.transport import UcxxClient
 
@@ -115,11 +109,26 @@ class StoreNodesClient:
             host, port = parse_node_url(self.nodes[0])
             client = UcxxClient(host, port, secret=self._secret, limits=self._limits)
             try:
-                return await probe_transfer_mode(client, device=device, config=config)
+                return await probe_transfer_mode(client, device=device, **probe_kwargs)
             finally:
                 await client.close()
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(self._commit_timeout)
+        return self._wait(run(), f"probing the transfer mode against {self.nodes[0]}")
+
+    def nodes_down(self) -> list[str]:
+        """The nodes in failover cool-down now (a push to them failed in the last
+        ``down_cooldown_s``; new requests go to their next choice meanwhile)."""
+        now = time.monotonic()
+        return [n for n in self.nodes if self._down_until.get(n, 0) > now]
+
+    def _wait(self, coro, what: str):
+        """Run ``coro`` on the client's loop; block for its result up to the commit timeout."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self._commit_timeout)
+        except TimeoutError as e:
+            future.cancel()
+            raise R3TimeoutError(f"{what} took over {self._commit_timeout} s") from e
 
     def close(self) -> None:
         if self._loop.is_closed():

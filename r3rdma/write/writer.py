@@ -13,16 +13,32 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
-from r3rdma.errors import R3Error, R3TimeoutError, StoreError
+from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError
 from r3rdma.records import RequestRecord
 
-__all__ = ["DeferredRecord", "RoutingWriter", "RecordStore"]
+__all__ = ["DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
 
 
 class RecordStore(Protocol):
+    """Where a writer commits: ``commit`` returns once ``records`` are durable
+    (:class:`~r3rdma.store.local_store.LocalRoutingStore`, :class:`~r3rdma.write.push_client.StoreNodesClient`)."""
+
     def commit(self, records: Sequence[RequestRecord]) -> object: ...
+
+
+@runtime_checkable
+class DeviceRecordStore(Protocol):
+    """A store that can also push device rows (GPU-direct: UCX reads device memory) and measure
+    whether that beats staging through pinned host memory: a
+    :class:`~r3rdma.write.push_client.StoreNodesClient`. The local store is not one."""
+
+    def commit(self, records: Sequence[RequestRecord]) -> object: ...
+
+    def commit_device(self, items: Sequence[object]) -> object: ...
+
+    def probe_transfer_mode(self, device=None): ...
 
 
 class DeferredRecord(Protocol):
@@ -43,6 +59,15 @@ class RoutingWriter:
     ``submit`` also takes a :class:`DeferredRecord` (``accepts_deferred``): the capturer on
     CUDA hands over records whose device-to-host copy is still in flight, and ``flush`` then
     covers them too.
+
+    Args:
+        store: where batches are committed (:class:`RecordStore`).
+        flush_bytes: a batch is committed once this many bytes are queued...
+        flush_interval_s: ... or once its first record waited this long.
+        max_inflight_bytes: bytes queued or being committed; ``submit`` blocks beyond it.
+        owns_store: :meth:`close` also closes ``store`` (which must have ``close()``); set by
+            :meth:`R3Config.build_writer <r3rdma.config.R3Config.build_writer>`. A store the
+            caller passes in stays the caller's to close unless it says otherwise.
     """
 
     accepts_deferred = True
@@ -50,12 +75,14 @@ class RoutingWriter:
     @property
     def accepts_device_rows(self) -> bool:
         """Whether ``submit`` takes :class:`~r3rdma.capture.transfer.DeviceRows` (GPU-direct pushes):
-        only when the store can push device memory (``commit_device``)."""
-        return hasattr(self.store, "commit_device")
+        only when the store can push device memory (a :class:`DeviceRecordStore`)."""
+        return isinstance(self.store, DeviceRecordStore)
 
-    def probe_transfer_mode(self, device=None, config=None):
+    def probe_transfer_mode(self, device=None):
         """The store's transfer-mode probe (see :meth:`StoreNodesClient.probe_transfer_mode`)."""
-        return self.store.probe_transfer_mode(device=device, config=config)
+        if not isinstance(self.store, DeviceRecordStore):
+            raise ConfigError(f"transfer-mode probe needs a store that pushes device memory, got {type(self.store).__name__}")
+        return self.store.probe_transfer_mode(device=device)
 
     def __init__(
         self,
@@ -64,8 +91,17 @@ class RoutingWriter:
         flush_bytes: int = 8 << 20,
         flush_interval_s: float = 0.05,
         max_inflight_bytes: int = 1 << 30,
+        owns_store: bool = False,
     ) -> None:
+        if flush_bytes <= 0 or max_inflight_bytes <= 0 or flush_interval_s < 0:
+            raise ConfigError(
+                "need flush_bytes > 0, max_inflight_bytes > 0 and flush_interval_s >= 0, got "
+                f"{flush_bytes}, {max_inflight_bytes}, {flush_interval_s}"
+            )
+        if owns_store and not callable(getattr(store, "close", None)):
+            raise ConfigError(f"owns_store=True needs a store with close(), got {type(store).__name__}")
         self.store = store
+        self.owns_store = bool(owns_store)
         self.flush_bytes = flush_bytes
         self.flush_interval_s = flush_interval_s
         self.max_inflight_bytes = max_inflight_bytes
@@ -121,7 +157,11 @@ class RoutingWriter:
             self._raise_pending()
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the worker."""
+        """Flush, stop the worker, then close the store if the writer owns it (``owns_store``).
+
+        The store is closed even when the flush raised (its error is raised after); calling
+        ``close`` again does nothing more.
+        """
         try:
             self.flush(timeout)
         finally:
@@ -129,6 +169,9 @@ class RoutingWriter:
                 self._closing = True
                 self._cond.notify_all()
             self._thread.join(timeout)
+            if self.owns_store:
+                self.owns_store = False  # closed once
+                self.store.close()
 
     def __enter__(self) -> "RoutingWriter":
         return self

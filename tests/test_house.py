@@ -1,0 +1,100 @@
+"""The shape of the house: a small public API, a CLI that starts without the heavy stack, and
+import arrows that point one way (kernels and transport are leaves; store sits below the rest)."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import r3rdma
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "zarr", "transformers", "numpy", "ucxx", "aiohttp")
+
+
+def test_public_api_is_small_and_every_name_resolves():
+    assert len(r3rdma.__all__) <= 16, r3rdma.__all__
+    assert len(set(r3rdma.__all__)) == len(r3rdma.__all__)
+    for name in r3rdma.__all__:
+        assert getattr(r3rdma, name).__name__ == name
+    for name in ("R3Config", "RoutingCapturer", "RoutingWriter", "LocalRoutingStore", "StoreNodesClient",
+                 "RoutingReader", "PackedRouting", "RouterReplay", "ReplayBatch", "R3Error"):
+        assert name in r3rdma.__all__
+    with pytest.raises(AttributeError, match="no attribute 'NotAThing'"):
+        r3rdma.NotAThing  # noqa: B018
+
+
+def test_every_exported_error_is_an_r3error():
+    for name in r3rdma.__all__:
+        value = getattr(r3rdma, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            assert issubclass(value, r3rdma.R3Error), name
+
+
+def _fresh_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def test_importing_r3rdma_and_cli_help_load_no_heavy_module():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "import r3rdma, r3rdma.errors\n"
+        "from r3rdma.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        f"print(json.dumps({{'code': code, 'help': out.getvalue(), 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))\n"
+    )
+    result = json.loads(_fresh_python(code).splitlines()[-1])
+    assert result["code"] == 0
+    assert result["heavy"] == [], f"r3rdma --help imported {result['heavy']}"
+    for command in ("demo", "rollout", "check", "verify", "inspect", "delete", "bench"):
+        assert command in result["help"]
+
+
+def test_subcommand_help_lists_its_own_arguments():
+    out = subprocess.run([sys.executable, "-m", "r3rdma", "delete", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--older-than-s" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "r3rdma", "bench", "nope"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def _r3rdma_imports(path: Path) -> set[str]:
+    """Absolute r3rdma modules a file imports (relative imports stay inside its own package)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("r3rdma"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("r3rdma"))
+    return found
+
+
+# Small value types every layer may use.
+VALUE_TYPES = ("r3rdma.errors", "r3rdma.ids", "r3rdma.records")
+
+
+@pytest.mark.parametrize(
+    "folder, allowed",
+    [
+        ("kernels", VALUE_TYPES + ("r3rdma.kernels",)),
+        ("transport", VALUE_TYPES + ("r3rdma.transport",)),
+        ("store", VALUE_TYPES + ("r3rdma.store", "r3rdma.transport")),
+    ],
+)
+def test_import_arrows_point_down(folder, allowed):
+    wrong = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        bad = sorted(m for m in _r3rdma_imports(path)
+                     if m not in ("r3rdma",) and not any(m == a or m.startswith(a + ".") for a in allowed))
+        # `from r3rdma import errors` names the module r3rdma.errors; that is allowed.
+        bad = [m for m in bad if m not in ("r3rdma",)]
+        if bad:
+            wrong[str(path.relative_to(ROOT))] = bad
+    assert not wrong, f"{folder}/ may import only {allowed}; found {wrong}"
