@@ -47,10 +47,14 @@ def test_disk_full_clear_error_no_partial_data_and_recovery(tmp_path):
     assert out["served_after_full"] and out["intact_after_restart"]
 
 
+def _spawn_node(tmp_path, timeout_s: int):
+    return rb.spawn_node(tmp_path / "root", rb.new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
+                         "--timeout-s", str(timeout_s))
+
+
 @pytest.fixture
 def node(tmp_path):
-    n = rb.spawn_node(tmp_path / "root", rb.new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
-                      "--timeout-s", "3")
+    n = _spawn_node(tmp_path, 3)
     yield n
     n.kill()
 
@@ -165,8 +169,7 @@ def test_client_vanishing_mid_transfer_frees_its_buffers(node):
 def patient_node(tmp_path):
     # Batches waiting for the in-flight budget wait behind others' fsyncs: on a loaded 2-core
     # machine that can pass the 3 s stall timeout of `node`, which this test does not measure.
-    n = rb.spawn_node(tmp_path / "root", rb.new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
-                      "--timeout-s", "60")
+    n = _spawn_node(tmp_path, 60)
     yield n
     n.kill()
 
