@@ -1,0 +1,440 @@
+"""Replay stored routing through Megatron-core's ``RouterReplay`` (megatron-core >= 0.16).
+
+Megatron gives every ``TopKRouter`` built with ``moe_enable_routing_replay=True`` one
+``megatron.core.transformer.moe.router_replay.RouterReplay``; under ``REPLAY_FORWARD`` the
+router's top-k is replaced by the ids set with ``set_target_indices([tokens, topk])`` and the
+gate weights are gathered from the trainer's own scores (``scores.gather(1, ids)``), so the
+router keeps its gradient. This module computes, for one micro-batch and one rank, the target
+of each local router from a :class:`~r3rdma.read.reader.PackedRouting`:
+
+- rows in the order the router sees them, ``logits.view(-1, E)`` of ``[s, b, E]`` logits:
+  sequence-major (row ``s * b_size + b`` for a padded ``[b, s]`` batch, the packed token for
+  THD), after the context-parallel split (each sequence cut into ``2 * cp`` chunks, rank ``r``
+  keeps chunks ``r`` and ``2 * cp - 1 - r``), then the sequence-parallel split (TP rank ``r``
+  keeps rows ``[r * N / tp, (r + 1) * N / tp)``);
+- layers: each router's decoder layer (``router.layer_number - 1``, global: Megatron adds the
+  pipeline and virtual-stage offset) looked up in the routing's ``layer_map``;
+- rows the rollout never computed (each sequence's last ``unrecorded_tail`` tokens, padding):
+  megatron-core 0.16 has no replay mask, so they get the spread, duplicate-free fill
+  ``(row * k + j) % E`` with ``row`` the token's row in the unsplit micro-batch (never all
+  zeros, never one constant expert).
+
+:class:`MegatronReplay` refuses configurations where Megatron would route live without
+saying so (router fusion, sinkhorn, replay not enabled, token dropping, MTP routers) and
+forwards without routing. Install with ``pip install r3rdma[megatron]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+
+import torch
+
+from r3rdma.errors import ConfigError, ReplayError, ShapeMismatchError
+
+try:
+    from megatron.core.transformer.moe.router import Router, TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, MultiTokenPredictionLayer
+except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "r3rdma.integrations.megatron needs megatron-core >= 0.16: pip install r3rdma[megatron]"
+    ) from e
+
+__all__ = [
+    "MegatronReplay",
+    "MicroBatch",
+    "ParallelLayout",
+    "ReplayRouter",
+    "local_routing_rows",
+    "prefetch_routing",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """Where this rank sits: tensor parallel (with or without sequence parallel) and context
+    parallel. Pipeline and virtual stages need nothing here: the routers' layer numbers carry
+    them. Sizes must agree with the routers' ``TransformerConfig`` (checked)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for size, rank, name in ((self.tp_size, self.tp_rank, "tp"), (self.cp_size, self.cp_rank, "cp")):
+            if size < 1 or not 0 <= rank < size:
+                raise ConfigError(f"{name}_rank must be in [0, {name}_size), got rank {rank} of size {size}")
+
+    @classmethod
+    def from_parallel_state(cls, *, sequence_parallel: bool) -> "ParallelLayout":
+        """This rank's layout from ``megatron.core.parallel_state`` (initialised model parallel)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            sequence_parallel=sequence_parallel,
+            cp_size=ps.get_context_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch as the trainer packed it.
+
+    ``seq_lens[i]``: tokens of sequence ``i`` in the trainer's input; the store holds
+    ``seq_lens[i] - unrecorded_tail`` rows for it (1 by the format's definition: the last
+    sampled token never was a rollout input; 0 if the trainer drops it). ``fmt="padded"``:
+    tokens ``[b, seq_length]``, sequence ``i`` in batch row ``i``, right-padded.
+    ``fmt="thd"``: sequences back to back, sequence ``i`` occupying
+    ``[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])`` (its tokens first, then its padding).
+    """
+
+    request_ids: tuple[str, ...]
+    seq_lens: tuple[int, ...]
+    fmt: Literal["padded", "thd"]
+    seq_length: int
+    cu_seqlens_padded: tuple[int, ...] | None = None
+    unrecorded_tail: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.seq_lens) or not self.request_ids:
+            raise ConfigError(f"need one seq_len per request id, got {len(self.request_ids)} ids, {len(self.seq_lens)} lengths")
+        if self.unrecorded_tail < 0 or any(n <= self.unrecorded_tail - 1 or n < 1 for n in self.seq_lens):
+            raise ConfigError(f"seq_lens must be >= max(1, unrecorded_tail={self.unrecorded_tail}), got {self.seq_lens}")
+        if self.fmt == "padded":
+            if max(self.seq_lens) > self.seq_length:
+                raise ConfigError(f"a sequence of {max(self.seq_lens)} tokens does not fit seq_length {self.seq_length}")
+        elif self.fmt == "thd":
+            cu = self.cu_seqlens_padded
+            if cu is None or len(cu) != len(self.seq_lens) + 1 or cu[0] != 0 or cu[-1] != self.seq_length:
+                raise ConfigError(f"cu_seqlens_padded must be [0, ..., seq_length={self.seq_length}] with one entry per sequence + 1, got {cu}")
+            if any(cu[i + 1] - cu[i] < n for i, n in enumerate(self.seq_lens)):
+                raise ConfigError(f"a padded sequence is shorter than its tokens: seq_lens {self.seq_lens}, cu_seqlens_padded {cu}")
+        else:
+            raise ConfigError(f"fmt must be 'padded' or 'thd', got {self.fmt!r}")
+
+    @classmethod
+    def padded(cls, request_ids: Sequence[str], seq_lens: Sequence[int], seq_length: int, *, unrecorded_tail: int = 1) -> "MicroBatch":
+        """A right-padded ``[b, seq_length]`` batch."""
+        return cls(tuple(request_ids), tuple(int(n) for n in seq_lens), "padded", int(seq_length), None, unrecorded_tail)
+
+    @classmethod
+    def thd(
+        cls,
+        request_ids: Sequence[str],
+        seq_lens: Sequence[int],
+        *,
+        cu_seqlens_padded: Sequence[int] | None = None,
+        pad_to_multiple_of: int = 1,
+        unrecorded_tail: int = 1,
+    ) -> "MicroBatch":
+        """A packed batch. Give Megatron's ``cu_seqlens_padded``, or let each sequence be
+        padded to a multiple of ``pad_to_multiple_of`` (``2 * cp * tp`` with CP and SP)."""
+        seq_lens = tuple(int(n) for n in seq_lens)
+        if cu_seqlens_padded is None:
+            m = int(pad_to_multiple_of)
+            cu = [0]
+            for n in seq_lens:
+                cu.append(cu[-1] + -(-n // m) * m)
+        else:
+            cu = [int(c) for c in cu_seqlens_padded]
+        return cls(tuple(request_ids), seq_lens, "thd", cu[-1], tuple(cu), unrecorded_tail)
+
+
+def _cp_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Megatron's load-balanced CP split of one sequence dimension (utils.get_batch_on_this_cp_rank,
+    TE thd_get_partitioned_indices): ``2 * cp`` chunks, this rank keeps ``r`` and ``2cp-1-r``."""
+    if cp_size == 1:
+        return torch.arange(length)
+    if length % (2 * cp_size):
+        raise ShapeMismatchError(f"context parallel {cp_size} needs lengths divisible by {2 * cp_size}, got {length}")
+    c = length // (2 * cp_size)
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
+    return torch.cat([first, second])
+
+
+def local_routing_rows(routing: Any, batch: MicroBatch, layout: ParallelLayout, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's routing rows for ``batch``: ``(ids_NLK, recorded_N)``.
+
+    ``ids_NLK`` is in the stored dtype, rows in the order the rank's routers see them; rows with
+    ``recorded_N`` False (never computed by the rollout, or padding) hold ``(row * K + j) % E``,
+    ``row`` being the token's row in the unsplit micro-batch.
+    """
+    if tuple(routing.request_ids) != tuple(batch.request_ids):
+        missing = [r for r in batch.request_ids if r not in set(routing.request_ids)]
+        raise ReplayError(
+            f"routing holds requests {list(routing.request_ids)[:5]}..., the micro-batch needs "
+            f"{list(batch.request_ids)[:5]}... (missing: {missing[:5]}); routing must be read for exactly this micro-batch, in its order"
+        )
+    if any(routing.start_rows):
+        raise ReplayError(f"requests stored from a later position (start_rows {routing.start_rows}) cannot be replayed over whole sequences")
+    cu = routing.cu_seqlens.tolist()
+    stored = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    expected = [n - batch.unrecorded_tail for n in batch.seq_lens]
+    if stored != expected:
+        bad = [(rid, e, s) for rid, e, s in zip(batch.request_ids, expected, stored) if e != s]
+        raise ShapeMismatchError(
+            f"stored rows must be seq_len - unrecorded_tail ({batch.unrecorded_tail}); (request, expected, stored): {bad[:5]}"
+        )
+    seq_lens = torch.tensor(batch.seq_lens)
+    starts = torch.tensor(cu[:-1])
+    if batch.fmt == "padded":
+        b = len(batch.seq_lens)
+        s_local = _cp_positions(batch.seq_length, layout.cp_size, layout.cp_rank)
+        s_local = _sp_slice(s_local, layout)
+        pos = s_local.repeat_interleave(b)  # rows s-major: [s, b] flattened
+        seq = torch.arange(b).repeat(len(s_local))
+        row = pos * b + seq
+    else:
+        cu_pad = batch.cu_seqlens_padded
+        parts = [_cp_positions(cu_pad[i + 1] - cu_pad[i], layout.cp_size, layout.cp_rank) for i in range(len(batch.seq_lens))]
+        pos = torch.cat(parts)
+        seq = torch.cat([torch.full((len(p),), i) for i, p in enumerate(parts)])
+        keep = _sp_slice(torch.arange(len(pos)), layout)
+        pos, seq = pos[keep], seq[keep]
+        row = torch.tensor(cu_pad[:-1])[seq] + pos
+    recorded = pos < seq_lens[seq] - batch.unrecorded_tail
+    src = torch.where(recorded, starts[seq] + pos, 0)
+    ids = routing.ids_TLK
+    n_layers, k = ids.shape[1], ids.shape[2]
+    out = ids[src] if ids.shape[0] else torch.zeros((len(src), n_layers, k), dtype=ids.dtype)
+    fill = (row[:, None] * k + torch.arange(k)[None, :]) % num_experts  # [N, K], distinct in a row when K <= E
+    out = torch.where(recorded[:, None, None], out, fill[:, None, :].to(out.dtype))
+    return out, recorded
+
+
+def _sp_slice(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """Sequence parallel: TP rank r keeps the r-th of tp equal slices of the flattened rows
+    (tensor_parallel.mappings._split_along_first_dim on [s, b, h])."""
+    if not layout.sequence_parallel or layout.tp_size == 1:
+        return rows
+    if len(rows) % layout.tp_size:
+        raise ShapeMismatchError(f"sequence parallel {layout.tp_size} needs local lengths divisible by it, got {len(rows)}")
+    n = len(rows) // layout.tp_size
+    return rows[layout.tp_rank * n : (layout.tp_rank + 1) * n]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRouter:
+    """One local router: its module name in the model and its 0-based decoder layer."""
+
+    name: str
+    decoder_layer: int
+    module: Any
+
+
+def _walk(module: Any, prefix: str, out: list, mtp: list) -> None:
+    if isinstance(module, (MultiTokenPredictionBlock, MultiTokenPredictionLayer)):
+        mtp.extend(f"{prefix}.{n}".strip(".") for n, m in module.named_modules() if isinstance(m, Router))
+        return  # MTP layers restart layer numbering and were never recorded by the rollout
+    if isinstance(module, Router):
+        out.append((prefix, module))
+        return
+    for name, child in module.named_children():
+        _walk(child, f"{prefix}.{name}" if prefix else name, out, mtp)
+
+
+class MegatronReplay:
+    """Drives the ``RouterReplay`` of every local MoE router of a Megatron model.
+
+    ``model``: one module or the list of model chunks (virtual pipeline stages), walked in
+    order; the routers' module order is the order of :attr:`routers`. ``mtp``: ``"error"``
+    refuses a model with multi-token-prediction routers (their routing was never recorded);
+    ``"live"`` leaves them on live top-k, on purpose. ``allow_token_dropping``: a capacity
+    factor drops tokens after the replayed top-k, so training routes differently from the
+    rollout; refused unless allowed. ``device``: where targets go (default: the current CUDA
+    device, else CPU).
+
+    Use: ``with replay.step():`` around one training step; per micro-batch, :meth:`load`
+    before its forward. Recompute in the backward (Megatron's activation checkpointing) pops
+    each router's FIFO (``REPLAY_BACKWARD``) automatically.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        layout: ParallelLayout | None = None,
+        mtp: Literal["error", "live"] = "error",
+        allow_token_dropping: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.layout = layout or ParallelLayout()
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        found: list = []
+        mtp_found: list = []
+        for i, chunk in enumerate(chunks):
+            _walk(chunk, f"chunk{i}" if len(chunks) > 1 else "", found, mtp_found)
+        if mtp_found and mtp != "live":
+            raise ConfigError(f"MTP routers {mtp_found[:3]} have no recorded routing; pass mtp='live' to route them live on purpose")
+        if not found:
+            raise ConfigError("no MoE router found in the model (walked its modules)")
+        routers = []
+        for name, r in found:
+            self._check_router(name, r, allow_token_dropping)
+            routers.append(ReplayRouter(name, r.layer_number - 1, r))
+        self.routers: tuple[ReplayRouter, ...] = tuple(routers)
+        self.topk = routers[0].module.topk
+        self.num_experts = routers[0].module.config.num_moe_experts
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self._active = False
+        self._lock = threading.Lock()
+        self._generation = 0  # increments per load(): a forward must not reuse an older load
+        self._consumed: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []
+
+    def _check_router(self, name: str, r: Any, allow_token_dropping: bool) -> None:
+        cfg = r.config
+        where = f"router {name!r}"
+        if not isinstance(r, TopKRouter):
+            raise ConfigError(f"{where} is a {type(r).__name__}; only TopKRouter consults RouterReplay")
+        if cfg.moe_router_fusion:
+            raise ConfigError(f"{where}: moe_router_fusion=True takes the fused top-k, which returns before RouterReplay is consulted")
+        if r.routing_type == "sinkhorn":
+            raise ConfigError(f"{where}: moe_router_load_balancing_type='sinkhorn' never consults RouterReplay")
+        if r.router_replay is None:
+            raise ConfigError(f"{where} was built without moe_enable_routing_replay=True: it has no RouterReplay")
+        if cfg.moe_expert_capacity_factor is not None and not allow_token_dropping:
+            raise ConfigError(f"{where}: moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} drops replayed tokens (allow_token_dropping=True to accept)")
+        if r.layer_number is None:
+            raise ConfigError(f"{where} has no layer_number (not inside a TransformerLayer)")
+        lay = self.layout
+        if (cfg.tensor_model_parallel_size, cfg.context_parallel_size, bool(cfg.sequence_parallel)) != (lay.tp_size, lay.cp_size, lay.sequence_parallel):
+            raise ConfigError(
+                f"{where}: config has tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} "
+                f"sequence_parallel={cfg.sequence_parallel}, layout has tp={lay.tp_size} cp={lay.cp_size} sequence_parallel={lay.sequence_parallel}"
+            )
+
+    # -- per micro-batch ---------------------------------------------------------------------
+
+    def targets(self, routing: Any, batch: MicroBatch) -> torch.Tensor:
+        """Host ``[num_local_routers, N, K]`` targets (stored dtype), router order. Checks
+        layer map, top-k, expert count and id range against the routers."""
+        ids_TLK = routing.ids_TLK
+        if ids_TLK.dim() != 3 or ids_TLK.shape[2] != self.topk:
+            raise ShapeMismatchError(f"routers take top-{self.topk}, routing has shape {tuple(ids_TLK.shape)} (expected [T, L, {self.topk}])")
+        if len(routing.layer_map) != ids_TLK.shape[1]:
+            raise ShapeMismatchError(f"layer_map has {len(routing.layer_map)} layers, ids have {ids_TLK.shape[1]}")
+        if routing.num_experts != self.num_experts:
+            raise ShapeMismatchError(f"routers have {self.num_experts} experts, routing was recorded with {routing.num_experts}")
+        layer_of = {d: i for i, d in enumerate(routing.layer_map)}
+        missing = [r.decoder_layer for r in self.routers if r.decoder_layer not in layer_of]
+        if missing:
+            raise ShapeMismatchError(f"MoE decoder layers {missing} of this stage are not in the routing's layer_map {list(routing.layer_map)}")
+        ids, _ = local_routing_rows(routing, batch, self.layout, self.num_experts)
+        sel = ids[:, [layer_of[r.decoder_layer] for r in self.routers], :]
+        if sel.numel() and int(sel.max()) >= self.num_experts:
+            raise ShapeMismatchError(f"recorded expert id {int(sel.max())} outside 0..{self.num_experts - 1}")
+        return sel.permute(1, 0, 2)
+
+    def load(self, routing: Any, batch: MicroBatch) -> None:
+        """Set every local router's target for the next forward (one micro-batch). Targets are
+        staged in pinned memory and copied with ``non_blocking`` on the current stream, widened
+        to int64 on the device; the forward queued after it on that stream sees them."""
+        if not self._active:
+            raise ReplayError("MegatronReplay.load() outside `with replay.step():`; the targets would outlive the step")
+        host = self.targets(routing, batch)
+        if self.device.type == "cuda":
+            host = host.contiguous().pin_memory()
+            dev = host.to(self.device, non_blocking=True)
+        else:
+            dev = host.contiguous()
+        dev = dev.to(torch.int64)
+        with self._lock:
+            self._generation += 1
+            for r, target in zip(self.routers, dev):
+                r.module.router_replay.set_target_indices(target)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["MegatronReplay"]:
+        """One training step: routers on ``REPLAY_FORWARD`` (recompute in the backward pops the
+        FIFO, as ``REPLAY_BACKWARD``); on exit, also on an exception, targets and actions are
+        cleared, so a later forward outside a step routes live (and visibly so)."""
+        if self._active:
+            raise ReplayError("MegatronReplay.step() is already active")
+        self._active = True
+        try:
+            for i, r in enumerate(self.routers):
+                rr = r.module.router_replay
+                rr.clear_indices()
+                rr.get_replay_topk = self._guard(i, r, rr)  # instance attribute shadows the method
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            yield self
+        finally:
+            for r in self.routers:
+                rr = r.module.router_replay
+                rr.__dict__.pop("get_replay_topk", None)
+                rr.clear_indices()
+                rr.clear_router_replay_action()
+            self._consumed.clear()
+            self._active = False
+
+    def _guard(self, index: int, router: ReplayRouter, rr: Any) -> Callable[..., Any]:
+        original = type(rr).get_replay_topk.__get__(rr)
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            recompute = torch._C._current_graph_task_id() != -1  # inside autograd's backward
+            action = rr.router_replay_action
+            if action is RouterReplayAction.REPLAY_FORWARD and recompute:
+                if not rr.replay_backward_list:
+                    raise ReplayError(f"router {router.name!r}: recompute in the backward but no routing is left in its FIFO")
+                target = rr.replay_backward_list[0]
+                action = RouterReplayAction.REPLAY_BACKWARD
+            elif action is RouterReplayAction.REPLAY_FORWARD:
+                target = rr.target_topk_idx
+                with self._lock:
+                    if target is None or self._consumed.get(index) == self._generation:
+                        raise ReplayError(
+                            f"router {router.name!r} ran a forward with no routing loaded for it "
+                            "(call replay.load(routing, batch) before each micro-batch's forward)"
+                        )
+            else:
+                return original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if tuple(target.shape) != (scores.shape[0], topk):
+                raise ShapeMismatchError(
+                    f"router {router.name!r} sees {scores.shape[0]} tokens x top-{topk}, target is {tuple(target.shape)}; "
+                    "the MicroBatch / ParallelLayout does not describe this forward's tokens"
+                )
+            if not recompute:
+                with self._lock:
+                    self._consumed[index] = self._generation
+            saved = rr.router_replay_action
+            rr.router_replay_action = action
+            try:
+                return original(scores, topk, num_groups, group_topk, default_compute_topk)
+            finally:
+                rr.router_replay_action = saved
+
+        return get_replay_topk
+
+
+def prefetch_routing(reader: Any, rollout_id: str, batches: Iterable[MicroBatch]) -> Iterator[tuple[MicroBatch, Any]]:
+    """Yield ``(batch, reader.get_packed(rollout_id, batch.request_ids))`` in order, reading
+    micro-batch ``i + 1`` on one background thread while ``i`` trains. Read errors surface
+    when that micro-batch is reached."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rdma-megatron-prefetch")
+    try:
+        it = iter(batches)
+        nxt = next(it, None)
+        fut = pool.submit(reader.get_packed, rollout_id, nxt.request_ids) if nxt is not None else None
+        while nxt is not None:
+            cur, cur_fut = nxt, fut
+            nxt = next(it, None)
+            fut = pool.submit(reader.get_packed, rollout_id, nxt.request_ids) if nxt is not None else None
+            yield cur, cur_fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

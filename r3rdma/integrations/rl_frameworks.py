@@ -1,0 +1,337 @@
+"""verl and slime hand-off: their routing tensors, read from r3rdma instead of the engine's reply.
+
+Both stacks receive routing today inside the rollout engine's HTTP answer (base64 int32 for
+slime, a numpy array through Ray for verl) and hand it to Megatron's router replay. The
+functions here build the very tensors those trainers consume, from a :class:`RoutingReader`,
+so a stack swaps its transport without touching its trainer:
+
+- :func:`verl_routed_experts`: verl's batch field ``routed_experts``, int16
+  ``[bs, prompt_length + response_length, L, K]``, laid out as verl's agent loop pads it
+  (``verl/experimental/agent_loop/agent_loop.py`` 0.9.1, ``_agent_loop_postprocess``, lines
+  785-809): the prompt is left-padded to ``prompt_length``, the response right-padded to
+  ``response_length``, and a sample's rows start at ``start_pos = prompt_length - prompt_len``
+  (where its first prompt token sits); pads and positions without a row hold 0.
+- :func:`verl_routed_experts_unpadded`: the per-sample form of ``AgentLoopOutput.as_dict``
+  (same file, lines 129-141): int16 ``[prompt_len + response_len, L, K]``, rows from position
+  0, trailing positions 0.
+- :func:`slime_rollout_routed_experts`: slime's per-sample ``rollout_routed_experts``, int32
+  ``[len(tokens) - 1, num_layers, top_k]`` over *all* decoder layers, as slime decodes the
+  engine's answer (``slime/rollout/sglang_rollout.py``, ``np.frombuffer(..., dtype=np.int32)
+  .reshape(len(sample.tokens) - 1, args.num_layers, args.moe_router_topk)``). r3rdma stores
+  MoE layers only, with their decoder-layer indices (``layer_map``); dense layers are filled
+  with ``dense_fill`` (0): slime's ``fill_routing_replay`` skips them
+  (``slime/backends/megatron_utils/actor.py``: ``layer_id % moe_layer_freq != 0`` /
+  ``moe_layer_freq[layer_id] == 0`` -> ``continue``), so their content is never replayed.
+
+Each call reads only the requests it is given (one rank's share), never the whole rollout.
+Checks, each with a message that says what was expected and what arrived:
+
+- a request not committed: :class:`UnknownRequestError` (from the reader);
+- a request whose stored rows begin after position 0 (only later turns stored):
+  :class:`MissingRowsError`; those positions would otherwise replay expert 0;
+- rows that do not match the token count (``prompt_len + response_len - 1``: the last sampled
+  token is never a forward input), ids wider than the target dtype, a layer map that does not
+  fit the trainer's layer count or MoE pattern, a top-k other than the trainer's:
+  :class:`ShapeMismatchError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from r3rdma.errors import MissingRowsError, ShapeMismatchError
+from r3rdma.read.reader import PackedRouting, RoutingReader
+
+__all__ = [
+    "slime_moe_layers",
+    "slime_rollout_routed_experts",
+    "verl_routed_experts",
+    "verl_routed_experts_unpadded",
+]
+
+_INT16_IDS = 1 << 15  # verl stores ids as int16: expert ids must stay below 32768
+
+
+def slime_moe_layers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> tuple[int, ...]:
+    """Decoder layers slime (and Megatron) treat as MoE for ``moe_layer_freq``: an int ``f``
+    marks every layer with ``layer_id % f == 0``; a list marks the layers whose entry is 1."""
+    if isinstance(moe_layer_freq, bool) or not isinstance(moe_layer_freq, (int, list, tuple)):
+        raise ShapeMismatchError(f"moe_layer_freq must be an int or a list of 0/1, got {moe_layer_freq!r}")
+    if isinstance(moe_layer_freq, int):
+        if moe_layer_freq < 1:
+            raise ShapeMismatchError(f"moe_layer_freq must be >= 1, got {moe_layer_freq}")
+        return tuple(i for i in range(num_layers) if i % moe_layer_freq == 0)
+    if len(moe_layer_freq) != num_layers:
+        raise ShapeMismatchError(f"moe_layer_freq lists {len(moe_layer_freq)} layers, the model has {num_layers}")
+    return tuple(i for i, f in enumerate(moe_layer_freq) if f)
+
+
+def slime_rollout_routed_experts(
+    reader: RoutingReader,
+    rollout_id: str,
+    request_ids: Sequence[str],
+    *,
+    token_lens: Sequence[int],
+    num_layers: int,
+    top_k: int | None = None,
+    moe_layer_freq: int | Sequence[int] | None = None,
+    dense_fill: int = 0,
+) -> list[np.ndarray]:
+    """slime's ``Sample.rollout_routed_experts`` for each of ``request_ids``, in order.
+
+    Args:
+        reader: where the rollout was committed.
+        rollout_id, request_ids: the samples to build (only these are read).
+        token_lens: ``len(sample.tokens)`` of each sample (prompt + response); a sample must
+            have exactly ``token_len - 1`` stored rows, as slime asserts in ``fill_routing_replay``.
+        num_layers: ``args.num_layers``, every decoder layer, dense ones included.
+        top_k: ``args.moe_router_topk``, checked against the stored top-k when given.
+        moe_layer_freq: the model's ``moe_layer_freq``; when given, the stored layer map must
+            list exactly the layers slime replays.
+        dense_fill: value of the dense layers' columns (slime never reads them).
+
+    Returns:
+        int32 numpy arrays ``[token_len - 1, num_layers, top_k]`` (slime keeps numpy on the sample
+        and calls ``torch.from_numpy`` in the actor).
+    """
+    request_ids = list(request_ids)
+    token_lens = _lengths("token_lens", token_lens, len(request_ids), minimum=2)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ShapeMismatchError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
+    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
+    _check_top_k(stored_k, top_k)
+    _check_layer_map(layer_map, num_layers, moe_layer_freq)
+    if num_experts > np.iinfo(np.int32).max:
+        raise ShapeMismatchError(f"rollout {rollout_id!r} has {num_experts} experts; slime decodes int32 ids")
+    out = []
+    columns = list(layer_map)
+    for i, rid in enumerate(request_ids):
+        rows = _rows(packed, i, rollout_id)
+        want = token_lens[i] - 1
+        if rows.shape[0] != want:
+            raise ShapeMismatchError(
+                f"request {rid!r} of rollout {rollout_id!r} has {rows.shape[0]} routing rows; slime needs "
+                f"len(tokens) - 1 = {want} (one per token that was a forward input: every token but the "
+                f"last sampled one). Wrong token_lens, or the sample was truncated/extended after routing was stored"
+            )
+        full = np.full((want, num_layers, stored_k), dense_fill, dtype=np.int32)
+        full[:, columns] = rows.numpy()  # widens uint8 (or the reader's int32) without wrapping
+        out.append(full)
+    return out
+
+
+def verl_routed_experts(
+    reader: RoutingReader,
+    rollout_id: str,
+    request_ids: Sequence[str],
+    *,
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    prompt_length: int,
+    response_length: int,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    allow_unrouted_tail: bool = False,
+) -> torch.Tensor:
+    """verl's batch field ``routed_experts`` for ``request_ids``: int16
+    ``[len(request_ids), prompt_length + response_length, L, K]``.
+
+    Sample ``i`` (``prompt_lens[i]`` prompt tokens, ``response_lens[i]`` response tokens after
+    verl's truncation to ``response_length``) occupies positions ``start_pos ..`` with
+    ``start_pos = prompt_length - prompt_lens[i]``; row ``p`` of the request goes to position
+    ``start_pos + p``. Left pad, right pad and the last token (never a forward input) hold 0,
+    as in verl (agent_loop.py 797-809).
+
+    Args:
+        prompt_length, response_length: verl's ``rollout.prompt_length`` / ``response_length``.
+        num_layers: None: ``L`` = the stored MoE layers (verl indexes by MoE ordinal when ``L``
+            differs from the model's layer count, router_replay_utils.py 523); an int: ``L`` =
+            every decoder layer, MoE layers at their ``layer_map`` index and dense layers 0 (the
+            layout SGLang returns: ``reshape(-1, num_hidden_layers, topk)``).
+        top_k: checked against the stored top-k when given.
+        allow_unrouted_tail: a multi-turn sample whose response ends with tool output has no rows
+            for those tokens (verl leaves them 0, agent_loop.py 132-137); True accepts fewer rows
+            than ``prompt_len + response_len - 1``, else that is a :class:`ShapeMismatchError`.
+
+    A request with more rows than ``prompt_len + response_len - 1`` is refused, except when the
+    response was cut at ``response_length``: verl then keeps the first
+    ``prompt_len + response_length`` rows (single_turn_agent_loop.py 99-101), and so does this.
+    """
+    request_ids = list(request_ids)
+    prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
+    response_lens = _lengths("response_lens", response_lens, len(request_ids), minimum=0)
+    for name, value in (("prompt_length", prompt_length), ("response_length", response_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
+    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
+    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
+    _check_top_k(stored_k, top_k)
+    columns = _verl_columns(layer_map, num_layers)
+    width = len(layer_map) if num_layers is None else num_layers
+    if num_experts > _INT16_IDS:
+        raise ShapeMismatchError(
+            f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
+        )
+    out = torch.zeros((len(request_ids), prompt_length + response_length, width, stored_k), dtype=torch.int16)
+    for i, rid in enumerate(request_ids):
+        if prompt_lens[i] > prompt_length or response_lens[i] > response_length:
+            raise ShapeMismatchError(
+                f"request {rid!r}: prompt {prompt_lens[i]} / response {response_lens[i]} tokens do not fit "
+                f"prompt_length {prompt_length} / response_length {response_length} (verl truncates the "
+                f"response to response_length and refuses a prompt longer than prompt_length)"
+            )
+        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
+        start_pos = prompt_length - prompt_lens[i]
+        target = out[i, start_pos : start_pos + rows.shape[0]]
+        if columns is None:
+            target.copy_(rows)  # copy_ converts uint8/int32 -> int16; ids < 32768 checked above
+        else:
+            target[:, columns] = rows.to(torch.int16)
+    return out
+
+
+def verl_routed_experts_unpadded(
+    reader: RoutingReader,
+    rollout_id: str,
+    request_ids: Sequence[str],
+    *,
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    response_length: int,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    allow_unrouted_tail: bool = False,
+) -> list[torch.Tensor]:
+    """Per-sample int16 ``[prompt_len + response_len, L, K]``, as ``AgentLoopOutput.as_dict``
+    aligns ``routed_experts`` (agent_loop.py 129-141): rows from position 0, the rest 0.
+
+    Arguments and checks as in :func:`verl_routed_experts` (no prompt padding here).
+    """
+    request_ids = list(request_ids)
+    prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
+    response_lens = _lengths("response_lens", response_lens, len(request_ids), minimum=0)
+    if isinstance(response_length, bool) or not isinstance(response_length, int) or response_length < 0:
+        raise ShapeMismatchError(f"response_length must be an int >= 0, got {response_length!r}")
+    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
+    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
+    _check_top_k(stored_k, top_k)
+    columns = _verl_columns(layer_map, num_layers)
+    width = len(layer_map) if num_layers is None else num_layers
+    if num_experts > _INT16_IDS:
+        raise ShapeMismatchError(
+            f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
+        )
+    out = []
+    for i, rid in enumerate(request_ids):
+        if response_lens[i] > response_length:
+            raise ShapeMismatchError(
+                f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
+            )
+        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
+        aligned = torch.zeros((prompt_lens[i] + response_lens[i], width, stored_k), dtype=torch.int16)
+        if columns is None:
+            aligned[: rows.shape[0]].copy_(rows)
+        else:
+            aligned[: rows.shape[0], columns] = rows.to(torch.int16)
+        out.append(aligned)
+    return out
+
+
+# -- internals --------------------------------------------------------------------------------
+
+
+def _lengths(name: str, values: Sequence[int], count: int, *, minimum: int) -> list[int]:
+    values = list(values)
+    if len(values) != count:
+        raise ShapeMismatchError(f"{name} lists {len(values)} lengths for {count} requests")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+            raise ShapeMismatchError(f"{name} must hold ints >= {minimum}, got {v!r}")
+    return [int(v) for v in values]
+
+
+def _geometry(reader: RoutingReader, rollout_id: str, packed: PackedRouting | None) -> tuple[tuple[int, ...], int, int]:
+    """(layer_map, top_k, num_experts) of the rollout: from the read itself, or from the index
+    when there is nothing to read (an empty share still gets correctly shaped outputs)."""
+    if packed is not None:
+        return packed.layer_map, int(packed.ids_TLK.shape[2]), packed.num_experts
+    info = reader.info(rollout_id)
+    return info.layer_map, info.top_k, info.num_experts
+
+
+def _check_top_k(stored: int, wanted: int | None) -> None:
+    if wanted is not None and wanted != stored:
+        raise ShapeMismatchError(f"the trainer routes top-{wanted}; the rollout stores top-{stored}")
+
+
+def _check_layer_map(layer_map: tuple[int, ...], num_layers: int, moe_layer_freq: int | Sequence[int] | None) -> None:
+    if any(layer >= num_layers for layer in layer_map) or len(set(layer_map)) != len(layer_map):
+        raise ShapeMismatchError(
+            f"the stored layer map {list(layer_map)} does not fit a model of {num_layers} decoder layers"
+        )
+    if moe_layer_freq is not None:
+        expected = slime_moe_layers(num_layers, list(moe_layer_freq) if not isinstance(moe_layer_freq, int) else moe_layer_freq)
+        if tuple(layer_map) != expected:
+            raise ShapeMismatchError(
+                f"the rollout stores MoE layers {list(layer_map)}; moe_layer_freq={moe_layer_freq!r} makes the "
+                f"trainer replay layers {list(expected)}"
+            )
+
+
+def _verl_columns(layer_map: tuple[int, ...], num_layers: int | None) -> list[int] | None:
+    """Where the stored layers go in verl's layer dimension (None: in stored order, MoE only)."""
+    if num_layers is None:
+        return None
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ShapeMismatchError(f"num_layers must be an int >= 1 or None, got {num_layers!r}")
+    _check_layer_map(layer_map, num_layers, None)
+    return list(layer_map)
+
+
+def _rows(packed: PackedRouting | None, i: int, rollout_id: str) -> torch.Tensor:
+    """Rows of the ``i``-th request of ``packed``; they must start at position 0."""
+    assert packed is not None
+    if packed.start_rows[i] != 0:
+        raise MissingRowsError(
+            f"request {packed.request_ids[i]!r} of rollout {rollout_id!r} is stored from position "
+            f"{packed.start_rows[i]} on; positions 0..{packed.start_rows[i] - 1} have no routing rows "
+            f"(only later turns were stored), and replaying them as zeros would send them to expert 0"
+        )
+    lo, hi = int(packed.cu_seqlens[i]), int(packed.cu_seqlens[i + 1])
+    return packed.ids_TLK[lo:hi]
+
+
+def _verl_rows(
+    packed: PackedRouting | None,
+    i: int,
+    rid: str,
+    rollout_id: str,
+    prompt_len: int,
+    response_len: int,
+    response_length: int,
+    allow_unrouted_tail: bool,
+) -> torch.Tensor:
+    rows = _rows(packed, i, rollout_id)
+    want = prompt_len + response_len - 1
+    n = rows.shape[0]
+    if n > want:
+        if response_len == response_length:
+            # verl cut the response at response_length and keeps prompt + response_length rows
+            return rows[: prompt_len + response_length]
+        raise ShapeMismatchError(
+            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows, more than the "
+            f"prompt {prompt_len} + response {response_len} - 1 = {want} positions that were forward inputs "
+            f"(and the response was not cut at response_length {response_length}): wrong lengths or wrong request"
+        )
+    if n < want and not allow_unrouted_tail:
+        raise ShapeMismatchError(
+            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows; prompt {prompt_len} + response "
+            f"{response_len} tokens need {want} (every token but the last sampled one is a forward input). "
+            f"A multi-turn response ending with tool output has no rows for it: pass allow_unrouted_tail=True "
+            f"to leave those positions 0, as verl does"
+        )
+    return rows
