@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from r3rdma.store.process import NodeProcess, new_token, spawn_node
+from r3rdma.records import buffer_checksum
 
 __all__ = [
     "make_record",
@@ -421,7 +422,7 @@ def gen_frame(rng: random.Random, n: int) -> FuzzFrame:
             if rec["rows"] < 1:
                 rec["rows"] = 1
             payload = payload[: rec["rows"] * rec["layers"] * rec["top_k"] * 2]
-            rec["crc32c"] = None
+            rec["crc32c"] = buffer_checksum(payload)  # the sender's checksum of what is sent: the refusal is the handler's
             bad["frames"] = [len(payload)]
         bad["records"] = [rec]
         return FuzzFrame("handler_refusal", _message(BATCH, pack(bad), [payload]), auth=True, keep=True)
