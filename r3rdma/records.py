@@ -86,6 +86,13 @@ class RequestRecord:
                 f"ids_TLK must be a 3-D numpy array [rows, layers, top_k], got "
                 f"{type(ids).__name__} with shape {getattr(ids, 'shape', None)}"
             )
+        if ids.shape[0] < 1:
+            # A 0-row record has nothing to store, and a batch array of 0 rows cannot be
+            # opened by zarr/tensorstore (chunk shape [0, L, K]): refuse it here, not in a reader.
+            raise ShapeMismatchError(
+                f"request {self.request_id}: a record holds at least 1 routing row, got 0 rows "
+                f"(ids_TLK shape {tuple(ids.shape)}, start_row {self.start_row})"
+            )
         if ids.shape[1] != len(self.layer_map):
             raise ShapeMismatchError(
                 f"ids_TLK has {ids.shape[1]} layers but layer_map lists {len(self.layer_map)}"

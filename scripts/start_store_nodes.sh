@@ -2,17 +2,21 @@
 # Start N r3rdma store nodes on this machine, in the background, and print how to reach them.
 #
 #   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read]
+#                                  [--max-inflight-mb MB] [--timeout-s S]
 #
 # Node i keeps its Zarr root in DIR/node<i> (default DIR: ./r3rdma_nodes) and listens on
 # UCX port PORT+i and HTTP port PORT+i (default 0: free ports picked by the OS). The shared
 # secret is DIR/token (created, mode 600, if absent; or set R3_STORE_TOKEN_FILE to use another).
 # One node per machine on a cluster: run `scripts/start_store_nodes.sh 1 --host 0.0.0.0
 # --ucx-port 13337 --http-port 8337` on each, with the same token file.
+# --max-inflight-mb and --timeout-s go to every node's r3rdma-store as they are (memory budget
+# of batches in flight; deadline of each network step, which also bounds stalled senders and
+# HTTP clients that never finish a request): see r3rdma-store --help and docs/OPERATIONS.md.
 # Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env.
 # Stop them with scripts/stop_store_nodes.sh DIR.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read]}"
+n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]}"
 shift
 dir="./r3rdma_nodes"; host="127.0.0.1"; ucx_base=0; http_base=0; extra=()
 while [ $# -gt 0 ]; do
@@ -22,6 +26,9 @@ while [ $# -gt 0 ]; do
     --ucx-port) ucx_base="$2"; shift 2;;
     --http-port) http_base="$2"; shift 2;;
     --public-read) extra+=(--public-read); shift;;
+    --max-inflight-mb|--timeout-s)
+      [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
+      extra+=("$1" "$2"); shift 2;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
 done

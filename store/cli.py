@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-header-kb", type=int, default=4096, help="largest header of one pushed batch")
     p.add_argument("--max-inflight-mb", type=int, default=1024,
                    help="payload MiB being received or handled at once over all clients (memory budget)")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each network step")
+    p.add_argument("--timeout-s", type=float, default=30.0,
+                   help="deadline of each network step; also how long a pushed batch's payload may stall, "
+                        "and how long an HTTP connection may take to send a complete request")
     p.add_argument("--zstd-level", type=int, default=3)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON line to this file (atomically)")
     return p

@@ -27,7 +27,9 @@ A visible request's segments are in row order; their concatenation is the reques
 Commit protocol (why requests appear only when complete): a batch array is written and
 fsynced first; the group's ``zarr.json`` is then replaced atomically (write temp, fsync,
 rename, fsync directory). A crash before the rename leaves an array no index points at, which
-readers never see and the next writer removes.
+readers never see and the next writer removes when it opens the root (a rollout whose first
+commit crashed leaves no directory behind; the array is written without a parent group
+document, so nothing lists the rollout meanwhile).
 """
 
 from __future__ import annotations

@@ -112,11 +112,61 @@ class LocalRoutingStore:
                 self.root / "zarr.json",
                 group_document({INDEX_KEY: {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}),
             )
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    def _recover(self) -> None:
+        """Remove every trace of commits a crash interrupted (this process now owns the root).
+
+        A crash between a batch array's write and its index's rename leaves an array no index
+        lists; in a rollout's first commit, the rollout directory then has no index at all
+        (data written before 2026-11-22 also left a bare group ``zarr.json`` there, which
+        zarr wrote for the array's parent). Left alone, a plain Zarr listing shows the array
+        and ``rollouts()`` (``GET /v1/rollouts``) lists a rollout that cannot be read. So, on
+        opening: unindexed batch arrays and index temp files are deleted, a bare group
+        ``zarr.json`` without an index too, and a rollout directory left empty is removed.
+        Anything else (files r3rdma did not write) is left in place. Costs one directory
+        listing per rollout plus one index parse.
+        """
+        for child in self.root.iterdir():
+            try:
+                check_rollout_dir_name(child.name)
+            except InvalidIdError:
+                continue
+            if not child.is_dir():
+                continue
+            index_path = child / "zarr.json"
+            try:
+                attrs = read_group_attrs(index_path)
+            except ValueError:  # a bare group document zarr wrote in place, torn by the crash
+                attrs = {}
+            index = (attrs or {}).get(INDEX_KEY)
+            if index is None and attrs is not None and not attrs:
+                index_path.unlink()  # the bare parent group zarr wrote before the array
+            self._remove_orphans(child, set(index["arrays"]) if index is not None else set())
+            for tmp in child.glob(".zarr.json.tmp-*"):
+                tmp.unlink(missing_ok=True)
+            if index is None:
+                try:
+                    child.rmdir()  # only when nothing else is left
+                except OSError:
+                    pass
+                else:
+                    fsync_dir(self.root)
 
     # -- public API -------------------------------------------------------------------------
 
     def commit(self, records: Sequence[RequestRecord]) -> CommitResult:
         """Durably store ``records`` (any mix of rollouts); all or nothing per rollout.
+
+        A record without rows (or with 0 layers / top-k) refuses the whole batch before
+        anything is written (:class:`ShapeMismatchError` naming the request): storing it would
+        make its rollout unreadable, and refusing all of it keeps the rule simple for a caller,
+        which retries the other records (a :class:`~r3rdma.write.writer.RoutingWriter` does so
+        record by record).
 
         A request already committed with the same bytes is skipped (retries are idempotent);
         with different bytes it raises :class:`DuplicateRequestError`. A record whose
@@ -125,6 +175,16 @@ class LocalRoutingStore:
         """
         by_rollout: dict[str, list[RequestRecord]] = {}
         for record in records:
+            # Before anything is written: one record without rows refuses the whole batch (zarr
+            # cannot open a batch array of 0 rows, so storing it would break every read of its
+            # rollout). The engine learns the bad request's id and may push the others again.
+            ids = getattr(record, "ids_TLK", None)
+            if not isinstance(ids, np.ndarray) or ids.ndim != 3 or 0 in ids.shape:
+                raise ShapeMismatchError(
+                    f"request {record.request_id!r} of rollout {record.rollout_id!r}: expected rows of shape "
+                    f"[rows >= 1, layers >= 1, top_k >= 1], got {getattr(ids, 'shape', None)}; nothing of this "
+                    f"batch of {len(records)} records was stored"
+                )
             by_rollout.setdefault(record.rollout_id, []).append(record)
         for rollout_id in by_rollout:
             check_rollout_dir_name(rollout_id)
@@ -326,9 +386,11 @@ class LocalRoutingStore:
         chunk = max(1, min(self.chunk_rows, rows))
         shard = -(-rows // chunk) * chunk  # one shard file per batch: few files, ranged reads
         rollout_path.mkdir(parents=True, exist_ok=True)
+        # The array's own store, not the rollout's with name=: zarr would first write a bare
+        # group zarr.json for the parent, and a crash before the index rename would leave a
+        # rollout that lists but has no index.
         zarr.create_array(
-            LocalStore(rollout_path),
-            name=name,
+            LocalStore(rollout_path / name),
             data=data,
             chunks=(chunk, layers, top_k),
             # Index first: a reader streaming the shard knows every chunk's place from its first
@@ -375,7 +437,14 @@ class _Assembly:
     (:class:`SegmentOverlapError`); a request becomes visible once a final segment exists and
     its segments tile the span ``[start, end)`` exactly, where ``end`` is the final segment's
     end and ``start`` is ``end - total_rows`` when declared, else the end of the rows already
-    visible (a continuation), else the lowest start among its segments.
+    visible (a continuation), else row 0.
+
+    Several final segments are several turns of a conversation; they become visible turn by
+    turn, in row order, each once the rows before it are visible. A request is never made
+    visible from a row other than 0 (a later turn that arrived first waits, pending, for the
+    earlier turns instead of becoming visible with only its rows, which would then refuse
+    them); a later turn that leaves a gap after the visible rows waits for the gap likewise.
+    Two finals whose declared spans share rows conflict (:class:`SegmentOverlapError`).
     """
 
     def __init__(self, rollout_id: str, requests: dict[str, Any], pending: dict[str, list[dict[str, Any]]],
@@ -419,13 +488,18 @@ class _Assembly:
                 raise SegmentOverlapError(
                     f"{where}: a record ({desc}) overlaps its pending segment rows {a}..{b - 1} with different bytes"
                 )
-        finals = [seg for seg in parts if seg["final"]]
-        if record.final and finals:
-            f = finals[0]
-            raise SegmentOverlapError(
-                f"{where}: two final segments, rows ending at {f['start_row'] + f['rows'] - 1} (pending) and at "
-                f"{end - 1} ({desc})"
-            )
+        if record.final:
+            # Several finals are several turns of one conversation (a later turn may arrive
+            # first); they conflict when the spans they declare share rows.
+            lo = start if record.total_rows is None else end - record.total_rows
+            for f in (x for x in parts if x["final"]):
+                f_end = f["start_row"] + f["rows"]
+                f_lo = f["start_row"] if f["total_rows"] is None else f_end - f["total_rows"]
+                if lo < f_end and f_lo < end:
+                    raise SegmentOverlapError(
+                        f"{where}: two final segments, rows ending at {f_end - 1} (pending) and at "
+                        f"{end - 1} ({desc}), declare spans {f_lo}..{f_end - 1} and {lo}..{end - 1} that overlap"
+                    )
         seg = {
             "array": array,
             "offset": offset,
@@ -436,69 +510,76 @@ class _Assembly:
             "total_rows": record.total_rows,
         }
         group = sorted(parts + [seg], key=lambda x: x["start_row"])
-        final = next((x for x in group if x["final"]), None)
-        if final is None:
-            self.pending[rid] = group
-            return True
-        last = final["start_row"] + final["rows"]
-        beyond = [x for x in group if x["start_row"] + x["rows"] > last]
-        if beyond:
-            x = beyond[0]
-            raise SegmentOverlapError(
-                f"{where}: segment rows {x['start_row']}..{x['start_row'] + x['rows'] - 1} extend past the request's "
-                f"last row {last - 1} (declared by its final segment)"
-            )
-        lowest = group[0]["start_row"]
-        if final["total_rows"] is not None:
-            first = last - final["total_rows"]
-        elif entry is not None and lowest >= entry["start_row"] + entry["rows"]:
-            first = entry["start_row"] + entry["rows"]
-        else:
-            first = lowest
-        if lowest < first:
-            raise SegmentOverlapError(
-                f"{where}: segment rows from {lowest} lie before row {first}, where its final segment "
-                f"(total_rows {final['total_rows']}) says the request starts"
-            )
-        mode = "new"
-        if entry is not None:
-            cs = entry["start_row"]
-            ce = cs + entry["rows"]
-            if first == ce:
-                mode = "extend"
-            elif self.only_last_turn and first == cs and last > ce:
-                mode = "replace"
-            elif first < ce:
+        finals = [x for x in group if x["final"]]
+        if finals:
+            last = max(x["start_row"] + x["rows"] for x in finals)
+            beyond = [x for x in group if x["start_row"] + x["rows"] > last]
+            if beyond:
+                x = beyond[0]
                 raise SegmentOverlapError(
-                    f"{where} is already stored (rows {cs}..{ce - 1}); segments ending at row {last - 1} would cover "
-                    f"rows {first}..{ce - 1} again; only start_row {ce} would extend it"
-                    + ("" if not self.only_last_turn else f", or a later turn's full view starting at row {cs}")
+                    f"{where}: segment rows {x['start_row']}..{x['start_row'] + x['rows'] - 1} extend past the request's "
+                    f"last row {last - 1} (declared by its final segment)"
                 )
-            else:
-                raise SegmentGapError(
-                    f"{where}: rows {ce}..{first - 1} are missing between the stored rows (ending at {ce - 1}) and "
-                    f"the new segments starting at {first} ({desc}); only start_row {ce} would extend it"
-                )
-        covered = first
-        for x in group:
-            if x["start_row"] != covered:
+        # Promote turn by turn: the earliest-ending final and the segments before it become
+        # visible once they tile its span from where the visible rows end (row 0 for a request
+        # not visible yet). A later turn that arrived first waits, pending, for the earlier ones.
+        while True:
+            final = min((x for x in group if x["final"]), key=lambda x: x["start_row"], default=None)
+            if final is None:
                 break
-            covered += x["rows"]
-        if covered != last:
-            if len(group) == 1 and final["total_rows"] is None:
-                raise SegmentGapError(
-                    f"{where}: rows {first}..{start - 1} are missing before a final record ({desc}); only start_row "
-                    f"{first} would extend it (or declare total_rows and push the missing part)"
+            last = final["start_row"] + final["rows"]
+            sub = [x for x in group if x["start_row"] < last]
+            lowest = sub[0]["start_row"]
+            if final["total_rows"] is not None:
+                first = last - final["total_rows"]
+            elif entry is not None and lowest >= entry["start_row"] + entry["rows"]:
+                first = entry["start_row"] + entry["rows"]
+            elif entry is not None:
+                first = lowest
+            else:
+                first = 0  # a request's rows start at row 0: wait for earlier turns
+            if lowest < first:
+                raise SegmentOverlapError(
+                    f"{where}: segment rows from {lowest} lie before row {first}, where its final segment "
+                    f"(total_rows {final['total_rows']}) says the request starts"
                 )
-            self.pending[rid] = group  # a gap another part may still fill
-            return True
-        segments = [{k: x[k] for k in ("array", "offset", "rows", "start_row", "crc32c")} for x in group]
-        if mode == "extend":
-            self.requests[rid] = {"rows": entry["rows"] + last - first, "start_row": entry["start_row"],
-                                  "segments": entry["segments"] + segments}
+            mode = "new"
+            if entry is not None:
+                cs = entry["start_row"]
+                ce = cs + entry["rows"]
+                if first == ce:
+                    mode = "extend"
+                elif self.only_last_turn and first == cs and last > ce:
+                    mode = "replace"
+                elif first < ce:
+                    raise SegmentOverlapError(
+                        f"{where} is already stored (rows {cs}..{ce - 1}); segments ending at row {last - 1} would cover "
+                        f"rows {first}..{ce - 1} again; only start_row {ce} would extend it"
+                        + ("" if not self.only_last_turn else f", or a later turn's full view starting at row {cs}")
+                    )
+                else:
+                    break  # rows ce..first-1 (an earlier turn) have not arrived yet: pending
+            elif first > 0:
+                break  # rows 0..first-1 (earlier turns) have not arrived yet: pending
+            covered = first
+            for x in sub:
+                if x["start_row"] != covered:
+                    break
+                covered += x["rows"]
+            if covered != last:
+                break  # a gap another part may still fill
+            segments = [{k: x[k] for k in ("array", "offset", "rows", "start_row", "crc32c")} for x in sub]
+            if mode == "extend":
+                entry = {"rows": entry["rows"] + last - first, "start_row": entry["start_row"],
+                         "segments": entry["segments"] + segments}
+            else:
+                entry = {"rows": last - first, "start_row": first, "segments": segments}
+            self.requests[rid] = entry
+            group = group[len(sub):]
+        if group:
+            self.pending[rid] = group
         else:
-            self.requests[rid] = {"rows": last - first, "start_row": first, "segments": segments}
-        self.pending.pop(rid, None)
+            self.pending.pop(rid, None)
         return True
 
 

@@ -118,7 +118,15 @@ class StoreNode:
 
     async def start(self) -> NodeAddress:
         ucx = await self._server.start()
-        self._runner = web.AppRunner(self._http_app, access_log=None)
+        # aiohttp (3.14) has no separate header-read timeout: a connection that sent part of
+        # a request and stalls would stay open until the fd limit (issue 19). Its keep-alive
+        # timer, though, is armed when a connection is made and again after each response,
+        # and closes the connection if no complete request has arrived by then (the handler
+        # is idle, waiting for one); trickling bytes do not re-arm it. Set to the node's
+        # network-step deadline it bounds both the wait for a request's headers and an idle
+        # keep-alive connection; a request being handled is never cut by it.
+        timeout = self._server.limits.timeout_s
+        self._runner = web.AppRunner(self._http_app, access_log=None, keepalive_timeout=timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._http_port)
         await site.start()

@@ -487,12 +487,14 @@ def test_pd_gaps_overlaps_and_conflicting_ends(tmp_path, make_record):
         with pytest.raises(SegmentOverlapError, match="past the request's last row 2"):
             store.commit([RequestRecord("roll-0", "z2", whole[:2], (0, 1, 2), 16, start_row=3, final=False)])
         store.commit([beyond])
-        with pytest.raises(SegmentError, match="rows before it cannot be added"):
-            store.commit([RequestRecord("roll-0", "late", whole[5:8], (0, 1, 2), 16, start_row=5),
-                          RequestRecord("roll-0", "late", whole[:5], (0, 1, 2), 16, final=False)])
+        # A later segment first, then the rows before it (issue 19): held pending, then whole.
+        store.commit([RequestRecord("roll-0", "late", whole[5:8], (0, 1, 2), 16, start_row=5),
+                      RequestRecord("roll-0", "late", whole[:5], (0, 1, 2), 16, final=False)])
         store.discard_pending("roll-0", "z2")
         assert store.pending("roll-0") == {}
-    np.testing.assert_array_equal(RoutingReader(tmp_path).get_numpy("roll-0", ["q"])["q"], whole)
+    got = RoutingReader(tmp_path).get_numpy("roll-0", ["q", "late"])
+    np.testing.assert_array_equal(got["q"], whole)
+    np.testing.assert_array_equal(got["late"], whole[:8])
 
 
 def test_pd_multi_turn_decode_first(tmp_path, make_record):

@@ -4,12 +4,13 @@ land, and pooled receive buffers that never change or leak another batch's bytes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from r3rdma.errors import CorruptDataError
+from r3rdma.errors import CorruptDataError, ProtocolError
 from r3rdma.records import RequestRecord, buffer_checksum, checksum
 from r3rdma.transport import LoopbackClient, LoopbackServer, PackedBatch, RecordMeta, TransportLimits
 from r3rdma.transport.batch import ZERO_COPY_MIN_BYTES, batch_header, encode_records
@@ -105,9 +106,24 @@ def test_buffers_reused_only_when_no_record_survives(keep):
         assert reused >= 3
 
 
-def test_reused_buffer_never_lends_bytes_to_a_short_unchecksummed_frame():
-    """A sender without a checksum (device payloads) whose frame is shorter than announced
-    must not get the previous batch's bytes stored under its name."""
+async def _raw_batch(server, meta: RecordMeta, announced: int, sent: np.ndarray):
+    """Speak the protocol by hand: announce ``announced`` payload bytes, send ``sent``."""
+    conn = server._accept()
+    version = await client_handshake(conn, SECRET, server.limits)
+    raw = pack_header(batch_header(1, [meta.to_wire()], [announced]))
+    pre = Preamble(version, Kind.BATCH, len(raw), announced)
+    await conn.send(np.frombuffer(pre.pack() + raw, np.uint8))
+    if sent.nbytes:
+        await conn.send(sent)
+    try:
+        return await recv_reply(conn, version, 1, server.limits)
+    finally:
+        await conn.close()
+
+
+def test_a_batch_without_a_sender_checksum_is_refused_not_stored_zero_filled():
+    """Issue 19: a request without the sender's CRC-32C used to be hashed by the receiver,
+    so a frame that arrived short was stored as zeros under a checksum the node made up."""
     stored: dict[str, np.ndarray] = {}
 
     async def handler(records):
@@ -117,28 +133,46 @@ def test_reused_buffer_never_lends_bytes_to_a_short_unchecksummed_frame():
     async def main():
         server = _server(handler)
         await server.start()
-        first = rec("first", 64, seed=1)
-        async with LoopbackClient(server, secret=SECRET) as c:
-            await c.push([first])  # its buffer goes back to the pool
-        conn = server._accept()  # a raw pipe: this test speaks the protocol by hand
-        version = await client_handshake(conn, SECRET, server.limits)
-        meta = RecordMeta("roll", "second", 64, 4, 8, "uint8", 128, (0, 1, 2, 3), 0, None, 0)
-        short = np.full(first.nbytes // 2, 7, np.uint8)  # half the announced bytes
-        raw = pack_header(batch_header(1, [meta.to_wire()], [first.nbytes]))
-        pre = Preamble(version, Kind.BATCH, len(raw), first.nbytes)
-        await conn.send(np.frombuffer(pre.pack() + raw, np.uint8))
-        await conn.send(short)
-        ack = await recv_reply(conn, version, 1, server.limits)
-        assert ack.requests == 1 and server.buffers.reused == 1
-        await conn.close()
-        await server.stop()
-        return first
+        try:
+            first = rec("first", 64, seed=1)
+            meta = dataclasses.replace(RecordMeta.of(first, 0), request_id="second", crc32c=None)
+            with pytest.raises(ProtocolError, match="crc32c"):
+                await _raw_batch(server, meta, first.nbytes, np.full(first.nbytes // 2, 7, np.uint8))
+        finally:
+            await server.stop()
 
-    first = run(main())
-    got = stored["second"].reshape(-1)
-    half = first.nbytes // 2
-    assert (got[:half] == 7).all()
-    assert not got[half:].any(), "bytes of the previous batch leaked into an unchecksummed request"
+    run(main())
+    assert stored == {}
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_short_frame_is_refused_never_zero_filled(reused):
+    """A frame shorter than announced (UCX does not report it) fails the sender's checksum,
+    whether the buffer is fresh or held another batch's bytes; nothing is stored."""
+    stored: dict[str, np.ndarray] = {}
+
+    async def handler(records):
+        for r in records:
+            stored[r.request_id] = r.ids_TLK.copy()
+
+    async def main():
+        server = _server(handler)
+        await server.start()
+        try:
+            first = rec("first", 64, seed=1)
+            if reused:
+                async with LoopbackClient(server, secret=SECRET) as c:
+                    await c.push([first])  # its buffer goes back to the pool
+            second = rec("second", 64, seed=2)
+            payload = second.ids_TLK.reshape(-1)
+            with pytest.raises(CorruptDataError, match="crc32c"):
+                await _raw_batch(server, RecordMeta.of(second, 0), second.nbytes, payload[: second.nbytes // 2].copy())
+            assert server.buffers.reused == int(reused)
+        finally:
+            await server.stop()
+
+    run(main())
+    assert "second" not in stored
 
 
 def test_corrupt_request_in_a_pooled_buffer_is_refused_and_the_next_batch_is_clean():

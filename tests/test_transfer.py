@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import subprocess
@@ -41,7 +42,7 @@ def _rows(device, seed, rows=37, layers=5, k=3, num_experts=200):
 def _items(device, rollout):
     a = DeviceRows(rollout, "a", _rows(device, 1), (1, 3, 5, 7, 9), 200)
     b = DeviceRows(rollout, "b", _rows(device, 2, rows=1000, num_experts=300), (1, 3, 5, 7, 9), 300, start_row=4)
-    c = DeviceRows(rollout, "c", _rows(device, 3, rows=0), (1, 3, 5, 7, 9), 200)
+    c = DeviceRows(rollout, "c", _rows(device, 3, rows=1), (1, 3, 5, 7, 9), 200)  # a 0-row record is refused
     return [a, b, c]
 
 
@@ -100,7 +101,9 @@ def test_pack_checks_dtype_and_offsets():
     metas, payload = pack_device_rows(items)
     assert [m.offset for m in metas] == [0, items[0].nbytes, items[0].nbytes + items[1].nbytes]
     assert payload.numel() == sum(i.nbytes for i in items)
-    assert metas[1].dtype == "uint16" and metas[0].dtype == "uint8" and metas[1].crc32c is None
+    assert metas[1].dtype == "uint16" and metas[0].dtype == "uint8"
+    # Host rows are hashed while packing: every payload carries the sender's CRC-32C.
+    assert [m.crc32c for m in metas] == [checksum(i.ids_TLK.numpy()) for i in items]
     bad = DeviceRows("roll", "x", _rows("cpu", 4).to(torch.int32), (1, 3, 5, 7, 9), 200)
     with pytest.raises(ShapeMismatchError):
         pack_device_rows([bad])
@@ -131,6 +134,33 @@ def test_push_host_rows_over_loopback(mode):
             await harness.stop()
 
     run(main())
+
+
+@pytest.mark.parametrize("mode", ["staged", "gpu_direct"])
+def test_pushed_device_rows_carry_sender_checksums(mode):
+    """Issue 19: device batches were pushed with crc32c null, the node hashing what arrived."""
+    sent = []
+
+    class Recording:
+        async def push_packed(self, batch):
+            sent.append(batch)
+            return "ack"
+
+    items = _items("cpu", "roll-crc")
+    assert run(push_device_rows(Recording(), items, mode)) == "ack"
+    (batch,) = sent
+    assert [m.crc32c for m in batch.metas] == [checksum(i.ids_TLK.numpy()) for i in items]
+
+
+def test_checksum_packed_covers_each_request_and_checks_the_size():
+    from r3rdma.capture.transfer import checksum_packed
+
+    items = _items("cpu", "roll")
+    metas, payload = pack_device_rows(items)
+    blank = tuple(dataclasses.replace(m, crc32c=None) for m in metas)
+    assert checksum_packed(blank, payload.numpy()) == metas
+    with pytest.raises(ShapeMismatchError):
+        checksum_packed(blank, payload.numpy()[:-1])
 
 
 def test_push_needs_resolved_mode():

@@ -117,7 +117,7 @@ def test_roundtrip_bit_exact_all_dtypes(harness):
                 make(rid, "a.u8", 9, num_experts=256, seed=1),
                 make(rid, "b.u16", 5, layers=4, k=8, num_experts=1000, seed=2, start_row=3),
                 make(rid, "c.i32", 13, layers=2, k=1, num_experts=70000, seed=3),
-                make(rid, "d.empty", 0, num_experts=16),
+                make(rid, "d.one", 1, num_experts=16),
                 make(rid, "e:u8", 1, num_experts=8, seed=4),
             ]
             if "final" in RequestRecord.__dataclass_fields__:  # request segments (prefill part, decode tail)
@@ -262,11 +262,14 @@ def test_checksum_mismatch_is_corrupt_data(harness):
             wrong = dataclasses.replace(RecordMeta.of(rec, 0), crc32c=rec.crc32c ^ 1)
             with pytest.raises(CorruptDataError, match="crc32c"):
                 await c.push_packed(PackedBatch((wrong,), rec.ids_TLK.reshape(-1).view(np.uint8)))
-            # A packed batch without a checksum (device senders) is hashed by the receiver.
+            # Every payload needs the sender's checksum (device senders included): a packed
+            # batch without one is refused before anything is sent; the connection stays usable.
             rid = rollout()
             rec2 = make(rid, "no-crc", seed=9)
             nocrc = RecordMeta(rid, "no-crc", 7, 3, 2, "uint8", 128, rec2.layer_map, 0, None, 0)
-            await c.push_packed(PackedBatch((nocrc,), rec2.ids_TLK.reshape(-1).view(np.uint8)))
+            with pytest.raises(ProtocolError, match="crc32c"):
+                await c.push_packed(PackedBatch((nocrc,), rec2.ids_TLK.reshape(-1).view(np.uint8)))
+            await c.push_packed(PackedBatch((RecordMeta.of(rec2, 0),), rec2.ids_TLK.reshape(-1).view(np.uint8)))
             _, _, got = await harness.next_event(rid)
             assert_same([rec2], got)
 

@@ -59,8 +59,11 @@ _DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": 
 class RecordMeta:
     """Everything about one request except its bytes: one row of a batch's table.
 
-    ``crc32c`` may be ``None`` when the sender cannot hash its bytes (device payloads); the
-    receiver then computes it. ``offset`` is the byte offset of the request in the payload.
+    ``crc32c`` is the sender's CRC-32C of the request's bytes, required on the wire: it is
+    what makes a frame that arrived short (UCX does not report a shorter message) or a
+    corrupted transfer fail as :class:`CorruptDataError` instead of being stored. ``None``
+    exists only between packing device rows and hashing them (``r3rdma.capture.transfer``);
+    such a meta cannot be pushed. ``offset`` is the byte offset of the request in the payload.
     """
 
     rollout_id: str
@@ -297,7 +300,7 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
         request_id = validate_id(entry["request_id"], f"records[{i}].request_id")
     except InvalidIdError as e:
         raise ProtocolError(str(e)) from e
-    rows = _int(entry["rows"], f"records[{i}].rows", 0)
+    rows = _int(entry["rows"], f"records[{i}].rows", 1)  # a 0-row record stores nothing readable
     layers = _int(entry["layers"], f"records[{i}].layers", 1)
     top_k = _int(entry["top_k"], f"records[{i}].top_k", 1)
     num_experts = _int(entry["num_experts"], f"records[{i}].num_experts", 1)
@@ -314,10 +317,11 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
     for j, layer in enumerate(layer_map):
         _int(layer, f"records[{i}].layer_map[{j}]", 0)
     crc = entry["crc32c"]
-    if crc is not None:
-        _int(crc, f"records[{i}].crc32c", 0)
-        if crc > 0xFFFFFFFF:
-            raise ProtocolError(f"records[{i}].crc32c must fit 32 bits, got {crc}")
+    # Required: the receiver cannot tell a short frame from a full one (UCX does not report
+    # the length received), so only the sender's checksum proves the bytes arrived whole.
+    _int(crc, f"records[{i}].crc32c (the sender's CRC-32C, required)", 0)
+    if crc > 0xFFFFFFFF:
+        raise ProtocolError(f"records[{i}].crc32c must fit 32 bits, got {crc}")
     final = entry["final"]
     if not isinstance(final, bool):
         raise ProtocolError(f"records[{i}].final must be a bool, got {final!r}")
@@ -355,6 +359,11 @@ def packed_table(batch: PackedBatch) -> list[dict[str, Any]]:
     for i, meta in enumerate(batch.metas):
         if meta.offset != offset:
             raise ShapeMismatchError(f"PackedBatch.metas[{i}] must start at byte {offset}, got {meta.offset}")
+        if meta.crc32c is None:
+            raise ProtocolError(
+                f"PackedBatch.metas[{i}] ({meta.request_id}) has no crc32c: every payload needs the sender's "
+                "CRC-32C (device rows: r3rdma.capture.transfer.push_device_rows hashes a pinned copy)"
+            )
         offset += meta.nbytes
     n = payload_nbytes(batch.payload)
     if n != offset:

@@ -6,7 +6,8 @@ ucxx does **not** honour the CAI ``stream`` field: the producer must synchronise
 or event that wrote the buffer before calling ``push``; otherwise UCX may read stale bytes.
 
 Receivers always land payloads in host memory (the store writes them to disk), so only the
-send side ever sees a device buffer. The CPU test machine exercises the host path only.
+send side ever sees a device buffer. A device payload still carries the sender's CRC-32C
+per request (the wire requires it); ``r3rdma.capture.transfer`` hashes a pinned host copy. The CPU test machine exercises the host path only.
 """
 
 from __future__ import annotations

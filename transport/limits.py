@@ -28,6 +28,10 @@ class TransportLimits:
     #: Most payload frames one message may be split into.
     max_frames: int = 256
     #: Deadline of each network step: connect, each handshake message, each frame send/recv.
+    #: Server: a batch's whole payload must arrive within it once its header did; a sender
+    #: that stalls longer gets a fatal R3TimeoutError frame and is disconnected, its budget
+    #: reservation and buffer released. Store nodes also close an HTTP connection that has
+    #: not sent a complete request within it.
     timeout_s: float = 30.0
     #: Server: deadline of the handler (validation + durable write) for one batch.
     handler_timeout_s: float = 120.0

@@ -63,7 +63,10 @@ class ReceiveBuffers:
 
     A buffer goes back to the pool only if no view of it survived the batch (a handler may
     keep records: they stay valid, the pool just allocates another buffer). Reused buffers
-    hold earlier batches' bytes: callers zero them when no sender checksum covers a request.
+    hold earlier batches' bytes; every request carries the sender's CRC-32C, which is what
+    refuses a frame that arrived short. New buffers are ``np.empty`` and never filled here,
+    so their pages become resident only as payload bytes land: a batch announced and never
+    sent costs address space and budget, not memory.
     """
 
     def __init__(self, *, max_cached_bytes: int, max_buffers: int = 8) -> None:

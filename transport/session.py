@@ -338,13 +338,12 @@ class ConnServer(TransportServer):
         limits = self.limits
         t = limits.timeout_s
         frame_sizes: list[int] = header["frames"]
+        # UCX does not report a *shorter* message, so bytes a frame did not fill keep what the
+        # buffer held before (a pooled buffer: an earlier batch). Every request carries the
+        # sender's CRC-32C (check_batch_header refuses a null one), so such a request fails
+        # as CorruptDataError; nothing is zero-filled (a zeroed short frame used to be stored
+        # as zeros under a checksum computed here) and pages are touched only as bytes land.
         payload = base[: pre.payload_len]
-        if any(m.crc32c is None for m in metas):
-            # UCX does not report a *shorter* message, so bytes a frame did not fill keep what
-            # the buffer held before: possibly another client's earlier batch. A request with
-            # a sender checksum catches that; one without (device payloads, hashed here) would
-            # be stored with someone else's bytes. Zeroed, a short frame stores zeros instead.
-            payload.fill(0)
         views, start = [], 0
         for size in frame_sizes:
             views.append(payload[start : start + size])
@@ -358,7 +357,11 @@ class ConnServer(TransportServer):
         try:
             try:
                 # Posted at once, in order (see send_message).
-                await timed(asyncio.gather(*(receive(i, v) for i, v in enumerate(views))), t, "receiving payload frames")
+                await timed(
+                    asyncio.gather(*(receive(i, v) for i, v in enumerate(views))),
+                    t,
+                    f"receiving the payload of batch {seq} ({pre.payload_len} bytes announced; sender stalled)",
+                )
             except R3Error as e:
                 return await self._stream_broken(conn, version, e, seq)
 
@@ -383,9 +386,19 @@ class ConnServer(TransportServer):
         return True
 
     async def _stream_broken(self, conn: Conn, version: int, exc: R3Error, seq: int | None) -> bool:
-        """A batch failed before it was consumed entirely; always False (close the connection)."""
-        if isinstance(exc, (TransportError, R3TimeoutError)):
-            log.info("batch from %s aborted: %s", conn.peer, exc)  # peer gone or too slow
+        """A batch failed before it was consumed entirely; always False (close the connection).
+
+        The caller (:meth:`_one_batch`) releases the batch's budget reservation and buffer
+        once this returns, so a sender that announced a batch and stalls holds them for at
+        most ``timeout_s`` (plus the bounded send of the error frame).
+        """
+        if isinstance(exc, TransportError):
+            log.info("batch from %s aborted: %s", conn.peer, exc)  # peer gone: nobody to tell
+        elif isinstance(exc, R3TimeoutError):
+            # A sender that announced a batch and stalled: tell it why (typed, fatal), then
+            # close, so a buggy or hostile client cannot hold the budget with no cost to it.
+            log.info("batch from %s stalled: %s", conn.peer, exc)
+            await self._send_error(conn, version, exc, seq=seq, fatal=True)
         else:  # ProtocolError: the stream can no longer be trusted; say why before closing
             log.warning("protocol violation by %s: %s", conn.peer, exc)
             await self._send_error(conn, version, exc, seq=seq, fatal=True)

@@ -46,7 +46,17 @@ UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
 #: so it gains most. Safe there because a node runs one event loop and nothing else touches
 #: UCX; engine processes keep "thread", where pushes run on their own loop thread beside the
 #: engine's and a worker must not be progressed from two threads.
-STORE_NODE_UCX_ENV: Mapping[str, str] = MappingProxyType({"UCXPY_PROGRESS_MODE": "blocking"})
+#:
+#: ``UCX_TCP_CM_REUSEADDR=y``: the listener (UCX's TCP connection manager) binds with
+#: SO_REUSEADDR. Nodes run on fixed ports on a cluster; after a SIGKILL or a stop, the node's
+#: side of every open connection lingers in TIME_WAIT / FIN_WAIT for about 60 s, and without
+#: it a restart on the same port failed with "bind(...) failed: Address already in use" for
+#: that long (issue 19). It lets the node bind a port with lingering connections only, never
+#: one another process listens on. The name exists in the bundled UCX: libuct's TCP_CM_
+#: config table has a REUSEADDR field ("Allow using an address that is already in use").
+STORE_NODE_UCX_ENV: Mapping[str, str] = MappingProxyType(
+    {"UCXPY_PROGRESS_MODE": "blocking", "UCX_TCP_CM_REUSEADDR": "y"}
+)
 
 # Deliberately *not* set:
 # - UCX_TLS / UCX_NET_DEVICES: the default ("all") picks shared memory or TCP loopback on a

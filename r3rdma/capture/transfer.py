@@ -15,6 +15,16 @@ node to probe, ``auto`` means ``staged``: it is never much slower (a D2H copy in
 memory costs ~20 us per MB) and it is the only good choice without RDMA. The mode itself is
 a string argument of :class:`~r3rdma.capture.capturer.RoutingCapturer`.
 
+Either way every request carries the sender's CRC-32C (the wire requires it; a frame that
+arrives short or corrupted then fails as ``CorruptDataError`` at the node instead of being
+stored). It is computed on the host: staged rows are hashed in pinned memory before the push;
+for ``gpu_direct`` the packed buffer is also copied to pinned memory (an async D2H copy at
+tens of GB/s, ~20 us per MB) and that copy is hashed (crc32c, ~10+ GB/s, in a worker thread,
+GIL released) while the device buffer itself is what UCX sends. Both copies come from the same
+packed bytes after the same event, so the checksum is end to end for the bytes UCX reads.
+(A device CRC-32C kernel would save the copy; none exists in torch, and the copy is small
+next to a GPU-direct push over TCP.)
+
 Either way the producing stream is synchronised before the bytes are sent: ucxx ignores the
 stream of ``__cuda_array_interface__`` (transport/device.py). The wait happens on the
 pusher's thread (an event recorded after the gather), never on the engine's step path.
@@ -37,7 +47,7 @@ import numpy as np
 import torch
 
 from r3rdma.errors import ConfigError, ShapeMismatchError
-from r3rdma.records import routing_dtype
+from r3rdma.records import buffer_checksum, routing_dtype
 
 __all__ = [
     "TRANSFER_MODES",
@@ -46,6 +56,7 @@ __all__ = [
     "ProbeResult",
     "stage_to_host",
     "pack_device_rows",
+    "checksum_packed",
     "push_device_rows",
     "probe_transfer_mode",
 ]
@@ -146,7 +157,11 @@ def _meta(item: DeviceRows, offset: int, crc: int | None):
 def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
     """Concatenate the requests' rows into one contiguous uint8 buffer on their device.
 
-    Returns (metas, payload). Runs on the current stream; record an event after it.
+    Returns (metas, payload). Runs on the current stream; record an event after it. On the
+    CPU the metas carry each request's CRC-32C; on a GPU their ``crc32c`` is ``None`` (hashing
+    needs the bytes on the host): fill it with :func:`checksum_packed` over a host copy of
+    ``payload`` before pushing (:func:`push_device_rows` does); the transport refuses a batch
+    without sender checksums.
     """
     if not items:
         raise ShapeMismatchError("pack_device_rows needs at least one request")
@@ -159,7 +174,21 @@ def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
         payload = items[0].ids_TLK.reshape(-1).view(torch.uint8)
     else:
         payload = torch.cat([i.ids_TLK.contiguous().reshape(-1).view(torch.uint8) for i in items]) if offset else torch.empty(0, dtype=torch.uint8, device=device)
+    if device.type != "cuda":
+        return checksum_packed(metas, payload.numpy()), payload
     return tuple(metas), payload
+
+
+def checksum_packed(metas: Sequence, host_payload: np.ndarray) -> tuple:
+    """``metas`` with each request's CRC-32C over its bytes in ``host_payload`` (the packed
+    payload, or its host copy: flat uint8, the bytes UCX sends)."""
+    from dataclasses import replace
+
+    flat = np.asarray(host_payload).reshape(-1).view(np.uint8)
+    end = metas[-1].offset + metas[-1].nbytes if metas else 0
+    if flat.nbytes != end:
+        raise ShapeMismatchError(f"packed payload holds {flat.nbytes} bytes but its metas describe {end}")
+    return tuple(replace(m, crc32c=buffer_checksum(flat[m.offset : m.offset + m.nbytes])) for m in metas)
 
 
 async def push_device_rows(client, items: Sequence[DeviceRows], mode: str, *, probe: bool = False):
@@ -167,7 +196,9 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str, *, pr
 
     ``gpu_direct``: the packed device buffer is the payload. ``staged``: it is copied to pinned
     host memory first. In both cases the thread that pushes waits (in a worker thread, so the
-    event loop keeps running) for the producing stream before UCX reads any byte. ``probe``
+    event loop keeps running) for the producing stream before UCX reads any byte, and every
+    request carries its CRC-32C, computed over the pinned copy (``gpu_direct`` makes one for
+    that purpose only; see the module docstring). ``probe``
     marks the batch as a transfer probe: the receiver checks and acks it, and stores nothing.
     """
     from r3rdma.transport import PackedBatch
@@ -176,24 +207,24 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str, *, pr
         raise ConfigError(f"push_device_rows needs a resolved mode (gpu_direct or staged), got {mode!r}")
     device = items[0].ids_TLK.device if items else torch.device("cpu")
     if device.type != "cuda":
-        metas, payload = pack_device_rows(items)
+        metas, payload = pack_device_rows(items)  # hashed already (host bytes)
         return await client.push_packed(PackedBatch(metas, payload.numpy(), probe))
     with torch.cuda.device(device):  # this thread's current device may be another GPU
         for item in items:
             if item.ready is not None:
                 item.ready.wait()  # GPU-side wait: the packing below runs after each gather
         metas, payload = pack_device_rows(items)
-        if mode == "staged":
-            staged = stage_to_host(payload)
-        else:
-            done = torch.cuda.Event()
-            done.record()
-    if mode == "staged":
-        host = await asyncio.to_thread(staged.wait)
-        return await client.push_packed(PackedBatch(metas, host, probe))
-    # ucxx ignores the CAI stream: the bytes must be complete before the send is posted.
-    await asyncio.to_thread(done.synchronize)
-    return await client.push_packed(PackedBatch(metas, payload, probe))
+        # Both modes: a pinned copy to hash (and, staged, to send). Its event is recorded
+        # after the copy, which runs after the packing on this stream, so once it completed
+        # the device payload is complete too (ucxx ignores the CAI stream).
+        staged = stage_to_host(payload)
+
+    def host_and_checksums() -> tuple[np.ndarray, tuple]:
+        host = staged.wait()
+        return host, checksum_packed(metas, host)
+
+    host, metas = await asyncio.to_thread(host_and_checksums)
+    return await client.push_packed(PackedBatch(metas, host if mode == "staged" else payload, probe))
 
 
 async def probe_transfer_mode(client, *, device: torch.device | str | None = None, probe_bytes: int = 8 << 20,

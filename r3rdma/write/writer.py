@@ -5,7 +5,11 @@ waiting: backpressure instead of unbounded memory). A worker thread commits MB-s
 to a store (anything with ``commit(records)`` that returns once the data is durable: the
 :class:`~r3rdma.store.local_store.LocalRoutingStore`, or a client of remote store nodes).
 An error in a commit is raised to the engine at its next ``submit`` or ``flush``; nothing is
-dropped silently.
+dropped silently: the raised error names every request that failed since the previous one
+(``error.failed_request_ids``, ``error.errors``), and :meth:`RoutingWriter.failed_requests`
+lists them all, so an engine can push them again. A batch that a store refuses for its data
+(a bad record, a segment conflict) is committed again record by record, so one bad record
+fails alone instead of taking its batch with it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from collections import deque
 from typing import Protocol, Sequence, runtime_checkable
 
-from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError
+from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
 from r3rdma.records import RequestRecord
 
 __all__ = ["DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
@@ -111,22 +115,38 @@ class RoutingWriter:
         self._inflight_bytes = 0  # queued + being committed
         self._submitted = 0
         self._done = 0
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first error not yet raised to the engine
+        self._errors: list[BaseException] = []  # every error since the last one raised
+        self._unreported: list[tuple[str | None, str | None]] = []  # their requests, in order
+        self._failed: list[tuple[str | None, str | None]] = []  # every failed request, ever
         self._closing = False
         self._flushers = 0
         self._first_enqueued = 0.0
         self.requests_committed = 0
         self.bytes_committed = 0
-        self.commit_failures = 0  # batches whose commit raised (r3rdma.metrics exports it)
+        self.commit_failures = 0  # commits that raised and lost records (r3rdma.metrics exports it)
+        self.requests_failed = 0
         self._thread = threading.Thread(target=self._run, name="r3rdma-writer", daemon=True)
         self._thread.start()
 
     def submit(self, record: RequestRecord | DeferredRecord) -> None:
-        """Queue a finished request; blocks while the in-flight budget is exhausted."""
+        """Queue a finished request; blocks while the in-flight budget is exhausted.
+
+        A record without rows is refused here (:class:`ShapeMismatchError`), before anything
+        is queued: a store cannot hold an array of 0 rows.
+        """
         with self._cond:
             self._raise_pending()
             if self._closing:
                 raise StoreError("RoutingWriter is closed")
+            ids = getattr(record, "ids_TLK", None)
+            rows = None if ids is None or not getattr(ids, "shape", None) else int(ids.shape[0])
+            if record.nbytes <= 0 or rows == 0:
+                rollout_id, request_id = _ids_of(record)
+                raise ShapeMismatchError(
+                    f"request {request_id!r} of rollout {rollout_id!r}: a record holds at least 1 routing row, got "
+                    f"{rows if rows is not None else 0} rows ({record.nbytes} bytes); nothing was queued"
+                )
             # A record larger than the whole budget is let through alone rather than deadlocking.
             while self._inflight_bytes and self._inflight_bytes + record.nbytes > self.max_inflight_bytes:
                 self._cond.wait()
@@ -193,12 +213,28 @@ class RoutingWriter:
         """Bytes queued or being committed (bounded by ``max_inflight_bytes``)."""
         return self._inflight_bytes
 
+    def failed_requests(self) -> list[tuple[str | None, str | None]]:
+        """``(rollout_id, request_id)`` of every request whose commit failed, in failure order
+        (ids are None for a deferred record whose rows could not even be produced)."""
+        with self._cond:
+            return list(self._failed)
+
     def _raise_pending(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, R3Error):
-                raise error
-            raise StoreError(f"committing routing failed: {error!r}") from error
+            error, errors, failed = self._error, self._errors, self._unreported
+            self._error, self._errors, self._unreported = None, [], []
+            if not isinstance(error, R3Error):
+                cause = error
+                error = StoreError(f"committing routing failed: {cause!r}")
+                error.__cause__ = cause
+            error.failed_request_ids = failed
+            error.errors = errors
+            error.add_note(
+                f"r3rdma: {len(failed)} requests failed to commit ({len(errors)} errors) since the last error raised: "
+                + ", ".join(f"{r}/{q}" for r, q in failed[:10]) + (" ..." if len(failed) > 10 else "")
+                + " (error.failed_request_ids lists them all; RoutingWriter.failed_requests() too)"
+            )
+            raise error
 
     def _run(self) -> None:
         while True:
@@ -223,24 +259,56 @@ class RoutingWriter:
                     size += record.nbytes
                 self._queued_bytes -= size
                 self._first_enqueued = time.monotonic()
-            error: BaseException | None = None
-            try:
-                device = [r for r in batch if getattr(r, "on_device", False)]
-                host = [r if isinstance(r, RequestRecord) else r.result() for r in batch if not getattr(r, "on_device", False)]
-                if host:
-                    self.store.commit(host)
-                if device:
-                    self.store.commit_device(device)  # GPU-direct: UCX reads device memory
-            except BaseException as e:  # handed to the engine thread at its next call
-                error = e
+            failures: list[tuple[BaseException, list]] = []  # (error, the records it lost)
+            host: list = []
+            for r in batch:
+                if getattr(r, "on_device", False):
+                    continue
+                try:
+                    host.append(r if isinstance(r, RequestRecord) else r.result())
+                except BaseException as e:  # this record's rows never arrived; the others go on
+                    failures.append((e, [r]))
+            device = [r for r in batch if getattr(r, "on_device", False)]
+            if host:
+                failures += self._commit(self.store.commit, host)
+            if device:
+                failures += self._commit(self.store.commit_device, device)  # GPU-direct: UCX reads device memory
             with self._cond:
                 self._inflight_bytes -= size
                 self._done += len(batch)
-                if error is None:
-                    self.requests_committed += len(batch)
-                    self.bytes_committed += size
-                else:
+                lost = sum(len(items) for _, items in failures)
+                self.requests_committed += len(batch) - lost
+                self.bytes_committed += size - sum(x.nbytes for _, items in failures for x in items)
+                for error, items in failures:  # handed to the engine thread at its next call
                     self.commit_failures += 1
+                    ids = [_ids_of(x) for x in items]
+                    self.requests_failed += len(ids)
+                    self._failed += ids
+                    self._unreported += ids
+                    self._errors.append(error)
                     if self._error is None:
                         self._error = error
                 self._cond.notify_all()
+
+    def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:
+        """Commit ``items``; on a refusal of the data (a ValueError: a bad record, a segment
+        conflict) commit them again one by one, so only the bad ones fail. I/O and transport
+        errors fail the whole batch (the same cause would fail each record again)."""
+        try:
+            commit(items)
+            return []
+        except BaseException as e:
+            if len(items) == 1 or not isinstance(e, ValueError):
+                return [(e, list(items))]
+        failures = []
+        for item in items:
+            try:
+                commit([item])
+            except BaseException as e:
+                failures.append((e, [item]))
+        return failures
+
+
+def _ids_of(item: object) -> tuple[str | None, str | None]:
+    """``(rollout_id, request_id)`` of a record, device rows or deferred record (None if unknown)."""
+    return getattr(item, "rollout_id", None), getattr(item, "request_id", None)
