@@ -26,7 +26,6 @@ from r3rdma.errors import (
     CaptureStateError,
     DuplicateRequestError,
     MissingRowsError,
-    SegmentError,
     SegmentGapError,
     SegmentOverlapError,
     ShapeMismatchError,
