@@ -42,6 +42,7 @@ class ListSink:
 
 
 def _capturer(**kw) -> tuple[RoutingCapturer, ListSink]:
+    kw.setdefault("check_ids", True)
     sink = ListSink()
     cap = RoutingCapturer(layer_map=LAYERS, top_k=K, num_experts=kw.pop("num_experts", E), num_slots=64,
                           sink=sink, rollout_id="r", **kw)
@@ -330,7 +331,7 @@ def test_check_ids_off_stores_what_the_dtype_makes_of_them():
     ids[0, 0, 0] = 257
     _step(cap, "a", 0, [0], ids=ids)
     record = cap.finish_request("a", prompt_len=1, generated_len=1)
-    assert record.ids_TLK[0, 0, 0] == 1  # wrapped: the reason check_ids is on by default
+    assert record.ids_TLK[0, 0, 0] == 1  # wrapped: what check_ids=True catches
 
 
 @pytest.mark.gpu
@@ -341,7 +342,7 @@ def test_out_of_range_ids_on_cuda_surface_without_a_sync_in_finish():
         pytest.skip("needs CUDA")
     sink = ListSink()
     cap = RoutingCapturer(layer_map=LAYERS, top_k=K, num_experts=E, num_slots=64, sink=sink, rollout_id="r",
-                          device="cuda")
+                          device="cuda", check_ids=True)
     ids = (np.arange(2 * len(LAYERS) * K).reshape(2, len(LAYERS), K)) % E
     ids[1, 2, 1] = 200
     cap.begin_step(["a"], [0], [2], [0, 1])
