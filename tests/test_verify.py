@@ -65,3 +65,18 @@ def test_presets_for_gpu_runs_have_the_required_geometry():
     assert c.num_hidden_layers >= 16 and c.num_experts >= 64 and not c.mlp_only_layers
     with pytest.raises(SystemExit):
         resolve_config("no-such-preset")
+
+
+def test_cli_verify_trainer_megatron_refuses_cpu(capsys):
+    # --trainer megatron rolls out with a megatron-core GPTModel on a GPU: on CPU it exits 2
+    # with a clear message, before importing megatron or building anything.
+    from r3rdma.cli import build_parser
+
+    argv = ["verify", "--trainer", "megatron", "--device", "cpu"]
+    assert build_parser(argv).parse_args(argv).trainer == "megatron"
+    assert build_parser(["verify"]).parse_args(["verify"]).trainer == "hf"
+    rc = cli_main(["verify", "--trainer", "megatron", "--device", "cpu", "--requests", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs a CUDA GPU" in err and "--trainer hf" in err
+    with pytest.raises(SystemExit):
+        cli_main(["verify", "--trainer", "deepspeed"])

@@ -381,6 +381,10 @@ def _table(s: dict[str, Any]) -> str:
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--trainer", choices=("hf", "megatron"), default="hf",
+                        help="hf: transformers model (CPU or GPU); megatron: a megatron-core GPTModel rolls out in bf16 "
+                             "and trains in fp32 (GPU only; r3rdma.cli.verify_megatron; uses --requests, batch sizes, "
+                             "lengths, --seed, --logit-gain, --root, --device)")
     parser.add_argument("--model-config", default="small-qwen3-moe",
                         help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
     parser.add_argument("--requests", type=int, default=16)
@@ -402,6 +406,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    if getattr(args, "trainer", "hf") == "megatron":
+        from r3rdma.cli.verify_megatron import main as megatron_main
+
+        return megatron_main(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = run_verify(
         model_config=args.model_config, num_requests=args.requests, rollout_batch_size=args.rollout_batch_size,
