@@ -78,6 +78,10 @@ class R3Config:
         store_token_file: ``store_nodes`` only: file holding the shared push secret
             (``R3_STORE_TOKEN_FILE``, as the cluster set-up exports it); None: the secret comes
             from ``$R3_STORE_TOKEN`` (:func:`r3rdma.transport.load_secret`).
+        store_replicas: ``store_nodes`` only: copies of each request, on the first R nodes of
+            its rendezvous order; a batch is durable once all R acknowledged
+            (``StoreNodesClient(replicas=)``, docs/DISTRIBUTED.md). 0: the client's default, 2
+            with two or more nodes, else 1.
         slot_table_device: where the capturer's slot table and step buffers live, when
             :meth:`build_capturer` is given no ``device``: ``auto`` (the model's device when
             built with ``model=``; else CUDA when available, else CPU), ``cpu``, ``cuda`` or
@@ -110,6 +114,7 @@ class R3Config:
     rollout_id: str = "default"
     store_urls: tuple[str, ...] = ()
     store_token_file: str | None = None
+    store_replicas: int = 0
     slot_table_device: str = "auto"
     pin_host_table: bool = False
     transfer_mode: str = "auto"
@@ -139,6 +144,9 @@ class R3Config:
 
             for url in self.store_urls:
                 parse_node_url(url)
+            if not 0 <= self.store_replicas <= len(self.store_urls):
+                raise ConfigError(f"store_replicas must be in 0..{len(self.store_urls)} (0: the default) for "
+                                  f"{len(self.store_urls)} store nodes, got {self.store_replicas}")
             if self.only_last_turn:
                 raise ConfigError(
                     "only_last_turn needs routing_store_type 'local': store nodes append a later turn as a "
@@ -310,7 +318,8 @@ class R3Config:
         from r3rdma.transport.auth import load_secret
         from r3rdma.write.push_client import StoreNodesClient
 
-        return StoreNodesClient(self.store_urls, secret=load_secret(self.store_token_file))
+        return StoreNodesClient(self.store_urls, secret=load_secret(self.store_token_file),
+                                replicas=self.store_replicas or None)
 
     def _resolve_device(self, device, model) -> "torch.device":
         import torch

@@ -43,8 +43,10 @@ _WRITER_GAUGES = [
     ("inflight_bytes", "r3rdma_writer_inflight_bytes", "Bytes queued or being committed (backpressure above max_inflight_bytes)"),
 ]
 _CLIENT_COUNTERS = [
-    ("requests_pushed", "r3rdma_push_requests", "Requests pushed to store nodes and acked durable"),
-    ("bytes_pushed", "r3rdma_push_bytes", "Routing bytes pushed to store nodes and acked durable"),
+    ("requests_pushed", "r3rdma_push_requests", "Requests pushed to store nodes and acked durable (on every replica)"),
+    ("bytes_pushed", "r3rdma_push_bytes", "Routing bytes pushed to store nodes and acked durable (counted once)"),
+    ("copies_pushed", "r3rdma_push_copies", "Request copies acked by store nodes (requests x replicas)"),
+    ("bytes_sent", "r3rdma_push_sent_bytes", "Routing bytes acked by store nodes, every replica counted"),
     ("failovers", "r3rdma_push_failovers", "Pushes to a node that failed and were retried on the next node"),
 ]
 
@@ -76,6 +78,9 @@ class CaptureMetrics(Collector):
                         yield family(name, doc, value=float(value))
         if self.client is not None and hasattr(self.client, "nodes_down"):
             yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(self.client.nodes)))
+            if getattr(self.client, "replicas", None) is not None:
+                yield GaugeMetricFamily("r3rdma_push_replicas", "Store nodes each request is made durable on",
+                                        value=float(self.client.replicas))
             yield GaugeMetricFamily("r3rdma_push_nodes_down", "Store nodes in failover cool-down now",
                                     value=float(len(self.client.nodes_down())))
 

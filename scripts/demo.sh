@@ -5,7 +5,9 @@
 #      Qwen3-MoE generates for mixed-length prompts, each step's routing is all-gathered across
 #      the TP ranks once, finished requests are pushed over UCX to their store node;
 #   3. a trainer process reads every request remotely over HTTP and checks it bit-exactly
-#      against the shadow record the rollout kept independently of the capturer.
+#      against the shadow record the rollout kept independently of the capturer. It reads with
+#      the HTTP read token the nodes derive from the push secret ($R3_STORE_READ_TOKEN_FILE,
+#      from the nodes' env file); the secret itself never goes over HTTP.
 # The last line is JSON ({"requests", "tokens", "stored_bytes", "roundtrip_exact", "store_nodes"});
 # the exit status is 1 if any request differs. Set R3_DEMO_DIR to keep the data somewhere.
 set -euo pipefail

@@ -6,13 +6,17 @@
 #
 # Node i keeps its Zarr root in DIR/node<i> (default DIR: ./r3rdma_nodes) and listens on
 # UCX port PORT+i and HTTP port PORT+i (default 0: free ports picked by the OS). The shared
-# secret is DIR/token (created, mode 600, if absent; or set R3_STORE_TOKEN_FILE to use another).
+# secret is DIR/token (created, mode 600, if absent; or set R3_STORE_TOKEN_FILE to use another):
+# engines push with it; HTTP never takes it. Each node writes the HTTP read token derived from it
+# (docs/PROTOCOL.md, "HTTP tokens") to <secret file>.read (mode 600): give trainers that file.
 # One node per machine on a cluster: run `scripts/start_store_nodes.sh 1 --host 0.0.0.0
 # --ucx-port 13337 --http-port 8337` on each, with the same token file.
 # --max-inflight-mb and --timeout-s go to every node's r3rdma-store as they are (memory budget
 # of batches in flight; deadline of each network step, which also bounds stalled senders and
 # HTTP clients that never finish a request): see r3rdma-store --help and docs/OPERATIONS.md.
-# Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env.
+# Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env
+# (R3_STORE_URLS, R3_STORE_HTTP_URLS, R3_STORE_TOKEN_FILE: the push secret, and
+# R3_STORE_READ_TOKEN_FILE: the read token, which r3rdma check / inspect use by default).
 # Stop them with scripts/stop_store_nodes.sh DIR.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +43,7 @@ store_bin="${R3_STORE_BIN:-$root/.venv/bin/r3rdma-store}"
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 token_file="${R3_STORE_TOKEN_FILE:-$dir/token}"
+read_token_file="$token_file.read"   # each node writes it at start (r3rdma-store --read-token-file)
 if [ ! -s "$token_file" ]; then
   (umask 077; python3 -c 'import secrets; print(secrets.token_hex(32))' > "$token_file")
 fi
@@ -47,7 +52,7 @@ for ((i = 0; i < n; i++)); do
   ucx=$(( ucx_base ? ucx_base + i : 0 )); http=$(( http_base ? http_base + i : 0 ))
   rm -f "$dir/node$i.ready"
   setsid nohup "$store_bin" --root "$dir/node$i" --host "$host" --ucx-port "$ucx" --http-port "$http" \
-    --token-file "$token_file" --ready-file "$dir/node$i.ready" "${extra[@]}" \
+    --token-file "$token_file" --read-token-file "$read_token_file" --ready-file "$dir/node$i.ready" "${extra[@]}" \
     > "$dir/node$i.log" 2>&1 < /dev/null &
   echo $! > "$dir/node$i.pid"
 done
@@ -67,8 +72,10 @@ cat > "$dir/env" <<ENV
 export R3_STORE_URLS=$urls
 export R3_STORE_HTTP_URLS=$http_urls
 export R3_STORE_TOKEN_FILE=$token_file
+export R3_STORE_READ_TOKEN_FILE=$read_token_file
 ENV
 echo "started $n store node(s) in $dir (logs: $dir/node*.log)"
 echo "R3_STORE_URLS=$urls"
 echo "R3_STORE_HTTP_URLS=$http_urls"
-echo "token file: $token_file   (source $dir/env to use them; stop: scripts/stop_store_nodes.sh $dir)"
+echo "push secret: $token_file   read token (for trainers): $read_token_file"
+echo "(source $dir/env to use them; stop: scripts/stop_store_nodes.sh $dir)"

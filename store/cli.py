@@ -1,21 +1,29 @@
 """``r3rdma-store``: run one store node until SIGTERM/SIGINT (then drain and exit 0).
 
-When ready it prints one JSON line: {"event": "ready", "host", "ucx_port", "http_port", "root", "pid"}.
+When ready it prints one JSON line: {"event": "ready", "host", "ucx_port", "http_port", "root", "pid",
+"read_token_file"}.
+
+At start it writes the HTTP read token (``derive_read_token(secret)``, docs/PROTOCOL.md) to
+``--read-token-file`` (default: ``<--token-file>.read``, next to the secret), mode 0600, so
+trainers can be handed that file instead of the push secret; ``read_token_file`` in the ready
+line names it (null when the secret came from ``$R3_STORE_TOKEN`` and no path was given).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import tempfile
 
-from r3rdma.errors import R3Error
-from r3rdma.transport import TransportLimits, configure_ucx_env, load_secret
+from r3rdma.errors import ConfigError, R3Error
+from r3rdma.transport import TransportLimits, configure_ucx_env, derive_read_token, load_secret
 from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV
 
 from .node import StoreNode
@@ -29,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on and to advertise (default 127.0.0.1)")
     p.add_argument("--ucx-port", type=int, default=0, help="UCX listen port (0: pick a free one)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port (0: pick a free one)")
-    p.add_argument("--token-file", default=None, help="file holding the shared secret (else R3_STORE_TOKEN)")
+    p.add_argument("--token-file", default=None, help="file holding the shared push secret (else R3_STORE_TOKEN); "
+                        "HTTP takes only tokens derived from it, never the secret")
+    p.add_argument("--read-token-file", default=None,
+                   help="write the HTTP read token (derived from the secret) to this file, mode 0600 "
+                        "(default: <token-file>.read; not written when the secret comes from R3_STORE_TOKEN)")
     p.add_argument("--public-read", action="store_true", help="serve reads without the token (pushes still need it)")
     p.add_argument("--max-payload-mb", type=int, default=256, help="largest payload of one pushed batch")
     p.add_argument("--max-header-kb", type=int, default=4096, help="largest header of one pushed batch")
@@ -43,8 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_read_token(path: str, token: str) -> str:
+    """Write ``token`` to ``path`` atomically, mode 0600 (a fresh file, whatever was there); return its absolute path.
+
+    Several nodes sharing one secret file write the same bytes to the same path; each writes
+    its own temporary file and renames it, so a reader never sees a partial token.
+    """
+    path = os.path.abspath(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
+    except OSError as e:
+        raise ConfigError(f"cannot write the read token file {path!r}: {e}") from e
+    try:
+        with os.fdopen(fd, "w") as f:  # mkstemp creates it 0600
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"cannot write the read token file {path!r}: {e}") from e
+    return path
+
+
 async def _serve(args: argparse.Namespace) -> int:
     secret = load_secret(args.token_file)
+    read_token_file = args.read_token_file or (args.token_file + ".read" if args.token_file else None)
+    if read_token_file:
+        read_token_file = write_read_token(read_token_file, derive_read_token(secret))
+        logging.getLogger("r3rdma.store").info("HTTP read token written to %s", read_token_file)
     limits = TransportLimits(
         max_payload_bytes=args.max_payload_mb << 20, max_header_bytes=args.max_header_kb << 10, timeout_s=args.timeout_s,
         max_inflight_bytes=args.max_inflight_mb << 20,
@@ -57,7 +98,8 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     address = await node.start()
     ready = json.dumps({"event": "ready", "host": address.host, "ucx_port": address.ucx_port,
-                        "http_port": address.http_port, "root": os.path.abspath(args.root), "pid": os.getpid()})
+                        "http_port": address.http_port, "root": os.path.abspath(args.root), "pid": os.getpid(),
+                        "read_token_file": read_token_file})
     print(ready, flush=True)
     if args.ready_file:
         tmp = args.ready_file + ".tmp"

@@ -10,8 +10,13 @@ Routes:
   DELETE /v1/rollouts/{rollout_id} delete a rollout and all its requests (retention)
   DELETE /v1/rollouts?older_than_s=N   delete every rollout whose last commit is older than N s
 
-Everything but /healthz needs ``Authorization: Bearer <token>`` unless the node runs with
-``public_read`` (which opens GET/HEAD only: DELETE always needs the token). Deletes go through
+Everything but /healthz needs ``Authorization: Bearer <token>``, with tokens derived from the
+push secret (:func:`~r3rdma.transport.auth.derive_read_token`), never the secret itself:
+GET/HEAD take the *read token* only (unless the node runs with ``public_read``, which opens
+GET/HEAD to anyone); DELETE (and any other method) takes the *admin token* only. A missing or
+unknown token is 401; a valid token for the other kind of request is 403 (a reader cannot
+delete; the admin token does not read either). The push secret is refused like any wrong
+token, so a client that sends it learns nothing and a sniffed request cannot push. Deletes go through
 the node's writer (:class:`~r3rdma.store.local_store.LocalRoutingStore`), never behind its back. Paths are checked component by component before the filesystem is touched:
 only Zarr names (ids, array names, ``zarr.json``, ``c``, chunk indices); never hidden or
 temporary files, never ``..``.
@@ -47,22 +52,43 @@ _CONDITIONAL = ("Range", "If-Range", "If-Match", "If-None-Match", "If-Modified-S
 
 
 def make_http_app(
-    root: Path, *, token: str | None, public_read: bool, metrics: NodeMetrics, store: LocalRoutingStore | None = None
+    root: Path,
+    *,
+    read_token: str | None,
+    admin_token: str | None,
+    public_read: bool,
+    metrics: NodeMetrics,
+    store: LocalRoutingStore | None = None,
 ) -> web.Application:
-    """The read service of ``root``; with ``store`` (the node's writer) it also serves DELETEs."""
-    if token is None and not public_read:
-        raise ConfigError("the read service needs a token unless public_read is set, got neither")
+    """The read service of ``root``; with ``store`` (the node's writer) it also serves DELETEs.
+
+    ``read_token`` is accepted for GET/HEAD, ``admin_token`` for DELETE (derive both from the
+    push secret with ``derive_read_token`` / ``derive_admin_token``); ``None`` accepts no token
+    for that kind of request (``public_read`` still opens GET/HEAD).
+    """
+    if read_token is None and not public_read:
+        raise ConfigError("the read service needs a read token unless public_read is set, got neither")
+    if read_token is not None and read_token == admin_token:
+        raise ConfigError("the read and admin tokens must differ (derive them with different labels)")
     root = root.resolve()
-    expected = f"Bearer {token}".encode() if token else None
+    bearer_read = f"Bearer {read_token}".encode() if read_token else None
+    bearer_admin = f"Bearer {admin_token}".encode() if admin_token else None
+
+    def _is(given: bytes, expected: bytes | None) -> bool:
+        return expected is not None and hmac.compare_digest(given, expected)
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         try:
-            open_read = public_read and request.method in ("GET", "HEAD")
-            if request.path != "/healthz" and not open_read:
+            reading = request.method in ("GET", "HEAD")
+            if request.path != "/healthz" and not (public_read and reading):
                 given = request.headers.get("Authorization", "").encode()
-                if expected is None or not hmac.compare_digest(given, expected):
+                wanted, other = (bearer_read, bearer_admin) if reading else (bearer_admin, bearer_read)
+                if not _is(given, wanted):
+                    if _is(given, other):
+                        kind = "the read token" if reading else "the admin token"
+                        raise web.HTTPForbidden(text=f"this request needs {kind}\n")
                     raise web.HTTPUnauthorized(text="missing or wrong bearer token\n", headers={"WWW-Authenticate": "Bearer"})
             response = await handler(request)
         except web.HTTPException as e:

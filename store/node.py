@@ -13,6 +13,7 @@ from r3rdma.errors import R3Error
 from r3rdma.store.local_store import CommitResult, LocalRoutingStore
 from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, UcxxServer
+from r3rdma.transport.auth import derive_admin_token, derive_read_token
 
 from .address import NodeAddress
 from .http_app import make_http_app
@@ -25,6 +26,10 @@ log = logging.getLogger("r3rdma.store")
 
 class StoreNode:
     """Owns one store root. ``start`` listens on UCX and HTTP; ``stop`` drains.
+
+    ``secret`` authenticates pushes (UCX hello); the HTTP service takes only tokens derived
+    from it: ``derive_read_token(secret)`` (kept as :attr:`read_token`) for GET/HEAD and
+    ``derive_admin_token(secret)`` for DELETE.
 
     Each received batch is committed (written, fsynced, indexed) in a worker thread before the
     transport acks it, so an ack always means durable.
@@ -47,9 +52,12 @@ class StoreNode:
         self.host = host
         self.metrics = NodeMetrics()
         self.store = LocalRoutingStore(self.root, zstd_level=zstd_level, chunk_rows=chunk_rows)
-        token = secret.decode() if isinstance(secret, bytes) else secret
+        # HTTP never takes the secret: reads take a token derived from it, deletes another
+        # (transport/auth.py), so a sniffed read can neither push nor delete.
+        self.read_token = derive_read_token(secret)
         self._http_app = make_http_app(
-            self.root, token=token, public_read=public_read, metrics=self.metrics, store=self.store
+            self.root, read_token=self.read_token, admin_token=derive_admin_token(secret), public_read=public_read,
+            metrics=self.metrics, store=self.store,
         )
         self._http_port = http_port
         self._runner: web.AppRunner | None = None

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from r3rdma.transport.auth import derive_admin_token, derive_read_token
+
 from .address import NodeAddress
 
 __all__ = ["NodeProcess", "spawn_node", "new_token"]
@@ -29,8 +31,19 @@ class NodeProcess:
     proc: subprocess.Popen
     root: Path
     address: NodeAddress
-    token: str
+    token: str  # the push secret (UCX); HTTP takes read_token / admin_token, never this
     log: Path
+    read_token_file: Path | None = None  # where the node wrote its read token (ready line)
+
+    @property
+    def read_token(self) -> str:
+        """The HTTP read token (GET/HEAD): ``derive_read_token(token)``."""
+        return derive_read_token(self.token)
+
+    @property
+    def admin_token(self) -> str:
+        """The HTTP admin token (DELETE): ``derive_admin_token(token)``."""
+        return derive_admin_token(self.token)
 
     host = property(lambda self: self.address.host)
     ucx_port = property(lambda self: self.address.ucx_port)
@@ -126,4 +139,6 @@ def spawn_node(
             print(f"store node stdout: {line!r}", file=sys.stderr)
             continue
         if isinstance(info, dict) and info.get("event") == "ready":
-            return NodeProcess(proc, root, NodeAddress(info["host"], info["ucx_port"], info["http_port"]), token, log)
+            read_file = info.get("read_token_file")
+            return NodeProcess(proc, root, NodeAddress(info["host"], info["ucx_port"], info["http_port"]), token, log,
+                               Path(read_file) if read_file else None)

@@ -6,7 +6,10 @@ writer lock) and removes a rollout's index first, so readers stop seeing it at o
 arrays. A trainer that reads a deleted rollout gets :class:`~r3rdma.errors.UnknownRolloutError`.
 
 Every node is asked, in parallel; a node that cannot be reached makes the call raise after
-the others were done, so a retention run is either complete or says which nodes still hold data.
+the others were done, so a retention run is either complete or says which nodes still hold data
+(the message names them; the error's ``failed_nodes`` lists them). With replicas a rollout's
+requests live on several nodes: pass every node, and run the delete again once a node that was
+down is back (its copy reappears to readers when it restarts).
 Errors say what happened: :class:`AuthenticationError` (the node refused the token),
 :class:`TransportError` (connection refused, reset or closed) and :class:`R3TimeoutError`
 (both worth a retry: deletes are idempotent), :class:`StoreError` (the node failed: HTTP 5xx),
@@ -115,5 +118,7 @@ async def _all(nodes: list[str], method: str, path: str, token: str, timeout_s: 
         done = [n for n, r in zip(nodes, results) if not isinstance(r, BaseException)]
         summary = "; ".join(f"{n}: {r}" for n, r in failed)
         cls = type(first) if isinstance(first, R3Error) else StoreError
-        raise cls(f"retention incomplete on {len(failed)} of {len(nodes)} nodes (done on {done}): {summary}") from first
+        error = cls(f"retention incomplete on {len(failed)} of {len(nodes)} nodes (done on {done}): {summary}")
+        error.failed_nodes = [n for n, _ in failed]  # still hold data: delete there again later
+        raise error from first
     return dict(zip(nodes, results))

@@ -282,7 +282,7 @@ def test_store_nodes_config_pushes_through_a_real_node(node, tmp_path, monkeypat
         capture_two_requests(cap)
     assert closed == [client]  # the capturer closed the writer, the writer the client
     assert cap.sink.requests_committed == 2
-    got = RoutingReader(node.http_url, token=node.token).get_numpy("pushed", ["a", "b"])
+    got = RoutingReader(node.http_url, token=node.read_token).get_numpy("pushed", ["a", "b"])
     np.testing.assert_array_equal(got["a"], truth("a", 5))
     np.testing.assert_array_equal(got["b"], truth("b", 3))
 
@@ -296,7 +296,7 @@ def test_store_nodes_secret_from_the_environment_and_a_wrong_one_refused(node, t
     assert cfg.store_urls == (node.push_url,) and cfg.store_token_file == str(token_file)
     with cfg.build_capturer(**GEOMETRY, num_slots=64) as cap:
         capture_two_requests(cap)
-    assert sorted(RoutingReader(node.http_url, token=node.token).info("env").request_ids) == ["a", "b"]
+    assert sorted(RoutingReader(node.http_url, token=node.read_token).info("env").request_ids) == ["a", "b"]
 
     monkeypatch.delenv("R3_STORE_TOKEN_FILE")
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
@@ -327,7 +327,7 @@ def test_cuda_pipeline_from_config_pins_the_table_and_pushes_device_rows(node, t
         assert (cap.transfer_probe is not None) == (transfer_mode == "auto")
         assert cap.transfer_mode in ("gpu_direct", "staged")
         capture_two_requests(cap)
-    got = RoutingReader(node.http_url, token=node.token).get_numpy(f"gpu-{transfer_mode}", ["a", "b"])
+    got = RoutingReader(node.http_url, token=node.read_token).get_numpy(f"gpu-{transfer_mode}", ["a", "b"])
     np.testing.assert_array_equal(got["a"], truth("a", 5))
     np.testing.assert_array_equal(got["b"], truth("b", 3))
 
@@ -343,3 +343,20 @@ def test_a_device_that_is_no_device_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError, match=r"pin_memory=True \(page-locked host memory\) needs CUDA"):
             RoutingCapturer(**GEOMETRY, num_slots=8, pin_memory=True)
     assert not (tmp_path / "r3").exists()
+
+
+def test_store_replicas_reach_the_push_client(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text(new_token() + "\n")
+    urls = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    base = {"routing_store_type": "store_nodes", "store_urls": urls, "store_token_file": str(token_file)}
+    for replicas, expected in ((0, 2), (1, 1), (3, 3)):
+        writer = R3Config.from_json({**base, "store_replicas": replicas}).build_writer()
+        try:
+            assert writer.store.replicas == expected
+        finally:
+            writer.close()
+    monkeypatch.setenv("R3_STORE_REPLICAS", "1")
+    assert R3Config.from_json(base).store_replicas == 1
+    with pytest.raises(ConfigError, match="store_replicas must be in 0..3"):
+        R3Config.from_json({**base, "store_replicas": 4})

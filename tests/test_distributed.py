@@ -32,7 +32,11 @@ def test_torchrun_tp2_rollout_to_two_store_nodes_then_remote_check(tmp_path):
         assert sum(r["pushed_by_rank"] for r in ranks) == 10 and all(r["pushed_by_rank"] > 0 for r in ranks)
         # one all-gather per step, not one per layer
         assert all(r["all_gathers"] == r["steps"] > 0 for r in ranks)
-        out = run([sys.executable, "-m", "r3rdma", "check", "--rollout-id", "dist", "--shadow-dir", str(tmp_path / "shadow")], env)
+        # The trainer holds only the read token file (DIR/env names it), never the push secret.
+        trainer_env = {k: v for k, v in env.items() if k not in ("R3_STORE_TOKEN_FILE", "R3_STORE_TOKEN")}
+        assert Path(trainer_env["R3_STORE_READ_TOKEN_FILE"]).is_file()
+        out = run([sys.executable, "-m", "r3rdma", "check", "--rollout-id", "dist", "--shadow-dir", str(tmp_path / "shadow")],
+                  trainer_env)
         result = json.loads(out.strip().splitlines()[-1])
         assert result["roundtrip_exact"] is True and result["requests"] == 10 and result["store_nodes"] == 2
         stored = [sum(1 for _ in (nodes / f"node{i}" / "dist").glob("b*")) for i in range(2)]

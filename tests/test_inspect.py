@@ -13,6 +13,8 @@ from r3rdma.cli.inspect import inspect_rollout
 from r3rdma.errors import AuthenticationError, TransportError
 from r3rdma.write.push_client import StoreNodesClient
 
+from r3rdma.transport import derive_read_token
+
 from .store_nodes import new_token, start_node
 
 
@@ -60,9 +62,15 @@ def test_inspect_store_node_url_with_token(tmp_path, make_record, capsys):
         records = [make_record(f"r{i}", rows=30, layers=2, k=4, num_experts=32) for i in range(4)]
         with StoreNodesClient([node.push_url], secret=token) as client:
             client.commit(records)
-        summary, load = inspect_rollout(node.http_url, "roll-0", token=token)
+        summary, load = inspect_rollout(node.http_url, "roll-0", token=node.read_token)
         assert summary.requests == 4 and summary.tokens == 120
         np.testing.assert_array_equal(load, _expected_load(records, 2, 32))
+        with pytest.raises(AuthenticationError, match="HTTP 401"):  # the push secret is no HTTP token
+            inspect_rollout(node.http_url, "roll-0", token=token)
+        # The read token file the node wrote, and (compatibility) the push secret file, from
+        # which the command derives the read token and sends only that.
+        assert cli_main(["inspect", node.http_url, "roll-0", "--read-token-file", str(node.read_token_file)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 120
         token_file = tmp_path / "tok"
         token_file.write_text(token + "\n")
         assert cli_main(["inspect", node.http_url, "roll-0", "--token-file", str(token_file)]) == 0
@@ -91,6 +99,7 @@ def test_inspect_wrong_token_and_refused_connection_exit_with_one_line(tmp_path,
         assert out == "" and len(err.strip().splitlines()) == 1
         assert err.startswith("r3rdma inspect: AuthenticationError: ") and node.http_url in err
         assert wrong not in err and token not in err and "Traceback" not in err
+        assert derive_read_token(wrong) not in err and node.read_token not in err
     finally:
         node.stop(signal.SIGKILL)
 
@@ -108,4 +117,4 @@ def test_inspect_wrong_token_and_refused_connection_exit_with_one_line(tmp_path,
 def test_inspect_missing_token_file_is_one_line(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path), "roll-0", "--token-file", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("r3rdma inspect: ConfigError: cannot read the token file") and len(err.strip().splitlines()) == 1
+    assert err.startswith("r3rdma inspect: ConfigError: cannot read the secret file") and len(err.strip().splitlines()) == 1

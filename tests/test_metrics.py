@@ -66,7 +66,7 @@ def test_push_client_and_store_node_metrics(tmp_path, make_record):
                     writer.submit(r)
                 writer.flush(timeout=60)
                 engine = {s.name: s.value for f in capture_registry(writer=writer).collect() for s in f.samples}
-                store = _scrape(f"{node.http_url}/metrics", {"Authorization": f"Bearer {token}"})
+                store = _scrape(f"{node.http_url}/metrics", {"Authorization": f"Bearer {node.read_token}"})
         total = sum(r.nbytes for r in records)
         assert engine["r3rdma_writer_requests_committed_total"] == 5
         assert engine["r3rdma_push_bytes_total"] == total  # writer.store is the push client
@@ -88,7 +88,7 @@ def test_nodes_in_failover_cooldown_are_public_and_exported(tmp_path, make_recor
     try:
         records = [make_record(f"q{i}") for i in range(8)]
         limits = TransportLimits(timeout_s=2.0)
-        with StoreNodesClient([node.push_url, dead], secret=token, limits=limits, down_cooldown_s=600) as client:
+        with StoreNodesClient([node.push_url, dead], secret=token, limits=limits, down_cooldown_s=600, replicas=1) as client:
             assert any(client.owner(r) == dead for r in records)  # some pushes must fail over
             assert client.nodes_down() == []
             assert client.commit(records).failovers >= 1

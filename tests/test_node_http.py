@@ -67,7 +67,7 @@ def test_whole_arrays_are_bit_exact(tmp_path, make_record, node_root, level):
     records = populate(root, make_record, level=level)
     node = node_root(root)
     assert_reads_back(node, records)
-    client = NodeHttpClient(node.http_url, node.token)
+    client = NodeHttpClient(node.http_url, node.read_token)
     try:
         whole = client.read_array("roll-0/b00000001", "test").array
         want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
@@ -100,7 +100,7 @@ def test_damage_is_refused(tmp_path, make_record, node_root, damage, level):
     else:
         (root / "roll-0" / "b00000001" / "zarr.json").unlink()
     node = node_root(root)
-    with RoutingReader(node.http_url, token=node.token) as reader:
+    with RoutingReader(node.http_url, token=node.read_token) as reader:
         with pytest.raises(CorruptDataError, match="b00000001"):
             reader.get_numpy("roll-0", [r.request_id for r in records[:4]])
         # The other array is intact and still reads.
@@ -117,7 +117,7 @@ def rewrite_first_array(root: Path, **layout) -> np.ndarray:
 
 
 def read_first_array(node) -> np.ndarray | None:
-    client = NodeHttpClient(node.http_url, node.token)
+    client = NodeHttpClient(node.http_url, node.read_token)
     try:
         got = client.read_array("roll-0/b00000001", "test")
         return None if got is None else got.array
@@ -126,7 +126,7 @@ def read_first_array(node) -> np.ndarray | None:
 
 
 def assert_reads_back(node, records) -> None:
-    with RoutingReader(node.http_url, token=node.token) as reader:
+    with RoutingReader(node.http_url, token=node.read_token) as reader:
         got = reader.get_numpy("roll-0", [r.request_id for r in records])
     for r in records:
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
@@ -369,7 +369,7 @@ def test_request_crcs_are_computed_while_the_rows_arrive(tmp_path, make_record, 
     node = node_root(root)
     want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
     ranges = [(0, 17), (17, 43), (5, 6), (30, want.shape[0]), (9, 9)]
-    client = NodeHttpClient(node.http_url, node.token)
+    client = NodeHttpClient(node.http_url, node.read_token)
     try:
         got = client.read_array("roll-0/b00000001", "test", ranges)
         with pytest.raises(CorruptDataError, match=f"has {want.shape[0]} rows; the index lists rows up to {want.shape[0] + 1}"):
@@ -398,7 +398,7 @@ def test_rows_that_differ_from_the_index_are_refused(tmp_path, make_record, node
                       compressors=zarr_codecs(level))
     node = node_root(root)
     assert read_first_array(node) is not None  # our layout: read by the client, not zarr
-    with RoutingReader(node.http_url, token=node.token) as reader:
+    with RoutingReader(node.http_url, token=node.read_token) as reader:
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r0"])["r0"], records[0].ids_TLK)
         with pytest.raises(CorruptDataError, match=r"request 'r1' .* rows 17\.\.42: crc32c"):
             reader.get_numpy("roll-0", [r.request_id for r in records[:4]])

@@ -58,35 +58,40 @@ def test_delete_rollout_on_every_node_and_by_age(two_nodes, tmp_path):
     with StoreNodesClient([a.push_url, b.push_url], secret=a.token, limits=TransportLimits(timeout_s=5)) as client:
         client.commit(recs)
     urls = [a.http_url, b.http_url]
-    reader = RoutingReader(urls, token=a.token)
+    reader = RoutingReader(urls, token=a.read_token)
     assert len(reader.info("r1").request_ids) == 12
     # A trainer holding r1's index while it is deleted: a clear error, not "corrupt".
     reader.get_numpy("r1", ["q0"])
 
     with pytest.raises(AuthenticationError):
         delete_rollout(urls, "r1", token=rb.new_token())
+    # Neither the push secret nor a reader's token deletes: only the admin token.
+    with pytest.raises(AuthenticationError, match="HTTP 401"):
+        delete_rollout(urls, "r1", token=a.token)
+    with pytest.raises(AuthenticationError, match="HTTP 403"):
+        delete_rollout(urls, "r1", token=a.read_token)
     with pytest.raises(InvalidIdError):
-        delete_rollout(urls, "..", token=a.token)
-    held = delete_rollout(urls, "r1", token=a.token)
+        delete_rollout(urls, "..", token=a.admin_token)
+    held = delete_rollout(urls, "r1", token=a.admin_token)
     assert held == {a.http_url: True, b.http_url: True}
     with pytest.raises(UnknownRolloutError):
         reader.get_numpy("r1", ["q1", "q2", "q3", "q4", "q5", "q6", "q7"])
     with pytest.raises(UnknownRolloutError):
-        RoutingReader(urls, token=a.token).info("r1")
+        RoutingReader(urls, token=a.read_token).info("r1")
     with pytest.raises(UnknownRolloutError, match="not found on any"):
-        delete_rollout(urls, "r1", token=a.token)
+        delete_rollout(urls, "r1", token=a.admin_token)
     reader.close()
 
     # By age: nothing is a day old; everything is older than 0 s except what is written after.
-    assert delete_older_than(urls, 86400, token=a.token) == {a.http_url: [], b.http_url: []}
-    out = delete_older_than(urls, 0, token=a.token)
+    assert delete_older_than(urls, 86400, token=a.admin_token) == {a.http_url: [], b.http_url: []}
+    out = delete_older_than(urls, 0, token=a.admin_token)
     assert sorted(set(sum(out.values(), []))) == ["keep", "r2"]
     for n in two_nodes:
         assert sorted(p.name for p in n.root.iterdir()) == [".r3rdma.lock", "zarr.json"]
     # The nodes keep ingesting afterwards.
     with StoreNodesClient([a.push_url, b.push_url], secret=a.token, limits=TransportLimits(timeout_s=5)) as client:
         client.commit([rb.make_record("r1", "again")])
-    assert RoutingReader(urls, token=a.token).info("r1").request_ids == ("again",)
+    assert RoutingReader(urls, token=a.read_token).info("r1").request_ids == ("again",)
 
 
 def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
@@ -96,6 +101,9 @@ def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
             client.commit([rb.make_record("p", "x")])
         with pytest.raises(AuthenticationError):
             delete_rollout([node.http_url], "p", token="wrong" * 8)
+        with pytest.raises(AuthenticationError, match="HTTP 403"):  # public reads, but not deletes
+            delete_rollout([node.http_url], "p", token=node.read_token)
+        # The command is given the push secret file and sends the admin token derived from it.
         token_file = tmp_path / "tok"
         token_file.write_text(node.token)
         assert cli_main(["delete", "--nodes", node.http_url, "--rollout", "p", "--token-file", str(token_file)]) == 0

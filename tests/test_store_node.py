@@ -27,7 +27,7 @@ def two_nodes(tmp_path):
 
 
 def http_store(node, token=None):
-    headers = {"Authorization": f"Bearer {token or node.token}"}
+    headers = {"Authorization": f"Bearer {token or node.read_token}"}
     return FsspecStore.from_url(f"{node.http_url}/zarr", storage_options={"headers": headers}, read_only=True)
 
 
@@ -76,7 +76,8 @@ def test_failover_when_a_node_dies(two_nodes, make_record):
     recs = [make_record(f"f{i}", rows=10) for i in range(30)]
     # A dead node is only noticed when its connect times out: keep that short here.
     limits = TransportLimits(timeout_s=3)
-    with StoreNodesClient([a.push_url, b.push_url], secret=a.token, down_cooldown_s=60, limits=limits) as client:
+    # One copy per request (replicas=1): with two nodes the default is 2, which a lone node can't hold.
+    with StoreNodesClient([a.push_url, b.push_url], secret=a.token, down_cooldown_s=60, limits=limits, replicas=1) as client:
         client.commit(recs[:10])
         a.stop(signal.SIGKILL)
         stats = client.commit(recs[10:])
@@ -109,8 +110,11 @@ async def _get(url, headers=None):
 
 @pytest.mark.timeout(120)
 async def _http_checks(node, rec):
-    auth = {"Authorization": f"Bearer {node.token}"}
+    auth = {"Authorization": f"Bearer {node.read_token}"}
     assert (await _get(f"{node.http_url}/healthz"))[0] == 200
+    # The push secret is never an HTTP credential; the admin token does not read either.
+    assert (await _get(f"{node.http_url}/v1/rollouts", {"Authorization": f"Bearer {node.token}"}))[0] == 401
+    assert (await _get(f"{node.http_url}/v1/rollouts", {"Authorization": f"Bearer {node.admin_token}"}))[0] == 403
     assert (await _get(f"{node.http_url}/v1/rollouts"))[0] == 401
     assert (await _get(f"{node.http_url}/v1/rollouts", {"Authorization": "Bearer nope"}))[0] == 401
     status, body, _ = await _get(f"{node.http_url}/v1/rollouts", auth)
@@ -178,7 +182,7 @@ def test_reader_errors_say_what_happened(tmp_path, make_record):
             with reader, pytest.raises(AuthenticationError, match="HTTP 401") as raised:
                 reader.get_numpy("roll-0", ["e"])
             assert not isinstance(raised.value, CorruptDataError)
-        reader = RoutingReader(node.http_url, token=node.token)
+        reader = RoutingReader(node.http_url, token=node.read_token)
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["e"])["e"], make_record("e", rows=40).ids_TLK)
     finally:
         node.stop(signal.SIGKILL)

@@ -5,7 +5,7 @@ implementation loads ucxx on first use, after :func:`configure_ucx_env`.
 See docs/PROTOCOL.md for the wire format.
 """
 
-from .auth import load_secret
+from .auth import derive_admin_token, derive_read_token, load_secret, load_token_file
 from .base import Handler, PushAck, ServerAddress, TransportClient, TransportServer
 from .batch import PackedBatch, RecordMeta
 from .limits import TransportLimits
@@ -29,5 +29,8 @@ __all__ = [
     "UcxxClient",
     "UcxxServer",
     "configure_ucx_env",
+    "derive_admin_token",
+    "derive_read_token",
     "load_secret",
+    "load_token_file",
 ]

@@ -3,6 +3,17 @@
 Both sides prove knowledge of the secret over a transcript of two fresh random nonces
 (one chosen by each side), under different labels per direction so a proof can never be
 reflected back. The secret itself never goes on the wire.
+
+The HTTP service never sees the secret either: it takes bearer tokens derived from it, one
+way, so that holding one (e.g. sniffed from a plain-HTTP read) gives neither the secret nor
+the other token (docs/PROTOCOL.md, "HTTP tokens")::
+
+    read token  = HMAC-SHA256(key=secret, msg=b"r3rdma read v1").hexdigest()    # GET/HEAD
+    admin token = HMAC-SHA256(key=secret, msg=b"r3rdma admin v1").hexdigest()   # DELETE
+
+``secret`` is the HMAC key exactly as the hello uses it (see :func:`load_secret`); the token
+is the 64 lowercase hex characters, sent as ``Authorization: Bearer <token>``. Any client
+computes it with ``hmac.new(secret, b"r3rdma read v1", hashlib.sha256).hexdigest()``.
 """
 
 from __future__ import annotations
@@ -15,7 +26,18 @@ from pathlib import Path
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["SECRET_ENV", "MIN_SECRET_BYTES", "NONCE_BYTES", "load_secret", "coerce_secret"]
+__all__ = [
+    "SECRET_ENV",
+    "MIN_SECRET_BYTES",
+    "NONCE_BYTES",
+    "READ_TOKEN_LABEL",
+    "ADMIN_TOKEN_LABEL",
+    "load_secret",
+    "coerce_secret",
+    "derive_read_token",
+    "derive_admin_token",
+    "load_token_file",
+]
 
 SECRET_ENV = "R3_STORE_TOKEN"
 MIN_SECRET_BYTES = 16
@@ -24,6 +46,8 @@ PROOF_BYTES = 32  # HMAC-SHA256
 
 _CLIENT_LABEL = b"r3rdma client proof v1\x00"
 _SERVER_LABEL = b"r3rdma server proof v1\x00"
+READ_TOKEN_LABEL = b"r3rdma read v1"
+ADMIN_TOKEN_LABEL = b"r3rdma admin v1"
 
 
 def coerce_secret(secret: bytes | str) -> bytes:
@@ -59,6 +83,40 @@ def load_secret(path: str | os.PathLike[str] | None = None) -> bytes:
         f"no transport secret: pass a secret file path or set ${SECRET_ENV} "
         "(both sides must share it)"
     )
+
+
+def derive_read_token(secret: bytes | str) -> str:
+    """The HTTP read token of ``secret``: ``HMAC-SHA256(secret, b"r3rdma read v1")`` as hex.
+
+    Store nodes accept it (and only it) for GET/HEAD; it cannot push (the UCX hello needs the
+    secret) nor delete (that needs :func:`derive_admin_token`). ``secret`` is the push secret's
+    bytes (a ``str`` is UTF-8 encoded), at least 16 bytes, as :func:`load_secret` returns it.
+    """
+    return hmac.new(coerce_secret(secret), READ_TOKEN_LABEL, hashlib.sha256).hexdigest()
+
+
+def derive_admin_token(secret: bytes | str) -> str:
+    """The HTTP admin token of ``secret``: ``HMAC-SHA256(secret, b"r3rdma admin v1")`` as hex.
+
+    Store nodes accept it (and only it) for DELETE (retention). A reader's token cannot delete.
+    """
+    return hmac.new(coerce_secret(secret), ADMIN_TOKEN_LABEL, hashlib.sha256).hexdigest()
+
+
+def load_token_file(path: str | os.PathLike[str]) -> str:
+    """A bearer token from a file (e.g. the ``<secret file>.read`` a store node writes).
+
+    Surrounding whitespace is stripped. Raises :class:`ConfigError` if the file cannot be read,
+    is empty, or holds anything but printable ASCII (a header value could not carry it).
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the token file {str(path)!r}: {e}") from e
+    token = raw.strip()
+    if not token or any(b < 0x21 or b > 0x7E for b in token):
+        raise ConfigError(f"the token file {str(path)!r} is empty or holds other than printable ASCII")
+    return token.decode("ascii")
 
 
 def new_nonce() -> bytes:

@@ -126,8 +126,8 @@ def run_read_bench(
         for rollout in rollouts
     }
     file_bytes = {rollout: sum((store_root / f).stat().st_size for f in paths) for rollout, paths in files.items()}
-    token = new_token()
-    node = spawn_node(store_root, token)
+    node = spawn_node(store_root, new_token())
+    token = node.read_token  # HTTP reads take the read token derived from the push secret
     url = node.http_url
     warm = mode == "warm"
     ids = [r.request_id for r in records]

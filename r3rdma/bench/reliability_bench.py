@@ -664,9 +664,14 @@ async def _fuzz_http(node: NodeProcess, rng: random.Random, n: int, rollout: str
         if rng.random() < 0.1:
             path = "/" + "".join(chr(rng.randrange(33, 127)) for _ in range(rng.randrange(1, 40)))
         method = rng.choice(["GET", "GET", "GET", "HEAD", "POST", "PUT", "OPTIONS", "DELETE", "TRACE"])
-        who = rng.choice(["right", "right", "none", "wrong", "garbage"])
+        who = rng.choice(["right", "right", "none", "wrong", "garbage", "secret", "other"])
         headers = [f"Host: {node.host}", "Connection: close"]
-        if who == "right":
+        reading = method in ("GET", "HEAD")
+        if who == "right":  # the token for this method: read for GET/HEAD, admin otherwise
+            headers.append(f"Authorization: Bearer {node.read_token if reading else node.admin_token}")
+        elif who == "other":  # a valid token for the other kind of request: 403
+            headers.append(f"Authorization: Bearer {node.admin_token if reading else node.read_token}")
+        elif who == "secret":  # the push secret is never an HTTP credential
             headers.append(f"Authorization: Bearer {node.token}")
         elif who == "wrong":
             headers.append(f"Authorization: Bearer {new_token()}")
@@ -855,9 +860,9 @@ def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int 
 
 
 def token_leaks(node: NodeProcess, *others: str) -> list[str]:
-    """Places the node's token (or ``others``) appear in its log or its stdout."""
+    """Places the node's secret, its HTTP tokens (or ``others``) appear in its log or its stdout."""
     text = node.log.read_text(errors="replace")
-    return [t[:8] + "..." for t in (node.token, *others) if t and t in text]
+    return [t[:8] + "..." for t in (node.token, node.read_token, node.admin_token, *others) if t and t in text]
 
 
 # -- CLI -------------------------------------------------------------------------------------

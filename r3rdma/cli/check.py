@@ -1,7 +1,10 @@
 """`r3rdma check`: the trainer side of the distributed demo.
 
 Reads every request of a rollout remotely from the store nodes' HTTP services and compares it
-bit-exactly with the shadow records the rollout ranks wrote. Last line is JSON with
+bit-exactly with the shadow records the rollout ranks wrote. It sends the HTTP read token
+(``--read-token-file``, default ``$R3_STORE_READ_TOKEN_FILE`` as ``scripts/start_store_nodes.sh``
+writes it into ``DIR/env``), or one derived from the push secret file (``--token-file``); never
+the secret. Last line is JSON with
 {"requests", "tokens", "stored_bytes", "roundtrip_exact", "store_nodes"}; exit 1 if not exact,
 2 (one line naming the error type on stderr) if the read fails.
 """
@@ -21,15 +24,20 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(parser) -> None:
     parser.add_argument("--http-urls", default=os.environ.get("R3_STORE_HTTP_URLS", ""),
                         help="store node HTTP URLs, comma separated (default: $R3_STORE_HTTP_URLS)")
-    parser.add_argument("--token-file", default=os.environ.get("R3_STORE_TOKEN_FILE"))
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--read-token-file", default=None,
+                       help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)")
+    which.add_argument("--token-file", default=None,
+                       help="or the push secret file: the read token is derived from it here and only that is sent "
+                            "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)")
     parser.add_argument("--rollout-id", default="rollout-0")
     parser.add_argument("--shadow-dir", required=True)
 
 
 def main(args) -> int:
+    from r3rdma.cli.credentials import read_token
     from r3rdma.errors import R3Error
     from r3rdma.read.reader import RoutingReader
-    from r3rdma.transport import load_secret
 
     urls = [u for u in args.http_urls.split(",") if u]
     shadow: dict[str, np.ndarray] = {}
@@ -37,7 +45,7 @@ def main(args) -> int:
         with np.load(path) as data:
             shadow.update({k: data[k] for k in data.files})
     try:
-        token = load_secret(args.token_file).decode()
+        token = read_token(args.read_token_file, args.token_file)
         with RoutingReader(urls, token=token) as reader:
             info = reader.info(args.rollout_id)
             got = reader.get_numpy(args.rollout_id, sorted(shadow))

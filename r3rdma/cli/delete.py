@@ -1,4 +1,10 @@
-"""`r3rdma delete`: retention, delete rollouts (by id or by age) on every store node."""
+"""`r3rdma delete`: retention, delete rollouts (by id or by age) on every store node.
+
+Deleting is an operator action: nodes take DELETE only with the admin token,
+``derive_admin_token(secret)`` (docs/PROTOCOL.md, "HTTP tokens"), which this command derives
+from the push secret file the operator holds (``--token-file``); the secret is never sent, and
+a trainer's read token is refused (HTTP 403).
+"""
 
 from __future__ import annotations
 
@@ -15,16 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--rollout", action="append", help="rollout id to delete on every node (repeatable)")
     what.add_argument("--older-than-s", type=float, help="delete every rollout whose last commit is older than this")
-    parser.add_argument("--token-file", default=None, help="file holding the store token (else R3_STORE_TOKEN)")
+    parser.add_argument("--token-file", default=None,
+                        help="the push secret file (else $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN): the admin token "
+                             "is derived from it here and only that is sent; the read token cannot delete")
     parser.add_argument("--timeout-s", type=float, default=30.0)
 
 
 def main(args: argparse.Namespace) -> int:
+    from r3rdma.cli.credentials import admin_token
     from r3rdma.store.retention import delete_older_than, delete_rollout
-    from r3rdma.transport import load_secret
 
     try:
-        token = load_secret(args.token_file).decode()
+        token = admin_token(args.token_file)
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         if args.rollout:
             out: dict[str, Any] = {"deleted": {rid: delete_rollout(nodes, rid, token=token, timeout_s=args.timeout_s)

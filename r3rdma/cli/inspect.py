@@ -1,8 +1,9 @@
 """`r3rdma inspect`: what a rollout holds, and how its tokens spread over experts.
 
-``r3rdma inspect SOURCE ROLLOUT [--token-file F] [--png load.png]``: SOURCE is a local store
-root or a store node's ``http://host:port`` (several, comma-separated, for a rollout spread
-over nodes). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
+``r3rdma inspect SOURCE ROLLOUT [--read-token-file F | --token-file SECRET] [--png load.png]``:
+SOURCE is a local store root or a store node's ``http://host:port`` (several, comma-separated,
+for a rollout spread over nodes). Over HTTP it sends the read token (from ``--read-token-file``,
+or derived here from the push secret file ``--token-file``; never the secret itself). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
 base64, layers, top-k, experts, per-layer expert load balance) and writes a heatmap of expert
 load per layer. The last line is JSON. A read that fails (token refused, node unreachable,
 damaged data) prints one line naming the error type to stderr and exits 2.
@@ -136,23 +137,22 @@ def _human(n: float) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("source", help="store root directory or store node URL http://host:port (comma-separated for several)")
     parser.add_argument("rollout", help="rollout id")
-    parser.add_argument("--token-file", default=None, help="file with the store nodes' token (else R3_STORE_TOKEN)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--read-token-file", default=None,
+                       help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)")
+    which.add_argument("--token-file", default=None,
+                       help="or the push secret file: the read token is derived from it here and only that is sent "
+                            "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)")
     parser.add_argument("--png", default=None, help="write a heatmap of expert load per layer to this PNG file")
 
 
 def main(args) -> int:
-    from r3rdma.errors import ConfigError, R3Error
+    from r3rdma.cli.credentials import read_token
+    from r3rdma.errors import R3Error
 
     try:
-        token = None
-        if args.token_file:
-            try:
-                with open(args.token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise ConfigError(f"cannot read the token file {args.token_file!r}: {e}") from e
-        elif os.environ.get("R3_STORE_TOKEN"):
-            token = os.environ["R3_STORE_TOKEN"]
+        remote = "://" in args.source  # a local root needs no token: the environment's is not read
+        token = read_token(args.read_token_file, args.token_file) if remote or args.read_token_file or args.token_file else None
         summary, load = inspect_rollout(args.source, args.rollout, token=token)
     except R3Error as e:
         print(f"r3rdma inspect: {type(e).__name__}: {e}", file=sys.stderr)

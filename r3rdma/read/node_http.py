@@ -88,7 +88,8 @@ def status_error(node: str, what: str, status: int, text: str = "") -> R3Error:
         # The node's text says no more than this; the token itself is never in a message.
         return AuthenticationError(
             f"store node {node} refused the token ({what}: HTTP {status}); "
-            "give the reader the node's token (--token-file / R3_STORE_TOKEN)"
+            "give the reader the nodes' read token, derive_read_token(secret), not the push secret "
+            "(--read-token-file / R3_STORE_READ_TOKEN_FILE)"
         )
     detail = " ".join(text.split())[:200]
     side = "failed" if status >= 500 else "refused"  # 5xx: the node's own failure

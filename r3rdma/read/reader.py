@@ -11,6 +11,7 @@ committed (or deleted).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +26,13 @@ from tqdm.auto import tqdm
 from zarr.storage import LocalStore
 
 from r3rdma.errors import (
+    AuthenticationError,
     ConfigError,
     CorruptDataError,
     R3Error,
+    R3TimeoutError,
     StoreError,
+    TransportError,
     UnknownRequestError,
     UnknownRolloutError,
 )
@@ -39,6 +43,8 @@ from r3rdma.store.shard_codec import ShardDecoder, chunk_pool
 from r3rdma.store.layout import INDEX_KEY, parse_array_name
 
 __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "to_torch"]
+
+_log = logging.getLogger(__name__)
 
 _PROGRESS_MIN_ARRAYS = 16  # reads touching fewer arrays finish too fast for a progress bar
 
@@ -89,11 +95,18 @@ class RoutingReader:
     ``sources`` is one source or a list: a local directory, an ``http(s)://host:port`` URL
     of a store node (its ``/zarr/`` tree is read with zarr's fsspec store; ``token`` is sent
     as a bearer header), or any zarr ``StoreLike``. With several sources (the store nodes a
-    rollout's requests were spread over) their indexes are merged; a request found on two
-    nodes (re-pushed after a failover) must have the same checksum on both. Reads run in
+    rollout's requests were spread over) their indexes are merged; a request found on several
+    nodes (replicas, or re-pushed after a failover) must have the same checksum on each
+    (else :class:`CorruptDataError` naming both) and is read from any of them. Reads run in
     parallel over nodes and arrays (``max_workers``). Each returned segment is verified
     against the CRC-32C in the index unless ``verify=False``. ``timeout_s`` bounds every wait
     on a store node (connect, each read of the answer): past it, :class:`R3TimeoutError`.
+
+    Several sources: a source that cannot be reached (:class:`TransportError`,
+    :class:`R3TimeoutError`, :class:`StoreError`; never a refused token) when the index is
+    fetched is skipped with a warning and listed in :attr:`last_skipped_nodes`; a request
+    that only skipped nodes could hold raises :class:`TransportError` naming them. A read that
+    fails on one source is retried on another source holding the request.
     """
 
     def __init__(
@@ -120,6 +133,11 @@ class RoutingReader:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
         self._indexes: dict[str, _MergedIndex] = {}
         self._progress = progress
+        #: Sources skipped by the last index fetch (name -> why): unreachable nodes whose
+        #: replicas were not needed, or whose absence made a read fail with TransportError.
+        self.last_skipped_nodes: dict[str, str] = {}
+        #: Reads that failed on one source and were retried on another (a counter).
+        self.read_failovers = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -149,6 +167,11 @@ class RoutingReader:
     def stored_bytes(self, rollout_id: str) -> dict[str, int]:
         """Bytes each source stores for the rollout (index and arrays), keyed by source name."""
         merged = self._index(rollout_id, refresh=True)
+        if merged.skipped:
+            raise TransportError(
+                f"rollout {rollout_id!r}: cannot size every source, {len(merged.skipped)} could not be reached: "
+                + "; ".join(f"{n}: {w}" for n, w in merged.skipped.items())
+            )
         out = {}
         for i, source in enumerate(self._sources):
             index = merged.per_source.get(i)
@@ -166,6 +189,12 @@ class RoutingReader:
         missing = [rid for rid in request_ids if rid not in merged.requests]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            if merged.skipped:
+                raise TransportError(
+                    f"rollout {rollout_id!r}: requests {shown} are on none of the reachable store nodes; "
+                    f"{len(merged.skipped)} could not be reached and may hold them (retryable): "
+                    + "; ".join(f"{name}: {why}" for name, why in merged.skipped.items())
+                )
             pending = [rid for rid in missing if rid in merged.pending]
             note = (
                 f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
@@ -175,15 +204,14 @@ class RoutingReader:
             raise UnknownRequestError(
                 f"rollout {rollout_id!r} has no committed request {shown} ({len(merged.requests)} requests committed){note}"
             )
-        # Group the wanted segments by (source, array): each array is read once, over the span
-        # its segments cover when that span is dense, and arrays are read in parallel.
-        wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
-        for rid in request_ids:
-            src, entry = merged.requests[rid]
-            for seg_no, seg in enumerate(entry["segments"]):
-                wanted.setdefault((src, seg["array"]), []).append((rid, seg_no, seg))
+        # Each request is read from one source holding it (the first that has not failed in
+        # this call); its segments are grouped by (source, array): each array is read once,
+        # over the span its segments cover when that span is dense, and arrays are read in
+        # parallel. A source whose read fails (unreachable, timed out, failed I/O) is dropped
+        # and its requests are read again from their other replicas.
+        chosen: dict[str, tuple[int, dict[str, Any]]] = {}
 
-        def read_array(key: tuple[int, str]) -> dict[tuple[str, int], np.ndarray]:
+        def read_array(key: tuple[int, str], wanted) -> dict[tuple[str, int], np.ndarray]:
             src, name = key
             segs = wanted[key]
             source = self._sources[src]
@@ -213,13 +241,56 @@ class RoutingReader:
             return parts
 
         parts: dict[tuple[str, int], np.ndarray] = {}
+        failed: dict[int, Exception] = {}
+        todo = request_ids
         try:
             show = self._progress if self._progress is not None else sys.stderr.isatty()
-            with tqdm(total=len(wanted), desc=f"read {rollout_id}", unit="array", file=sys.stderr,
-                      disable=not show or len(wanted) < _PROGRESS_MIN_ARRAYS) as bar:
-                for result in self._pool.map(read_array, list(wanted)):
-                    parts.update(result)
-                    bar.update()
+            arrays = {(merged.requests[rid][0], seg["array"]) for rid in request_ids for seg in merged.requests[rid][1]["segments"]}
+            with tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr,
+                      disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS) as bar:
+                while todo:
+                    this_round = todo
+                    wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
+                    for rid in todo:
+                        alive = [h for h in merged.holders[rid] if h[0] not in failed]
+                        if not alive:
+                            cause = failed[merged.holders[rid][0][0]]
+                            if len(merged.holders[rid]) == 1 and not merged.skipped:
+                                raise cause  # no replica anywhere: its own error, as with one source
+                            raise TransportError(
+                                f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
+                                "(retryable): "
+                                + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in merged.holders[rid])
+                                + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
+                            ) from cause
+                        chosen[rid] = src, entry = alive[0]
+                        for seg_no, seg in enumerate(entry["segments"]):
+                            wanted.setdefault((src, seg["array"]), []).append((rid, seg_no, seg))
+                    bar.total = (bar.total or 0) + len(wanted)
+                    futures = [(key, self._pool.submit(read_array, key, wanted)) for key in wanted]
+                    todo = []
+                    first_error: Exception | None = None
+                    for key, future in futures:
+                        try:
+                            parts.update(future.result())
+                        except (TransportError, R3TimeoutError, StoreError) as e:
+                            if isinstance(e, AuthenticationError) or len(self._sources) == 1:
+                                first_error = first_error or e
+                                continue
+                            if key[0] not in failed:
+                                _log.warning("reading rollout %r from %s failed, trying other replicas: %s", rollout_id, self._sources[key[0]].name, e)
+                                self.read_failovers += 1
+                            failed.setdefault(key[0], e)
+                        except Exception as e:  # not a node failure: raised once the others are done
+                            first_error = first_error or e
+                        bar.update()
+                    if first_error is not None:
+                        raise first_error
+                    # This round's requests on a source that failed: read them whole from another replica.
+                    todo = [rid for rid in this_round if chosen[rid][0] in failed]
+                    for rid in todo:
+                        for n in range(len(chosen[rid][1]["segments"])):
+                            parts.pop((rid, n), None)
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
@@ -227,7 +298,7 @@ class RoutingReader:
             raise
         out: dict[str, np.ndarray] = {}
         for rid in request_ids:
-            segments = merged.requests[rid][1]["segments"]
+            segments = chosen[rid][1]["segments"]
             pieces = [parts[(rid, n)] for n in range(len(segments))]
             out[rid] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return out
@@ -277,17 +348,46 @@ class RoutingReader:
     def _index(self, rollout_id: str, *, refresh: bool = False) -> "_MergedIndex":
         validate_id(rollout_id, "rollout_id")
         if refresh or rollout_id not in self._indexes:
-            results = list(self._pool.map(lambda s: s.index(rollout_id), self._sources))
-            self._indexes[rollout_id] = _MergedIndex.merge(rollout_id, self._sources, results)
+            futures = [self._pool.submit(s.index, rollout_id) for s in self._sources]
+            results: list[dict[str, Any] | None] = []
+            skipped: dict[str, str] = {}
+            errors: list[BaseException] = []
+            for source, future in zip(self._sources, futures):
+                try:
+                    results.append(future.result())
+                except (TransportError, R3TimeoutError, StoreError) as e:
+                    if isinstance(e, AuthenticationError) or len(self._sources) == 1:
+                        raise
+                    # Replicas elsewhere may cover it: skip this node, say so, decide per request.
+                    _log.warning("store source %s skipped for rollout %r: %s", source.name, rollout_id, e)
+                    skipped[source.name] = str(e)
+                    errors.append(e)
+                    results.append(None)
+            self.last_skipped_nodes = skipped
+            if len(errors) == len(self._sources):
+                raise errors[0]
+            try:
+                merged = _MergedIndex.merge(rollout_id, self._sources, results)
+            except UnknownRolloutError:
+                if skipped:  # the rollout may live on the nodes that did not answer
+                    raise TransportError(
+                        f"rollout {rollout_id!r} is on none of the reachable store nodes; {len(skipped)} could not "
+                        "be reached and may hold it (retryable): " + "; ".join(f"{n}: {w}" for n, w in skipped.items())
+                    ) from errors[0]
+                raise
+            merged.skipped = skipped
+            self._indexes[rollout_id] = merged
         return self._indexes[rollout_id]
 
 
 @dataclass
 class _MergedIndex:
     geometry: dict[str, Any]
-    requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (source number, entry)
+    requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (first source holding it, entry)
     pending: set[str]
     per_source: dict[int, dict[str, Any]]
+    holders: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)  # every replica
+    skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
     _extents: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def extent(self, source: int, array: str) -> int:
@@ -311,6 +411,7 @@ class _MergedIndex:
             raise UnknownRolloutError(f"rollout {rollout_id!r} not found in {where}")
         geometry: dict[str, Any] | None = None
         requests: dict[str, tuple[int, dict[str, Any]]] = {}
+        holders: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         pending: set[str] = set()
         for i, index in present.items():
             mine = {k: index.get(k) for k in ("num_layers", "top_k", "num_experts", "dtype", "layer_map")}
@@ -327,10 +428,12 @@ class _MergedIndex:
                 elif [s["crc32c"] for s in prior[1]["segments"]] != [s["crc32c"] for s in entry["segments"]]:
                     raise CorruptDataError(
                         f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
-                        f"{sources[prior[0]].name} and {sources[i].name}"
+                        f"{sources[prior[0]].name} (crc32c {[s['crc32c'] for s in prior[1]['segments']]}) and "
+                        f"{sources[i].name} (crc32c {[s['crc32c'] for s in entry['segments']]})"
                     )
+                holders.setdefault(rid, []).append((i, entry))
             pending.update(index.get("pending", {}))
-        return cls(geometry, requests, pending - set(requests), present)
+        return cls(geometry, requests, pending - set(requests), present, holders)
 
 
 class _Source:

@@ -1,12 +1,16 @@
-"""Pushes finished requests to store nodes: placement, failover, parallel pushes.
+"""Pushes finished requests to store nodes: placement, replicas, failover, parallel pushes.
 
 Placement is rendezvous (highest-random-weight) hashing of ``rollout_id/request_id`` over the
-configured nodes: every client computes the same owner without coordination, and when a node
-is down only its requests move (to their next choice). A batch is split by owner and pushed
-to all owners in parallel; a node that fails (transport error or timeout) is marked down for
-``down_cooldown_s`` and its part of the batch is retried on the next node of each request's
-order. A request pushed twice (the first push failed after the node made it durable) is
-accepted once by the store (identical bytes), and readers merge the nodes' indexes.
+configured nodes: every client computes the same order without coordination, and when a node
+is down only its requests move (to their next choice). With ``replicas`` R, a request goes to
+the first R nodes of its order and is durable only once all R acked it. A batch is split by
+node and pushed to all of them in parallel; a node that fails (transport error or timeout) is
+marked down for ``down_cooldown_s`` and its part of the batch goes to the next node of each
+request's order that does not hold it yet, so R distinct live nodes hold every request. When
+fewer than R nodes can take a request the commit raises :class:`TransportError` naming it:
+never "durable" with fewer copies. A request pushed twice (the first push failed after the
+node made it durable) is accepted once by the store (identical bytes), and readers merge the
+nodes' indexes and read any replica.
 
 The client runs its own asyncio loop in a thread; ``commit`` is the blocking facade the
 :class:`~r3rdma.write.writer.RoutingWriter` calls from its worker thread, never from the engine's
@@ -49,10 +53,15 @@ class PushStats:
     requests: int
     bytes: int
     failovers: int
+    copies: int = 0  # requests x replicas acked (each request once per node that holds it)
 
 
 class StoreNodesClient:
-    """Commits batches of records to the store nodes at ``urls`` (``host:ucx_port``)."""
+    """Commits batches of records to the store nodes at ``urls`` (``host:ucx_port``).
+
+    ``replicas``: how many nodes hold each request (default 2 with two or more nodes, else 1;
+    1..len(urls)). A commit returns once every request is durable on that many distinct nodes.
+    """
 
     def __init__(
         self,
@@ -62,12 +71,18 @@ class StoreNodesClient:
         limits=None,
         down_cooldown_s: float = 5.0,
         commit_timeout_s: float = 600.0,
+        replicas: int | None = None,
     ) -> None:
         if not urls:
             raise ConfigError("StoreNodesClient needs at least one store node address")
         self.nodes = [f"{h}:{p}" for h, p in map(parse_node_url, urls)]
         if len(set(self.nodes)) != len(self.nodes):
             raise ConfigError(f"store node addresses repeat: {self.nodes}")
+        if replicas is None:
+            replicas = 2 if len(self.nodes) >= 2 else 1
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= len(self.nodes):
+            raise ConfigError(f"replicas must be an int in 1..{len(self.nodes)} (the nodes configured), got {replicas!r}")
+        self.replicas = replicas
         from r3rdma.transport import TransportLimits
 
         self._secret = secret
@@ -80,13 +95,18 @@ class StoreNodesClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="r3rdma-push", daemon=True)
         self._thread.start()
         self.failovers = 0
-        self.requests_pushed = 0
-        self.bytes_pushed = 0
+        self.requests_pushed = 0  # requests durable on ``replicas`` nodes
+        self.bytes_pushed = 0  # their routing bytes, counted once
+        self.copies_pushed = 0  # requests x nodes that acked them (replicas included)
+        self.bytes_sent = 0  # routing bytes acked by nodes, every copy counted
 
     # -- blocking facade --------------------------------------------------------------------
 
     def commit(self, records: Sequence[RequestRecord]) -> PushStats:
-        """Push ``records``; return once every one is durable on some node."""
+        """Push ``records``; return once every one is durable on ``replicas`` distinct nodes.
+
+        Raises :class:`TransportError` naming the requests when fewer than ``replicas`` nodes
+        could take them (nothing of this commit is then reported durable)."""
         records = list(records)
         return self._wait(self._commit(records), f"pushing {len(records)} requests")
 
@@ -145,43 +165,81 @@ class StoreNodesClient:
         self.close()
 
     def owner(self, record: RequestRecord) -> str:
-        """The node a record goes to while every node is up."""
-        return rendezvous_order(self.nodes, f"{record.rollout_id}/{record.request_id}")[0]
+        """The node a record goes to first while every node is up."""
+        return self.replica_set(record)[0]
+
+    def replica_set(self, record: RequestRecord) -> list[str]:
+        """The ``replicas`` nodes a record goes to while every node is up."""
+        return rendezvous_order(self.nodes, f"{record.rollout_id}/{record.request_id}")[: self.replicas]
 
     # -- async core -------------------------------------------------------------------------
 
     async def _commit(self, records: list, device: bool = False) -> PushStats:
+        # Per record (by position): the nodes that acked it. A node that fails is out for the
+        # rest of this commit (and cools down for later ones); each record's missing copies go
+        # to the next nodes of its rendezvous order that do not hold it yet.
+        orders = [rendezvous_order(self.nodes, f"{r.rollout_id}/{r.request_id}") for r in records]
+        holders: list[set[str]] = [set() for _ in records]
         failed: set[str] = set()
-        pending = records
         failovers = 0
+        copies = 0
+        sent = 0
         errors: list[str] = []
-        while pending:
+        while True:
             now = time.monotonic()
-            usable = [n for n in self.nodes if n not in failed and self._down_until.get(n, 0) <= now]
-            if not usable:  # every node failed or cools down: try the cooling ones once more
-                usable = [n for n in self.nodes if n not in failed]
-            if not usable:
-                raise TransportError(f"no store node accepted {len(pending)} requests: " + "; ".join(errors))
-            groups: dict[str, list[RequestRecord]] = {}
-            for record in pending:
-                node = rendezvous_order(usable, f"{record.rollout_id}/{record.request_id}")[0]
-                groups.setdefault(node, []).append(record)
-            results = await asyncio.gather(*(self._push_node(n, g, device) for n, g in groups.items()), return_exceptions=True)
-            pending = []
-            for (node, group), result in zip(groups.items(), results):
+            groups: dict[str, list[int]] = {}
+            short: list[int] = []
+            for i, order in enumerate(orders):
+                need = self.replicas - len(holders[i])
+                if need <= 0:
+                    continue
+                free = [n for n in order if n not in failed and n not in holders[i]]
+                # Nodes cooling down after a failure go last: tried only when too few others are left.
+                free = [n for n in free if self._down_until.get(n, 0) <= now] + [n for n in free if self._down_until.get(n, 0) > now]
+                if len(free) < need:
+                    short.append(i)
+                    continue
+                for node in free[:need]:
+                    groups.setdefault(node, []).append(i)
+            if short:
+                self.failovers += failovers
+                raise TransportError(self._short_message(records, short, holders, failed, errors))
+            if not groups:
+                break
+            results = await asyncio.gather(
+                *(self._push_node(n, [records[i] for i in idx], device) for n, idx in groups.items()), return_exceptions=True
+            )
+            for (node, idx), result in zip(groups.items(), results):
                 if _node_failure(result):
                     failed.add(node)
                     self._down_until[node] = time.monotonic() + self._cooldown
                     errors.append(f"{node}: {result}")
-                    pending.extend(group)
                     failovers += 1
                 elif isinstance(result, BaseException):
+                    self.failovers += failovers
                     raise result  # typed store errors (duplicate, shape...) are not retried
+                else:
+                    for i in idx:
+                        holders[i].add(node)
+                    copies += len(idx)
+                    sent += sum(records[i].nbytes for i in idx)
         self.failovers += failovers
         total = sum(r.nbytes for r in records)
         self.requests_pushed += len(records)
         self.bytes_pushed += total
-        return PushStats(len(records), total, failovers)
+        self.copies_pushed += copies
+        self.bytes_sent += sent
+        return PushStats(len(records), total, failovers, copies)
+
+    def _short_message(self, records: list, short: list[int], holders: list[set[str]], failed: set[str], errors: list[str]) -> str:
+        names = [f"{records[i].rollout_id}/{records[i].request_id} ({len(holders[i])} of {self.replicas} copies)" for i in short]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        return (
+            f"{len(short)} of {len(records)} requests cannot be durable on {self.replicas} distinct store nodes: "
+            f"{len(failed)} of {len(self.nodes)} nodes failed {sorted(failed)}; "
+            f"the commit failed, none of it is reported durable: {shown}"
+            + ("; node errors: " + "; ".join(errors) if errors else "")
+        )
 
     async def _push_node(self, node: str, records: list, device: bool = False) -> None:
         from r3rdma.transport import UcxxClient
