@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start N r3rdma store nodes on this machine, in the background, and print how to reach them.
 #
-#   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read]
-#                                  [--max-inflight-mb MB] [--timeout-s S]
+#   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT]
+#                                  [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]
 #
 # Node i keeps its Zarr root in DIR/node<i> (default DIR: ./r3rdma_nodes) and listens on
 # UCX port PORT+i and HTTP port PORT+i (default 0: free ports picked by the OS). The shared
@@ -10,7 +10,12 @@
 # engines push with it; HTTP never takes it. Each node writes the HTTP read token derived from it
 # (docs/PROTOCOL.md, "HTTP tokens") to <secret file>.read (mode 600): give trainers that file.
 # One node per machine on a cluster: run `scripts/start_store_nodes.sh 1 --host 0.0.0.0
-# --ucx-port 13337 --http-port 8337` on each, with the same token file.
+# --advertise-host <this machine's address> --ucx-port 13337 --http-port 8337` on each, with the
+# same token file. --host is what the node binds (HTTP; UCX always listens on every interface);
+# --advertise-host is the address written into DIR/env and printed, the one engines and trainers
+# on other machines connect to (default: --host; with --host 0.0.0.0, `hostname -f` if it
+# resolves to a non-loopback address, else the script refuses and asks for --advertise-host,
+# since a URL naming 127.0.0.1, 0.0.0.0 or a name that resolves to loopback reaches no other machine).
 # --max-inflight-mb and --timeout-s go to every node's r3rdma-store as they are (memory budget
 # of batches in flight; deadline of each network step, which also bounds stalled senders and
 # HTTP clients that never finish a request): see r3rdma-store --help and docs/OPERATIONS.md.
@@ -20,13 +25,14 @@
 # Stop them with scripts/stop_store_nodes.sh DIR.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]}"
+n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]}"
 shift
-dir="./r3rdma_nodes"; host="127.0.0.1"; ucx_base=0; http_base=0; extra=()
+dir="./r3rdma_nodes"; host="127.0.0.1"; advertise=""; ucx_base=0; http_base=0; extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir="$2"; shift 2;;
     --host) host="$2"; shift 2;;
+    --advertise-host) advertise="$2"; shift 2;;
     --ucx-port) ucx_base="$2"; shift 2;;
     --http-port) http_base="$2"; shift 2;;
     --public-read) extra+=(--public-read); shift;;
@@ -37,6 +43,25 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$n" in ''|*[!0-9]*) echo "N must be a positive integer, got '$n'" >&2; exit 2;; esac
+if [ -z "$advertise" ]; then
+  advertise="$host"
+  if [ "$host" = "0.0.0.0" ] || [ "$host" = "::" ]; then
+    # A wildcard bind is no address to connect to: advertise this machine's name, but only if
+    # it resolves to an address other machines can reach (Debian maps it to 127.0.1.1, many
+    # containers to 127.0.0.1).
+    advertise="$(hostname -f 2>/dev/null || hostname)"
+    resolved="$(getent ahosts "$advertise" 2>/dev/null | awk 'NR == 1 {print $1}')"
+    case "$resolved" in
+      ''|127.*|::1|0.0.0.0)
+        echo "--host $host: this machine's name '$advertise' resolves to '${resolved:-nothing}', which other machines" \
+             "cannot reach; pass --advertise-host ADDR (the address engines and trainers connect to)" >&2
+        exit 2;;
+    esac
+  fi
+fi
+case "$advertise" in
+  0.0.0.0|::) echo "--advertise-host $advertise is a wildcard, not an address to connect to" >&2; exit 2;;
+esac
 store_bin="${R3_STORE_BIN:-$root/.venv/bin/r3rdma-store}"
 [ -x "$store_bin" ] || store_bin="$(command -v r3rdma-store || true)"
 [ -n "$store_bin" ] || { echo "r3rdma-store not found: run scripts/demo.sh or pip install r3rdma first" >&2; exit 1; }
@@ -47,7 +72,6 @@ read_token_file="$token_file.read"   # each node writes it at start (r3rdma-stor
 if [ ! -s "$token_file" ]; then
   (umask 077; python3 -c 'import secrets; print(secrets.token_hex(32))' > "$token_file")
 fi
-advertise="$host"; [ "$host" = "0.0.0.0" ] && advertise="$(hostname -f 2>/dev/null || hostname)"
 for ((i = 0; i < n; i++)); do
   ucx=$(( ucx_base ? ucx_base + i : 0 )); http=$(( http_base ? http_base + i : 0 ))
   rm -f "$dir/node$i.ready"

@@ -59,3 +59,29 @@ def test_read_bench_tiny(tmp_path, mode):
         result = run_read_bench(requests=4, rounds=2, root=str(tmp_path / f"l{level}"), zstd_level=level, mode=mode, progress=False)
         assert result["mode"] == mode and result["zstd_level"] == level and result["files"] >= 3
         assert result["reader_gbps"] > 0 and result["ratio_range"][0] <= result["ratio"] <= result["ratio_range"][1]
+
+
+def test_reliability_bench_tiny(tmp_path, capsys):
+    """`r3rdma bench reliability --quick` with every older part shrunk: one JSON line with the
+    older figures and the issue-19 ones, whose invariants hold."""
+    import argparse
+
+    from r3rdma.bench import reliability_bench as rb
+
+    parser = argparse.ArgumentParser()
+    rb.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--kill-cycles", "1", "--crash-clients", "2", "--frames", "60",
+                              "--http-requests", "60", "--clients", "2", "--duration-s", "2", "--inflight-mb", "32",
+                              "--workdir", str(tmp_path)])
+    assert rb.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == "reliability" and result["kill_cycles"] == 1
+    assert result["acknowledged_lost"] == 0 and result["partial_or_corrupt_visible"] == 0 and result["crashes"] == 0
+    assert result["node_lost_acked"] == 60 and result["node_lost_acked_lost"] == 0
+    assert result["bad_records_tried"] > 0 and result["bad_records_refused"] == result["bad_records_tried"]
+    assert result["bad_records_good_stored"] == result["bad_records_good_total"]
+    assert result["tp_multiturn_turns_stored"] == result["tp_multiturn_turns"] == 2 * 3 * 3
+    assert result["restart_same_port_ok"] and 0 < result["restart_same_port_s"] < 60
+    assert result["stalled_typed_timeouts"] == 3 and result["stalled_announce_peak_rss_mb"] < 0.5 * result["stalled_announce_mb"]
+    assert result["replicas1_ingest_mb_s"] > 0 and result["replicas2_ingest_mb_s"] > 0
+    assert result["replicas2_ingest_ratio"] > 0

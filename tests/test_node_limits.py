@@ -4,7 +4,6 @@ Real store nodes in subprocesses (r3rdma.store.process.spawn_node), UCX over TCP
 """
 
 import asyncio
-import secrets
 import socket
 
 import numpy as np
@@ -18,18 +17,12 @@ from r3rdma.write.push_client import StoreNodesClient
 from .store_nodes import new_token, start_node
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def test_restart_on_fixed_port_right_after_sigkill(tmp_path):
     """The documented cluster set-up uses fixed ports: a node killed with connections open
     leaves them in TIME_WAIT / FIN_WAIT on its port, and a restart must still bind at once
     (UCX_TCP_CM_REUSEADDR=y in STORE_NODE_UCX_ENV)."""
     configure_ucx_env()
-    port, token = _free_port(), new_token()
+    port, token = rb.free_port(), new_token()
     node = start_node(tmp_path / "root", token, "--ucx-port", str(port), "--timeout-s", "10")
     try:
         assert node.ucx_port == port
@@ -92,34 +85,6 @@ def test_start_script_passes_inflight_budget_and_timeout_to_the_nodes(tmp_path):
         subprocess.run([str(repo / "scripts/stop_store_nodes.sh"), str(tmp_path)], capture_output=True, timeout=120)
 
 
-async def _announce_and_stall(node, payload_mb: int, *, with_crc: bool = True):
-    """Authenticate, announce one batch of ``payload_mb`` MiB with its table, send no payload
-    byte; return (conn, version) with the node's reply not yet read."""
-    import dataclasses
-
-    import msgpack
-
-    from r3rdma.transport.auth import coerce_secret
-    from r3rdma.transport.batch import RecordMeta, batch_header
-    from r3rdma.transport.frames import Kind
-    from r3rdma.transport.session import client_handshake
-    from r3rdma.transport.ucx_env import import_ucxx
-    from r3rdma.transport.ucxx_transport import _UcxxConn
-
-    rows = (payload_mb << 20) // (8 * 4)
-    meta = RecordMeta("stall", f"s{secrets.token_hex(4)}", rows, 8, 4, "uint8", 64, tuple(range(8)), 0,
-                      0x1234 if with_crc else None, 0)
-    meta = dataclasses.replace(meta, crc32c=meta.crc32c)
-    header = msgpack.packb(batch_header(1, [meta.to_wire()], [meta.nbytes]))
-    ucxx = import_ucxx()
-    ep = await ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=10)
-    conn = _UcxxConn(ep, "staller")
-    version = await client_handshake(conn, coerce_secret(node.token), TransportLimits(timeout_s=10))
-    for m in rb._message(int(Kind.BATCH), header, [], payload_len=meta.nbytes):
-        await conn.send(np.frombuffer(m, np.uint8))
-    return conn, version
-
-
 def _stall_node(tmp_path, *extra):
     return start_node(tmp_path / "root", new_token(), "--max-payload-mb", "256", "--timeout-s", "3", *extra)
 
@@ -140,7 +105,7 @@ def test_stalled_senders_cost_no_memory_get_a_typed_timeout_and_release_the_budg
         normal = RequestRecord("stall", "normal", rng.integers(0, 64, (512, 8, 4), dtype=np.uint8), tuple(range(8)), 64)
 
         async def run():
-            stallers = [await _announce_and_stall(node, 255) for _ in range(6)]
+            stallers = [await rb.announce_and_stall(node, 255) for _ in range(6)]
             replies = [asyncio.ensure_future(recv_reply(c, v, 1, TransportLimits(ack_timeout_s=30))) for c, v in stallers]
             client = UcxxClient(node.host, node.ucx_port, secret=node.token, limits=TransportLimits(timeout_s=10))
             try:
@@ -183,7 +148,7 @@ def test_announced_batches_without_checksums_are_refused_before_any_allocation(t
         base = node.rss()
 
         async def run():
-            stallers = [await _announce_and_stall(node, 255, with_crc=False) for _ in range(6)]
+            stallers = [await rb.announce_and_stall(node, 255, with_crc=False) for _ in range(6)]
             # Answered at once (well before the 3 s stall deadline would answer anything).
             outcomes = await asyncio.gather(
                 *(asyncio.wait_for(recv_reply(c, v, 1, TransportLimits()), 2.5) for c, v in stallers),

@@ -36,7 +36,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     from r3rdma.cli.credentials import read_token
-    from r3rdma.errors import R3Error
+    from r3rdma.errors import R3Error, TransportError
     from r3rdma.read.reader import RoutingReader
 
     urls = [u for u in args.http_urls.split(",") if u]
@@ -49,7 +49,11 @@ def main(args) -> int:
         with RoutingReader(urls, token=token) as reader:
             info = reader.info(args.rollout_id)
             got = reader.get_numpy(args.rollout_id, sorted(shadow))
-            per_node = reader.stored_bytes(args.rollout_id)
+            try:
+                per_node = reader.stored_bytes(args.rollout_id)
+            except TransportError as e:  # a node down: the read itself succeeded from replicas
+                print(f"r3rdma check: cannot size every node ({e})", file=sys.stderr)
+                per_node = {}
     except R3Error as e:
         print(f"r3rdma check: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -74,10 +74,11 @@ def rollout_config(args, env=None):
     urls = flags.get("store_urls", env.get("R3_STORE_URLS", ""))
     if not urls:
         raise ConfigError("no store nodes: pass --store-urls, set R3_STORE_URLS, or pass --routing-replay-config")
-    return R3Config(routing_store_type="store_nodes", store_urls=urls,
-                    store_token_file=flags.get("store_token_file", env.get("R3_STORE_TOKEN_FILE")),
-                    rollout_id=flags.get("rollout_id", "rollout-0"), flush_bytes=ROLLOUT_FLUSH_BYTES,
-                    slot_table_device="auto", transfer_mode="staged")
+    # The worker's own defaults; other R3_* variables (R3_STORE_REPLICAS, ...) fill the rest.
+    return R3Config.from_env(env, routing_store_type="store_nodes", store_urls=urls,
+                             store_token_file=flags.get("store_token_file", env.get("R3_STORE_TOKEN_FILE")),
+                             rollout_id=flags.get("rollout_id", "rollout-0"), flush_bytes=ROLLOUT_FLUSH_BYTES,
+                             slot_table_device="auto", transfer_mode="staged")
 
 
 def main(args) -> int:
