@@ -28,17 +28,11 @@ from r3rdma.errors import (
 from r3rdma.records import RequestRecord
 from r3rdma.store import local_store as local_store_module
 
+from tests.sinks import ListSink
+
 LAYERS = (0, 2, 5)
 K = 2
 E = 16
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def submit(self, record: RequestRecord) -> None:
-        self.records.append(record)
 
 
 def _capturer(**kw) -> tuple[RoutingCapturer, ListSink]:

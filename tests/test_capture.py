@@ -7,14 +7,7 @@ import torch
 from r3rdma import RoutingCapturer
 from r3rdma.capture import num_routing_rows
 from r3rdma.errors import CaptureStateError, MissingRowsError, ShapeMismatchError, StaleSlotError
-
-
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def submit(self, record):
-        self.records.append(record)
+from tests.sinks import ListSink
 
 
 def fake_topk(request_ids, starts, counts, layer, k, num_experts):

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_sim import SimConfig, run_sim  # noqa: E402  (test helper next to this file)
 from r3rdma import LocalRoutingStore, RoutingCapturer, RoutingReader
 from r3rdma.records import RequestRecord
+from tests.sinks import ListSink
 from r3rdma.errors import (
     CaptureStateError,
     DuplicateRequestError,
@@ -36,14 +37,6 @@ from r3rdma.errors import (
 LAYERS = (0, 2, 5)
 K = 2
 E = 16
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def submit(self, record: RequestRecord) -> None:
-        self.records.append(record)
 
 
 def make(num_slots=64, **kw):

@@ -11,7 +11,7 @@ import pytest
 
 from r3rdma.bench import reliability_bench as rb
 from r3rdma.records import RequestRecord
-from r3rdma.transport import TransportLimits, UcxxClient, configure_ucx_env
+from r3rdma.transport import TransportLimits, configure_ucx_env
 from r3rdma.write.push_client import StoreNodesClient
 
 from .store_nodes import new_token, start_node
@@ -95,7 +95,6 @@ def test_stalled_senders_cost_no_memory_get_a_typed_timeout_and_release_the_budg
     normal client pushes meanwhile, and each staller gets an R3TimeoutError frame (fatal)
     after the node's timeout, its budget given back."""
     from r3rdma.errors import R3TimeoutError
-    from r3rdma.transport.session import recv_reply
 
     configure_ucx_env()
     node = _stall_node(tmp_path, "--max-inflight-mb", "1024")
@@ -104,21 +103,8 @@ def test_stalled_senders_cost_no_memory_get_a_typed_timeout_and_release_the_budg
         rng = np.random.default_rng(0)
         normal = RequestRecord("stall", "normal", rng.integers(0, 64, (512, 8, 4), dtype=np.uint8), tuple(range(8)), 64)
 
-        async def run():
-            stallers = [await rb.announce_and_stall(node, 255) for _ in range(6)]
-            replies = [asyncio.ensure_future(recv_reply(c, v, 1, TransportLimits(ack_timeout_s=30))) for c, v in stallers]
-            client = UcxxClient(node.host, node.ucx_port, secret=node.token, limits=TransportLimits(timeout_s=10))
-            try:
-                ack = await client.push([normal])
-            finally:
-                await client.close()
-            pushed_while_stalled = not any(r.done() for r in replies)
-            outcomes = await asyncio.gather(*replies, return_exceptions=True)
-            for c, _ in stallers:
-                await c.close()
-            return ack, pushed_while_stalled, outcomes
-
-        ack, pushed_while_stalled, outcomes = asyncio.run(asyncio.wait_for(run(), 120))
+        run = rb.stall_while_pushing(node, normal, connections=6, payload_mb=255)
+        ack, pushed_while_stalled, outcomes = asyncio.run(asyncio.wait_for(run, 120))
         assert ack.requests == 1 and pushed_while_stalled
         # Four fit the 1 GiB budget and stall on their payload; two wait for room. All six are
         # answered with a typed, fatal timeout (stalled payload, or no room in time).

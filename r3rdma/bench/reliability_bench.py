@@ -1249,13 +1249,34 @@ async def announce_and_stall(node: NodeProcess, payload_mb: int, *, with_crc: bo
     return conn, version
 
 
+async def stall_while_pushing(node: NodeProcess, record: Any, *, connections: int, payload_mb: int
+                              ) -> tuple[Any, bool, list[Any]]:
+    """``connections`` stallers announce ``payload_mb`` MiB each and send nothing while a normal
+    client pushes ``record``: (its ack, whether it was acked before any staller was answered,
+    how each staller's wait for a reply ended)."""
+    from r3rdma.transport import TransportLimits, UcxxClient
+    from r3rdma.transport.session import recv_reply
+
+    stallers = [await announce_and_stall(node, payload_mb) for _ in range(connections)]
+    replies = [asyncio.ensure_future(recv_reply(c, v, 1, TransportLimits(ack_timeout_s=30))) for c, v in stallers]
+    client = UcxxClient(node.host, node.ucx_port, secret=node.token, limits=TransportLimits(timeout_s=10))
+    try:
+        ack = await client.push([record])
+    finally:
+        await client.close()
+    pushed_while_stalled = not any(r.done() for r in replies)
+    outcomes = await asyncio.gather(*replies, return_exceptions=True)
+    for c, _ in stallers:
+        await c.close()
+    return ack, pushed_while_stalled, outcomes
+
+
 def stalled_announce(work: Path, *, connections: int = 6, payload_mb: int = 255, inflight_mb: int = 1024,
                      node_timeout_s: float = 3.0) -> dict[str, Any]:
     """``connections`` authenticated connections each announce a ``payload_mb`` MiB batch and
     send nothing while a normal client pushes; node peak RSS growth, and how each staller ends."""
     from r3rdma.errors import R3TimeoutError
-    from r3rdma.transport import TransportLimits, UcxxClient, configure_ucx_env
-    from r3rdma.transport.session import recv_reply
+    from r3rdma.transport import configure_ucx_env
 
     configure_ucx_env()
     node = spawn_node(Path(work) / "stall", new_token(), "--max-payload-mb", str(payload_mb + 1),
@@ -1263,21 +1284,8 @@ def stalled_announce(work: Path, *, connections: int = 6, payload_mb: int = 255,
     try:
         base = node.rss()
 
-        async def run() -> tuple[bool, list[Any]]:
-            stallers = [await announce_and_stall(node, payload_mb) for _ in range(connections)]
-            replies = [asyncio.ensure_future(recv_reply(c, v, 1, TransportLimits(ack_timeout_s=30))) for c, v in stallers]
-            client = UcxxClient(node.host, node.ucx_port, secret=node.token, limits=TransportLimits(timeout_s=10))
-            try:
-                await client.push([make_record("stall", "normal")])
-            finally:
-                await client.close()
-            pushed_while_stalled = not any(r.done() for r in replies)
-            outcomes = await asyncio.gather(*replies, return_exceptions=True)
-            for c, _ in stallers:
-                await c.close()
-            return pushed_while_stalled, outcomes
-
-        pushed, outcomes = asyncio.run(asyncio.wait_for(run(), 120))
+        run = stall_while_pushing(node, make_record("stall", "normal"), connections=connections, payload_mb=payload_mb)
+        _, pushed, outcomes = asyncio.run(asyncio.wait_for(run, 120))
         growth = node.peak_rss() - base
         return {"connections": connections, "announced_mb": connections * payload_mb,
                 "peak_rss_growth_mb": round(growth / 2**20, 1), "pushed_while_stalled": pushed,

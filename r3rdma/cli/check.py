@@ -22,14 +22,11 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser) -> None:
+    from r3rdma.cli.credentials import add_read_token_arguments
+
     parser.add_argument("--http-urls", default=os.environ.get("R3_STORE_HTTP_URLS", ""),
                         help="store node HTTP URLs, comma separated (default: $R3_STORE_HTTP_URLS)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--read-token-file", default=None,
-                       help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)")
-    which.add_argument("--token-file", default=None,
-                       help="or the push secret file: the read token is derived from it here and only that is sent "
-                            "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)")
+    add_read_token_arguments(parser)
     parser.add_argument("--rollout-id", default="rollout-0")
     parser.add_argument("--shadow-dir", required=True)
 

@@ -135,14 +135,11 @@ def _human(n: float) -> str:
 
 
 def add_arguments(parser) -> None:
+    from r3rdma.cli.credentials import add_read_token_arguments
+
     parser.add_argument("source", help="store root directory or store node URL http://host:port (comma-separated for several)")
     parser.add_argument("rollout", help="rollout id")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--read-token-file", default=None,
-                       help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)")
-    which.add_argument("--token-file", default=None,
-                       help="or the push secret file: the read token is derived from it here and only that is sent "
-                            "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)")
+    add_read_token_arguments(parser)
     parser.add_argument("--png", default=None, help="write a heatmap of expert load per layer to this PNG file")
 
 

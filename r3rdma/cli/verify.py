@@ -419,8 +419,13 @@ def main(args) -> int:
         init=args.init, logit_gain=args.logit_gain,
     )
     s = result.summary
-    print(f"r3rdma verify: {s['model_type']} ({s['model_config']}), {s['moe_layers']} MoE layers x {s['num_experts']} "
-          f"experts, top-{s['top_k']}, on {s['device']}")
+    return report(result, f"r3rdma verify: {s['model_type']} ({s['model_config']})")
+
+
+def report(result, title: str) -> int:
+    """Print a verify result (title line, table, verdict, JSON last); the exit status."""
+    s = result.summary
+    print(f"{title}, {s['moe_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}, on {s['device']}")
     print(f"  rollout: {s['rollout']}; train: {s['train']}")
     print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
     print(_table(s))

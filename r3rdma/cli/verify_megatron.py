@@ -18,7 +18,6 @@ sampled tokens' log-probabilities, extreme-token fraction. Needs a CUDA GPU and 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import socket
@@ -388,8 +387,6 @@ def run_verify_megatron(
 
 
 def main(args) -> int:
-    from r3rdma.cli.verify import _table
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = run_verify_megatron(
@@ -400,13 +397,6 @@ def main(args) -> int:
     except MegatronVerifyUnavailable as e:
         print(f"error: {e.code}", file=sys.stderr)
         return 2
-    s = result.summary
-    print(f"r3rdma verify --trainer megatron: {s['model_type']}, {s['moe_layers']} MoE layers x {s['num_experts']} "
-          f"experts, top-{s['top_k']}, on {s['device']}")
-    print(f"  rollout: {s['rollout']}; train: {s['train']}")
-    print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
-    print(_table(s))
-    print("  " + ("OK: replay removes every routing difference and lowers the KL" if result.ok else
-                  "FAIL: replay left routing differences or did not lower the KL"))
-    print(json.dumps(s))
-    return 0 if result.ok else 1
+    from r3rdma.cli.verify import report
+
+    return report(result, f"r3rdma verify --trainer megatron: {result.summary['model_type']}")

@@ -38,6 +38,7 @@ Checks, each with a message that says what was expected and what arrived:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -161,22 +162,10 @@ def verl_routed_experts(
     response was cut at ``response_length``: verl then keeps the first
     ``prompt_len + response_length`` rows (single_turn_agent_loop.py 99-101), and so does this.
     """
-    request_ids = list(request_ids)
-    prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
-    response_lens = _lengths("response_lens", response_lens, len(request_ids), minimum=0)
-    for name, value in (("prompt_length", prompt_length), ("response_length", response_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
-    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
-    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
-    _check_top_k(stored_k, top_k)
-    columns = _verl_columns(layer_map, num_layers)
-    width = len(layer_map) if num_layers is None else num_layers
-    if num_experts > _INT16_IDS:
-        raise ShapeMismatchError(
-            f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
-        )
-    out = torch.zeros((len(request_ids), prompt_length + response_length, width, stored_k), dtype=torch.int16)
+    share = _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
+                        prompt_length=prompt_length, response_length=response_length)
+    request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
+    out = torch.zeros((len(request_ids), prompt_length + response_length, share.width, share.top_k), dtype=torch.int16)
     for i, rid in enumerate(request_ids):
         if prompt_lens[i] > prompt_length or response_lens[i] > response_length:
             raise ShapeMismatchError(
@@ -186,11 +175,7 @@ def verl_routed_experts(
             )
         rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
         start_pos = prompt_length - prompt_lens[i]
-        target = out[i, start_pos : start_pos + rows.shape[0]]
-        if columns is None:
-            target.copy_(rows)  # copy_ converts uint8/int32 -> int16; ids < 32768 checked above
-        else:
-            target[:, columns] = rows.to(torch.int16)
+        _place(out[i, start_pos : start_pos + rows.shape[0]], rows, share.columns)
     return out
 
 
@@ -211,11 +196,44 @@ def verl_routed_experts_unpadded(
 
     Arguments and checks as in :func:`verl_routed_experts` (no prompt padding here).
     """
+    share = _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
+                        response_length=response_length)
+    request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
+    out = []
+    for i, rid in enumerate(request_ids):
+        if response_lens[i] > response_length:
+            raise ShapeMismatchError(
+                f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
+            )
+        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
+        aligned = torch.zeros((prompt_lens[i] + response_lens[i], share.width, share.top_k), dtype=torch.int16)
+        _place(aligned[: rows.shape[0]], rows, share.columns)
+        out.append(aligned)
+    return out
+
+
+# -- internals --------------------------------------------------------------------------------
+
+
+class _VerlShare(NamedTuple):
+    request_ids: list[str]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    packed: PackedRouting | None
+    columns: list[int] | None  # decoder-layer column of each stored MoE layer, or None: stored order
+    width: int  # layers in the output
+    top_k: int
+
+
+def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
+                **sizes: int) -> _VerlShare:
+    """Checked arguments and the caller's share of the rollout, read once (both verl layouts)."""
     request_ids = list(request_ids)
     prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
     response_lens = _lengths("response_lens", response_lens, len(request_ids), minimum=0)
-    if isinstance(response_length, bool) or not isinstance(response_length, int) or response_length < 0:
-        raise ShapeMismatchError(f"response_length must be an int >= 0, got {response_length!r}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
     packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
     layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
     _check_top_k(stored_k, top_k)
@@ -225,23 +243,15 @@ def verl_routed_experts_unpadded(
         raise ShapeMismatchError(
             f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
         )
-    out = []
-    for i, rid in enumerate(request_ids):
-        if response_lens[i] > response_length:
-            raise ShapeMismatchError(
-                f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
-            )
-        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
-        aligned = torch.zeros((prompt_lens[i] + response_lens[i], width, stored_k), dtype=torch.int16)
-        if columns is None:
-            aligned[: rows.shape[0]].copy_(rows)
-        else:
-            aligned[: rows.shape[0], columns] = rows.to(torch.int16)
-        out.append(aligned)
-    return out
+    return _VerlShare(request_ids, prompt_lens, response_lens, packed, columns, width, stored_k)
 
 
-# -- internals --------------------------------------------------------------------------------
+def _place(target: torch.Tensor, rows: torch.Tensor, columns: list[int] | None) -> None:
+    """Rows into an int16 slice: copy_ converts uint8/uint16/int32 (ids < 32768 checked)."""
+    if columns is None:
+        target.copy_(rows)
+    else:
+        target[:, columns] = rows.to(torch.int16)
 
 
 def _lengths(name: str, values: Sequence[int], count: int, *, minimum: int) -> list[int]:
