@@ -37,9 +37,9 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from r3rdma.errors import ConfigError, InvalidIdError, R3Error, UnknownRolloutError
+from r3rdma.errors import ConfigError, CorruptDataError, InvalidIdError, R3Error, UnknownRolloutError
 from r3rdma.store.local_store import LocalRoutingStore, check_rollout_dir_name
-from r3rdma.store.layout import INDEX_KEY, read_group_attrs
+from r3rdma.store.rollout_index import load_index, read_file
 
 from .metrics import NodeMetrics
 
@@ -111,11 +111,15 @@ def make_http_app(
         return web.json_response({"rollouts": names})
 
     async def rollout_index(request: web.Request) -> web.Response:
+        """The rollout's whole index, merged from its parts (readers fetch the parts themselves)."""
         rollout_id = _rollout_id(request)
-        attrs = read_group_attrs(root / rollout_id / "zarr.json")
-        if not attrs or INDEX_KEY not in attrs:
+        try:
+            index = await asyncio.to_thread(load_index, rollout_id, read_file(root / rollout_id), "this node")
+        except CorruptDataError as e:
+            raise web.HTTPInternalServerError(text=f"{e}\n") from e
+        if index is None:
             raise web.HTTPNotFound(text=f"{UnknownRolloutError(f'rollout {rollout_id!r} not found')}\n")
-        return web.json_response(attrs[INDEX_KEY], dumps=lambda o: json.dumps(o, separators=(",", ":")))
+        return web.json_response(index.as_format_1(), dumps=lambda o: json.dumps(o, separators=(",", ":")))
 
     async def zarr_file(request: web.Request) -> web.StreamResponse:
         rel = request.match_info["path"]

@@ -1,35 +1,16 @@
-"""The on-disk format: a Zarr v3 hierarchy per store root, one group per rollout.
+"""The on-disk hierarchy: a Zarr v3 group per store root, one group per rollout.
 
 ::
 
-    <root>/zarr.json                       group; attributes.r3rdma = {"format": ..., "format_version": 1}
-    <root>/<rollout_id>/zarr.json          group; attributes.r3rdma = the rollout index (below)
+    <root>/zarr.json                       group; attributes.r3rdma = {"format": ..., "format_version": 2}
+    <root>/<rollout_id>/zarr.json          group; attributes.r3rdma = the index entry point
+    <root>/<rollout_id>/i00000001/         group; the index part commit 1 wrote (immutable)
     <root>/<rollout_id>/b00000001/         array [rows, L, K], one shard file of zstd chunks
-    <root>/<rollout_id>/b00000002/         ... one array per committed batch of requests
 
 A batch array holds the rows of many requests back to back (one file per batch, not one per
-request or layer). The rollout index, in the group's attributes, lists committed requests:
-
-    {"format_version": 1, "num_layers": L, "top_k": K, "num_experts": E, "dtype": "uint8",
-     "layer_map": [...], "arrays": ["b00000001", ...],
-     "requests": {request_id: {"rows": n, "start_row": s,
-                               "segments": [{"array": "b00000001", "offset": o, "rows": n,
-                                             "start_row": s, "crc32c": c}]}},
-     "pending": {request_id: [{"array": ..., "offset": o, "rows": n, "start_row": s, "crc32c": c,
-                               "final": bool, "total_rows": t or null}]}}
-
-``pending`` (absent when empty) lists segments of requests that are stored durably but not yet
-complete (a prefill engine's part whose decode part has not arrived, or parts with a gap);
-readers ignore it. Once a request's segments cover its span, its segments move to
-``requests`` (without the ``final`` / ``total_rows`` keys) in the same atomic index replace.
-A visible request's segments are in row order; their concatenation is the request's rows.
-
-Commit protocol (why requests appear only when complete): a batch array is written and
-fsynced first; the group's ``zarr.json`` is then replaced atomically (write temp, fsync,
-rename, fsync directory). A crash before the rename leaves an array no index points at, which
-readers never see and the next writer removes when it opens the root (a rollout whose first
-commit crashed leaves no directory behind; the array is written without a parent group
-document, so nothing lists the rollout meanwhile).
+request or layer). The rollout index (which requests, where their rows are) and the commit
+protocol are in :mod:`r3rdma.store.rollout_index` and :mod:`r3rdma.store.local_store`;
+docs/FORMAT.md is the reference. Here: names, and writing JSON documents atomically.
 """
 
 from __future__ import annotations
@@ -53,7 +34,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "r3rdma-routing"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the rollout index is an entry point plus immutable parts (rollout_index.py)
 INDEX_KEY = "r3rdma"
 _ARRAY_PREFIX = "b"
 

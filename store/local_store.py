@@ -53,6 +53,16 @@ from r3rdma.store.layout import (
     read_group_attrs,
     write_json_atomic,
 )
+from r3rdma.store.rollout_index import (
+    GEOMETRY_KEYS,
+    RolloutIndex,
+    check_entry,
+    load_index,
+    new_uid,
+    parse_part_name,
+    part_name,
+    read_file,
+)
 
 __all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
 
@@ -107,29 +117,51 @@ class LocalRoutingStore:
         except BlockingIOError as e:
             os.close(self._lock_fd)
             raise StoreError(f"store root {self.root} is owned by another writer process (lock held)") from e
-        if not (self.root / "zarr.json").exists():
-            write_json_atomic(
-                self.root / "zarr.json",
-                group_document({INDEX_KEY: {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}),
-            )
         try:
+            self._check_format()
             self._recover()
         except BaseException:
             self.close()
             raise
 
+    def _check_format(self) -> None:
+        """Write the root's format marker, or refuse a root of another format version.
+
+        A format-1 root (one index document per rollout, rewritten by every commit) is read by
+        :class:`~r3rdma.read.reader.RoutingReader` but not appended to: its rollouts would need
+        their index rewritten in format 2. An empty format-1 root is simply marked format 2.
+        """
+        try:
+            attrs = read_group_attrs(self.root / "zarr.json")
+        except ValueError as e:
+            raise StoreError(f"store root {self.root}: zarr.json is not JSON: {e}") from e
+        marker = (attrs or {}).get(INDEX_KEY) or {}
+        version = marker.get("format_version", FORMAT_VERSION) if isinstance(marker, dict) else None
+        if attrs is not None and version != FORMAT_VERSION:
+            if self.rollouts():
+                raise StoreError(
+                    f"store root {self.root} holds r3rdma format version {version!r}; this r3rdma writes format "
+                    f"version {FORMAT_VERSION} (an index that grows by parts). RoutingReader still reads it: start the "
+                    "store on a new root, or delete its rollouts (r3rdma delete) before writing here"
+                )
+        if attrs is None or version != FORMAT_VERSION:
+            write_json_atomic(
+                self.root / "zarr.json",
+                group_document({INDEX_KEY: {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}),
+            )
+
     def _recover(self) -> None:
         """Remove every trace of commits a crash interrupted (this process now owns the root).
 
-        A crash between a batch array's write and its index's rename leaves an array no index
-        lists; in a rollout's first commit, the rollout directory then has no index at all
-        (data written before 2026-11-22 also left a bare group ``zarr.json`` there, which
-        zarr wrote for the array's parent). Left alone, a plain Zarr listing shows the array
-        and ``rollouts()`` (``GET /v1/rollouts``) lists a rollout that cannot be read. So, on
-        opening: unindexed batch arrays and index temp files are deleted, a bare group
-        ``zarr.json`` without an index too, and a rollout directory left empty is removed.
-        Anything else (files r3rdma did not write) is left in place. Costs one directory
-        listing per rollout plus one index parse.
+        A commit writes its batch array and index part, then replaces the rollout's entry
+        point; a crash before that leaves an array and a part the entry point does not count,
+        which readers never see (a rollout's first commit leaves no entry point at all: the
+        array and part are written without a parent group document, so nothing lists the
+        rollout meanwhile). Left alone, a plain Zarr listing would show them and the next
+        commit would reuse their names. So, on opening: arrays and parts numbered above the
+        entry point's count are deleted, index temp files too, a bare group ``zarr.json``
+        without an index, and a rollout directory left empty. Anything else (files r3rdma did
+        not write) is left in place. Costs one directory listing per rollout.
         """
         for child in self.root.iterdir():
             try:
@@ -143,13 +175,15 @@ class LocalRoutingStore:
                 attrs = read_group_attrs(index_path)
             except ValueError:  # a bare group document zarr wrote in place, torn by the crash
                 attrs = {}
-            index = (attrs or {}).get(INDEX_KEY)
-            if index is None and attrs is not None and not attrs:
-                index_path.unlink()  # the bare parent group zarr wrote before the array
-            self._remove_orphans(child, set(index["arrays"]) if index is not None else set())
-            for tmp in child.glob(".zarr.json.tmp-*"):
+            entry = check_entry(child.name, attrs, str(self.root)) if attrs else None
+            if entry is not None and entry.get("format_version", 1) != 2:
+                continue  # not this format's (refused by _check_format unless the root says otherwise)
+            if entry is None and attrs is not None:
+                index_path.unlink()  # a bare parent group zarr wrote before the array
+            self._remove_orphans(child, entry["parts"] if entry is not None else 0)
+            for tmp in child.glob("**/.zarr.json.tmp-*"):
                 tmp.unlink(missing_ok=True)
-            if index is None:
+            if entry is None:
                 try:
                     child.rmdir()  # only when nothing else is left
                 except OSError:
@@ -202,7 +236,7 @@ class LocalRoutingStore:
             index = self._index(rollout_id)
             return {
                 rid: tuple((seg["start_row"], seg["start_row"] + seg["rows"], seg["final"]) for seg in segs)
-                for rid, segs in index.get("pending", {}).items()
+                for rid, segs in index.pending.items()
             }
 
     def require_complete(self, rollout_id: str) -> None:
@@ -227,17 +261,9 @@ class LocalRoutingStore:
         validate_id(request_id, "request_id")
         with self._lock:
             index = self._index(rollout_id)
-            pending = dict(index.get("pending", {}))
-            if request_id not in pending:
+            if request_id not in index.pending:
                 raise UnknownRequestError(f"rollout {rollout_id!r} has no pending request {request_id!r}")
-            del pending[request_id]
-            updated = dict(index)
-            if pending:
-                updated["pending"] = pending
-            else:
-                updated.pop("pending", None)
-            write_json_atomic(self.root / rollout_id / "zarr.json", group_document({INDEX_KEY: updated}))
-            self._indexes[rollout_id] = updated
+            self._write_part(rollout_id, index, {"arrays": [], "requests": {}, "pending": {request_id: []}})
 
     def delete_rollout(self, rollout_id: str) -> None:
         """Remove a rollout: its index first (readers stop seeing it at once), then its arrays."""
@@ -303,43 +329,69 @@ class LocalRoutingStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _index(self, rollout_id: str) -> dict[str, Any]:
+    def _index(self, rollout_id: str) -> RolloutIndex:
         index = self._indexes.get(rollout_id)
         if index is None:
             path = self.root / rollout_id
-            attrs = read_group_attrs(path / "zarr.json")
-            index = attrs[INDEX_KEY] if attrs else {"format_version": FORMAT_VERSION, "arrays": [], "requests": {}}
-            self._remove_orphans(path, set(index["arrays"]))
+            try:
+                index = load_index(rollout_id, read_file(path), str(self.root))
+            except R3Error as e:
+                raise StoreError(f"the index of rollout {rollout_id!r} under {self.root} cannot be read: {e}") from e
+            if index is None:
+                index = RolloutIndex(uid=new_uid())
+            self._remove_orphans(path, index.parts)
             self._indexes[rollout_id] = index
         return index
 
     @staticmethod
-    def _remove_orphans(path: Path, referenced: set[str]) -> None:
-        # Arrays no index points at are leftovers of a crash between array write and index
-        # rename; only this writer (it holds the root lock) creates arrays, so they are safe to drop.
+    def _remove_orphans(path: Path, parts: int) -> None:
+        # Arrays and parts numbered above the entry point's count are leftovers of a crash
+        # before its replace; only this writer (it holds the root lock) creates them, so they
+        # are safe to drop, and the next commit reuses their numbers.
         if not path.is_dir():
             return
         for child in path.iterdir():
-            if parse_array_name(child.name) is not None and child.name not in referenced:
+            seq = parse_array_name(child.name) or parse_part_name(child.name)
+            if seq is not None and seq > parts:
                 shutil.rmtree(child, ignore_errors=True)
+
+    def _write_part(self, rollout_id: str, index: RolloutIndex, changes: dict[str, Any]) -> None:
+        """Commit ``changes`` as the next index part: part file, then the entry point (atomic).
+
+        On failure nothing changed for readers (the entry point still counts the old parts) and
+        the part's directory is removed.
+        """
+        seq = index.parts + 1
+        part = {"part": seq, "uid": index.uid, **changes}
+        path = self.root / rollout_id
+        part_dir = path / part_name(seq)
+        try:
+            part_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(part_dir / "zarr.json", group_document({INDEX_KEY: part}))
+            index.apply(part)
+            try:
+                write_json_atomic(path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}))
+            except BaseException:
+                self._indexes.pop(rollout_id, None)  # applied in memory only: reload from disk
+                raise
+        except OSError as e:
+            shutil.rmtree(part_dir, ignore_errors=True)
+            raise StoreError(f"committing index part {seq} of rollout {rollout_id!r} failed: {e}") from e
 
     def _commit_rollout(self, rollout_id: str, records: list[RequestRecord]) -> tuple[int, int, int, int]:
         index = self._index(rollout_id)
         geometry = _geometry(records[0])
-        if "num_layers" in index:
-            stored = {k: index[k] for k in geometry}
-            if stored != geometry:
-                raise ShapeMismatchError(
-                    f"rollout {rollout_id!r} stores routing with {stored}; request "
-                    f"{records[0].request_id!r} arrived with {geometry}"
-                )
-        seq = max((parse_array_name(a) or 0 for a in index["arrays"]), default=0) + 1
-        name = array_name(seq)
-        # Records are applied in order to a working copy of the index (a batch may hold several
+        if index.geometry and index.geometry != geometry:
+            raise ShapeMismatchError(
+                f"rollout {rollout_id!r} stores routing with {index.geometry}; request "
+                f"{records[0].request_id!r} arrived with {geometry}"
+            )
+        name = array_name(index.parts + 1)
+        # Records are applied in order to an overlay of the index (a batch may hold several
         # segments of one request: a prefill part and its decode, two turns); nothing is
-        # written unless every record of the batch is accepted.
-        state = _Assembly(rollout_id, dict(index["requests"]), {k: list(v) for k, v in index.get("pending", {}).items()},
-                          self.only_last_turn)
+        # written unless every record of the batch is accepted. The overlay holds only what
+        # this batch changes, so a commit costs O(batch) however large the rollout.
+        state = _Assembly(rollout_id, index.requests, index.pending, self.only_last_turn)
         new: list[RequestRecord] = []
         duplicates = 0
         offset = 0
@@ -365,20 +417,16 @@ class LocalRoutingStore:
         except OSError as e:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
             raise StoreError(f"writing {len(new)} requests ({data.nbytes} bytes) to {rollout_path / name} failed: {e}") from e
-        updated = dict(index, **geometry)
-        updated["arrays"] = index["arrays"] + [name]
-        updated["requests"] = state.requests
-        if state.pending:
-            updated["pending"] = state.pending
-        else:
-            updated.pop("pending", None)
+        if not index.geometry:
+            index.geometry = geometry
         try:
-            write_json_atomic(rollout_path / "zarr.json", group_document({INDEX_KEY: updated}))
-        except OSError as e:
+            self._write_part(rollout_id, index, {"arrays": [name], "requests": state.requests, "pending": state.pending})
+        except StoreError:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
-            raise StoreError(f"committing the index of rollout {rollout_id!r} failed: {e}") from e
-        self._indexes[rollout_id] = updated
-        still_pending = len({r.request_id for r in new} & set(state.pending))
+            if index.parts == 0:
+                index.geometry = {}
+            raise
+        still_pending = len({r.request_id for r in new} & set(index.pending))
         return len(new), duplicates, int(data.nbytes), still_pending
 
     def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> None:
@@ -393,8 +441,8 @@ class LocalRoutingStore:
             LocalStore(rollout_path / name),
             data=data,
             chunks=(chunk, layers, top_k),
-            # Index first: a reader streaming the shard knows every chunk's place from its first
-            # bytes and decodes chunks while the rest arrives (r3rdma/node_http.py).
+            # Index first: a partial read gets the shard index with the shard's first bytes (one
+            # ranged GET from offset 0), and a streaming reader knows every chunk's place early.
             shards={"shape": (shard, layers, top_k), "index_location": "start"},
             compressors=zarr_codecs(self.zstd_level),
             dimension_names=("token", "layer", "k"),
@@ -420,13 +468,15 @@ def check_rollout_dir_name(rollout_id: str) -> str:
 
 
 def _geometry(record: RequestRecord) -> dict[str, Any]:
-    return {
+    geometry = {
         "num_layers": len(record.layer_map),
         "top_k": record.top_k,
         "num_experts": record.num_experts,
         "dtype": record.ids_TLK.dtype.name,
         "layer_map": list(record.layer_map),
     }
+    assert tuple(geometry) == GEOMETRY_KEYS
+    return geometry
 
 
 class _Assembly:
@@ -450,16 +500,21 @@ class _Assembly:
     def __init__(self, rollout_id: str, requests: dict[str, Any], pending: dict[str, list[dict[str, Any]]],
                  only_last_turn: bool) -> None:
         self.rollout_id = rollout_id
-        self.requests = requests
-        self.pending = pending
         self.only_last_turn = only_last_turn
         self._in_batch: set[str] = set()
+        # What this batch changes, over the stored maps (read, never written here): the new
+        # whole entry of each request it makes visible or extends, and the new pending list
+        # of each request whose pending parts change ([] once none are left).
+        self._stored_requests = requests
+        self._stored_pending = pending
+        self.requests: dict[str, Any] = {}
+        self.pending: dict[str, list[dict[str, Any]]] = {}
 
     def add(self, record: RequestRecord, array: str, offset: int) -> bool:
         """Apply one record; False if it duplicates a stored segment. Raises on conflicts."""
         rid = record.request_id
-        entry = self.requests.get(rid)
-        parts = self.pending.get(rid, [])
+        entry = self.requests.get(rid) or self._stored_requests.get(rid)
+        parts = list(self.pending[rid] if rid in self.pending else self._stored_pending.get(rid, []))
         known = (entry["segments"] if entry else []) + parts
         if any(_same(seg, record) for seg in known):
             return False
@@ -576,7 +631,7 @@ class _Assembly:
                 entry = {"rows": last - first, "start_row": first, "segments": segments}
             self.requests[rid] = entry
             group = group[len(sub):]
-        if group:
+        if group or rid in self._stored_pending:
             self.pending[rid] = group
         else:
             self.pending.pop(rid, None)

@@ -275,8 +275,11 @@ def test_opening_a_root_removes_what_crashed_commits_left(tmp_path, make_record)
     # group next to an array no index lists.
     zarr.create_array(zarr.storage.LocalStore(tmp_path / "crashed"), name="b00000001", data=data)
     assert (tmp_path / "crashed" / "zarr.json").exists()
-    # ... and in a later commit of an indexed rollout: an unindexed array and an index temp file.
+    # ... and in a later commit of an indexed rollout: an array and an index part the entry
+    # point does not count, and index temp files.
     zarr.create_array(zarr.storage.LocalStore(tmp_path / "kept" / "b00000002"), data=data)
+    (tmp_path / "kept" / "i00000002").mkdir()
+    (tmp_path / "kept" / "i00000002" / ".zarr.json.tmp-12345").write_bytes(b"{")
     (tmp_path / "kept" / ".zarr.json.tmp-12345").write_bytes(b"{")
     # A directory with files r3rdma never writes is left alone.
     (tmp_path / "foreign").mkdir()
@@ -284,11 +287,12 @@ def test_opening_a_root_removes_what_crashed_commits_left(tmp_path, make_record)
     with LocalRoutingStore(tmp_path) as store:
         assert set(store.rollouts()) == {"kept"}
     assert not (tmp_path / "crashed").exists()
-    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["b00000001", "zarr.json"]
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["b00000001", "i00000001", "zarr.json"]
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
     root = zarr.open_group(tmp_path, mode="r")
     assert [name for name, _ in root.groups()] == ["kept"]
     assert [name for name, _ in root["kept"].arrays()] == ["b00000001"]
+    assert [name for name, _ in root["kept"].groups()] == ["i00000001"]
     np.testing.assert_array_equal(
         RoutingReader(tmp_path).get_numpy("kept", ["a"])["a"], make_record("a", rows=4, rollout_id="kept").ids_TLK
     )

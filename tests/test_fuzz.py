@@ -155,7 +155,7 @@ def test_reader_checksum_mismatch_is_reported(pristine, tmp_path):
     src, expected = pristine
     root = tmp_path / "root"
     shutil.copytree(src, root)
-    index_path = root / "cor" / "zarr.json"
+    index_path = root / "cor" / "i00000001" / "zarr.json"  # the index part that lists r0..r2
     doc = json.loads(index_path.read_text())
     doc["attributes"]["r3rdma"]["requests"]["r1"]["segments"][0]["crc32c"] ^= 1
     index_path.write_text(json.dumps(doc))

@@ -1,6 +1,7 @@
 """LocalRoutingStore: commit protocol, idempotence, conflicts, visibility, crash leftovers."""
 
 import json
+import shutil
 import os
 
 import numpy as np
@@ -74,16 +75,18 @@ def test_second_writer_refused(tmp_path):
 def test_crash_leftover_array_invisible_and_removed(tmp_path, make_record):
     with LocalRoutingStore(tmp_path) as store:
         store.commit([make_record("a")])
-    # Simulate a crash after the array was written but before the index was renamed.
+    # Simulate a crash after the array and its index part were written but before the entry
+    # point counted them.
     orphan = zarr.create_array(str(tmp_path / "roll-0"), name="b00000002", shape=(4, 3, 2), dtype="uint8")
     orphan[:] = 1
+    shutil.copytree(tmp_path / "roll-0" / "i00000001", tmp_path / "roll-0" / "i00000002")
     reader = RoutingReader(tmp_path)
     assert reader.info("roll-0").request_ids == ("a",)
     with LocalRoutingStore(tmp_path) as store:
         store.commit([make_record("b")])
     assert (tmp_path / "roll-0" / "b00000002").exists()  # reused name, now referenced
-    idx = json.loads((tmp_path / "roll-0" / "zarr.json").read_text())["attributes"]["r3rdma"]
-    assert idx["requests"]["b"]["segments"][0]["array"] == "b00000002"
+    part = json.loads((tmp_path / "roll-0" / "i00000002" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    assert list(part["requests"]) == ["b"] and part["requests"]["b"]["segments"][0]["array"] == "b00000002"
     np.testing.assert_array_equal(RoutingReader(tmp_path).get_numpy("roll-0", ["b"])["b"], make_record("b").ids_TLK)
 
 

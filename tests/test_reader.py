@@ -57,7 +57,7 @@ def test_unknown_rollout_and_request(populated):
     with pytest.raises(UnknownRolloutError, match="'nope'") as info:
         reader.get("nope", ["r0"])
     assert isinstance(info.value, KeyError)
-    with pytest.raises(UnknownRequestError, match=r"no committed request 'zz' \(6 requests committed\)"):
+    with pytest.raises(UnknownRequestError, match=r"no committed request 'zz' \(1 of the 2 asked for are missing; 6 requests committed\)"):
         reader.get("roll-0", ["r0", "zz"])
 
 
@@ -75,11 +75,13 @@ def test_corrupted_chunk_detected(tmp_path, make_record):
     with LocalRoutingStore(tmp_path, zstd_level=0) as store:
         store.commit([rec])
     shard = tmp_path / "roll-0" / "b00000001" / "c" / "0" / "0" / "0"
-    data = bytearray(shard.read_bytes())
-    data[10] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CorruptDataError, match="checksum do not match"):  # zarr's chunk crc32c
-        RoutingReader(tmp_path).get("roll-0", ["a"])
+    pristine = shard.read_bytes()
+    for at, says in [(10, "index of shard 0 is damaged"), (len(pristine) - 10, "chunk 0 fails its crc32c")]:
+        data = bytearray(pristine)
+        data[at] ^= 0xFF  # the shard index comes first, then the chunk (rows, then its crc32c)
+        shard.write_bytes(bytes(data))
+        with pytest.raises(CorruptDataError, match=says):
+            RoutingReader(tmp_path).get("roll-0", ["a"])
 
 
 def test_index_checksum_catches_what_zarr_cannot(tmp_path, make_record, monkeypatch):
@@ -88,7 +90,7 @@ def test_index_checksum_catches_what_zarr_cannot(tmp_path, make_record, monkeypa
         store.commit([rec])
     import json
 
-    path = tmp_path / "roll-0" / "zarr.json"
+    path = tmp_path / "roll-0" / "i00000001" / "zarr.json"  # the index part that lists "a"
     doc = json.loads(path.read_text())
     doc["attributes"]["r3rdma"]["requests"]["a"]["segments"][0]["crc32c"] ^= 1
     path.write_text(json.dumps(doc))

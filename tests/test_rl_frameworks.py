@@ -282,14 +282,13 @@ def test_rows_starting_after_position_zero_are_refused():
 def test_reads_only_the_requested_share(rollout, monkeypatch):
     root, _ = rollout
     seen = []
-    original = RoutingReader.get_numpy
+    original = RoutingReader._read
 
-    def spy(self, rollout_id, request_ids):
-        request_ids = list(request_ids)
-        seen.append(request_ids)
-        return original(self, rollout_id, request_ids)
+    def spy(self, rollout_id, merged, request_ids):  # every read of rows goes through here
+        seen.append(list(request_ids))
+        return original(self, rollout_id, merged, request_ids)
 
-    monkeypatch.setattr(RoutingReader, "get_numpy", spy)
+    monkeypatch.setattr(RoutingReader, "_read", spy)
     with RoutingReader(root) as reader:
         verl_routed_experts(reader, "step-1", ["both"], prompt_lens=[5], response_lens=[4], prompt_length=8, response_length=6)
         slime_rollout_routed_experts(reader, "step-1", ["short-resp"], token_lens=[10], num_layers=5)

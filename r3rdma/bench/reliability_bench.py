@@ -97,17 +97,17 @@ def _owner(key: str, n: int) -> int:
 
 def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
     """rollout -> {request_id: crc32c} of every committed request under ``roots`` (merged)."""
-    from r3rdma.store.layout import INDEX_KEY, read_group_attrs
+    from r3rdma.store.rollout_index import load_index, read_file
 
     out: dict[str, dict[str, int]] = {}
     for root in roots:
         if not root.is_dir():
             continue
         for child in root.iterdir():
-            attrs = read_group_attrs(child / "zarr.json") if child.is_dir() else None
-            if attrs and INDEX_KEY in attrs:
+            index = load_index(child.name, read_file(child), str(root)) if child.is_dir() else None
+            if index is not None:
                 mine = out.setdefault(child.name, {})
-                for rid, entry in attrs[INDEX_KEY]["requests"].items():
+                for rid, entry in index.requests.items():
                     mine[rid] = entry["segments"][0]["crc32c"]
     return out
 
@@ -144,16 +144,19 @@ def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: se
 
 
 def _orphans(root: Path) -> int:
-    """Batch arrays on disk that no index lists (what a crash mid-commit leaves)."""
-    from r3rdma.store.layout import INDEX_KEY, parse_array_name, read_group_attrs
+    """Batch arrays and index parts on disk the entry point does not count (what a crash
+    mid-commit leaves)."""
+    from r3rdma.store.layout import read_group_attrs
+    from r3rdma.store.rollout_index import check_entry, parse_part_name
+    from r3rdma.store.layout import parse_array_name
 
     n = 0
     for child in root.iterdir() if root.is_dir() else []:
         if not child.is_dir():
             continue
-        attrs = read_group_attrs(child / "zarr.json") or {}
-        listed = set(attrs.get(INDEX_KEY, {}).get("arrays", []))
-        n += sum(1 for a in child.iterdir() if parse_array_name(a.name) is not None and a.name not in listed)
+        entry = check_entry(child.name, read_group_attrs(child / "zarr.json") or {}, str(root)) or {}
+        counted = entry.get("parts", 0)
+        n += sum(1 for a in child.iterdir() if (parse_array_name(a.name) or parse_part_name(a.name) or 0) > counted)
     return n
 
 

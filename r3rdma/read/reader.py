@@ -1,35 +1,42 @@
 """Trainer-side reads of committed routing, from local roots and store nodes over HTTP.
 
+Reads are shaped like training: a data-parallel rank asks for its own samples, which finished
+at random times and so sit in nearly every batch array a rollout committed. A read plans every
+row range first (each request's segments, grouped per array and merged where they touch or
+share a chunk), reads all of them concurrently through zarr's async API (one event loop, zarr's
+decode threads), verifies each segment's CRC-32C in a thread pool, and packs. Index parts and
+array metadata are immutable: they are fetched once per reader and kept.
+
 Errors say what happened, so a trainer can tell "retry" from "the data is damaged":
 :class:`TransportError` (connection refused, reset or dropped mid-body) and
 :class:`R3TimeoutError` are worth a retry; :class:`AuthenticationError` (the node refused the
 token) and :class:`StoreError` (the node or the local disk failed the read: HTTP 5xx, I/O
 error) are not the data's fault; :class:`CorruptDataError` means bytes that arrived whole fail
 their checksum or the format; :class:`UnknownRolloutError` / :class:`UnknownRequestError`: not
-committed (or deleted).
+committed (or deleted). Bad id lists (unknown or repeated ids) fail before anything is read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-import zarr
-import zarr.errors
 from tqdm.auto import tqdm
-from zarr.storage import LocalStore
+from zarr.core.sync import sync
 
 from r3rdma.errors import (
     AuthenticationError,
     ConfigError,
     CorruptDataError,
-    R3Error,
+    InvalidIdError,
     R3TimeoutError,
     StoreError,
     TransportError,
@@ -38,11 +45,10 @@ from r3rdma.errors import (
 )
 from r3rdma.ids import validate_id
 from r3rdma.records import checksum
-from r3rdma.read.node_http import NodeHttpClient, read_error
-from r3rdma.store.shard_codec import ShardDecoder, chunk_pool
-from r3rdma.store.layout import INDEX_KEY, parse_array_name
+from r3rdma.read.sources import Source
+from r3rdma.store.rollout_index import RolloutIndex
 
-__all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "to_torch"]
+__all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "Prefetcher", "to_torch"]
 
 _log = logging.getLogger(__name__)
 
@@ -97,10 +103,11 @@ class RoutingReader:
     as a bearer header), or any zarr ``StoreLike``. With several sources (the store nodes a
     rollout's requests were spread over) their indexes are merged; a request found on several
     nodes (replicas, or re-pushed after a failover) must have the same checksum on each
-    (else :class:`CorruptDataError` naming both) and is read from any of them. Reads run in
-    parallel over nodes and arrays (``max_workers``). Each returned segment is verified
-    against the CRC-32C in the index unless ``verify=False``. ``timeout_s`` bounds every wait
-    on a store node (connect, each read of the answer): past it, :class:`R3TimeoutError`.
+    (else :class:`CorruptDataError` naming both) and is read from any of them. ``max_workers``
+    bounds the row ranges read at once and the threads verifying checksums. Each returned
+    segment is verified against the CRC-32C in the index unless ``verify=False``. ``timeout_s``
+    bounds every wait on a store node (connect, each read of the answer): past it,
+    :class:`R3TimeoutError`.
 
     Several sources: a source that cannot be reached (:class:`TransportError`,
     :class:`R3TimeoutError`, :class:`StoreError`; never a refused token) when the index is
@@ -115,23 +122,23 @@ class RoutingReader:
         *,
         token: str | None = None,
         verify: bool = True,
-        max_workers: int = 8,
+        max_workers: int = 16,
         progress: bool | None = None,
         timeout_s: float = 60.0,
     ) -> None:
-        """``progress``: show a tqdm bar on reads of many arrays (None: only when stderr is a TTY)."""
-        if isinstance(sources, (list, tuple)):
-            items = list(sources)
-        else:
-            items = [sources]
+        """``progress``: show a tqdm bar on reads of many ranges (None: only when stderr is a TTY)."""
+        items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
         if not items:
             raise ConfigError("RoutingReader needs at least one source")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-        self._sources = [_Source.of(item, token, float(timeout_s)) for item in items]
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ConfigError(f"max_workers must be an int >= 1, got {max_workers!r}")
+        self._sources = [Source.of(item, token, float(timeout_s)) for item in items]
         self._verify = verify
+        self._concurrency = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
-        self._indexes: dict[str, _MergedIndex] = {}
+        self._merged: dict[str, _MergedIndex] = {}
         self._progress = progress
         #: Sources skipped by the last index fetch (name -> why): unreachable nodes whose
         #: replicas were not needed, or whose absence made a read fail with TransportError.
@@ -141,8 +148,6 @@ class RoutingReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        for source in self._sources:
-            source.close()
 
     def __enter__(self) -> "RoutingReader":
         return self
@@ -175,81 +180,102 @@ class RoutingReader:
         out = {}
         for i, source in enumerate(self._sources):
             index = merged.per_source.get(i)
-            out[source.name] = 0 if index is None else source.stored_bytes(rollout_id, index["arrays"])
+            out[source.name] = 0 if index is None else sync(source.stored_bytes(rollout_id, index))
         return out
 
     def get_numpy(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, np.ndarray]:
         """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id."""
-        request_ids = list(dict.fromkeys(request_ids))
+        request_ids = _check_ids(request_ids)
+        merged = self._require(rollout_id, request_ids)
+        pieces = self._read(rollout_id, merged, request_ids)
+        return {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
+
+    def get(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids)."""
+        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids).items()}
+
+    def get_packed(self, rollout_id: str, request_ids: Iterable[str]) -> PackedRouting:
+        """Requests concatenated along tokens in the given order, with ``cu_seqlens``."""
+        request_ids = _check_ids(request_ids)
+        merged = self._require(rollout_id, request_ids)
+        pieces = self._read(rollout_id, merged, request_ids)
+        geometry = merged.geometry
+        lengths = [merged.requests[rid][1]["rows"] for rid in request_ids]
+        cu = np.zeros(len(request_ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        if cu[-1] >= 2**31:
+            raise ConfigError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
+        # One copy of every row, into the packed buffer (no per-request concatenation first).
+        packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+        row = 0
         for rid in request_ids:
-            validate_id(rid, "request_id")
+            for piece in pieces[rid]:
+                packed[row : row + piece.shape[0]] = piece
+                row += piece.shape[0]
+        return PackedRouting(
+            request_ids=tuple(request_ids),
+            ids_TLK=to_torch(packed),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+            start_rows=tuple(merged.requests[rid][1]["start_row"] for rid in request_ids),
+            layer_map=tuple(geometry["layer_map"]),
+            num_experts=geometry["num_experts"],
+        )
+
+    def prefetch(self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2,
+                 pin_memory: bool = False) -> "Prefetcher":
+        """Iterate :class:`PackedRouting` of each batch of request ids (a trainer's micro-batches),
+        in order, while the next ``depth`` batches load in the background.
+
+        Every batch is checked against the index before anything is read, so an unknown or
+        repeated id fails here, not halfway through a step. ``pin_memory``: returned tensors
+        are in page-locked memory (for ``.to("cuda", non_blocking=True)``; needs CUDA).
+        Use as a context manager, or ``close()`` it to stop loading early.
+        """
+        return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _require(self, rollout_id: str, request_ids: list[str]) -> "_MergedIndex":
+        """The merged index, refreshed if some of ``request_ids`` are not in it; raises naming
+        the missing ones (and why: pending, or on a node that could not be reached)."""
         merged = self._index(rollout_id)
         if any(rid not in merged.requests for rid in request_ids):
             merged = self._index(rollout_id, refresh=True)  # committed since we last looked?
         missing = [rid for rid in request_ids if rid not in merged.requests]
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            if merged.skipped:
-                raise TransportError(
-                    f"rollout {rollout_id!r}: requests {shown} are on none of the reachable store nodes; "
-                    f"{len(merged.skipped)} could not be reached and may hold them (retryable): "
-                    + "; ".join(f"{name}: {why}" for name, why in merged.skipped.items())
-                )
-            pending = [rid for rid in missing if rid in merged.pending]
-            note = (
-                f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
-                if pending
-                else ""
+        if not missing:
+            return merged
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        if merged.skipped:
+            raise TransportError(
+                f"rollout {rollout_id!r}: requests {shown} are on none of the reachable store nodes; "
+                f"{len(merged.skipped)} could not be reached and may hold them (retryable): "
+                + "; ".join(f"{name}: {why}" for name, why in merged.skipped.items())
             )
-            raise UnknownRequestError(
-                f"rollout {rollout_id!r} has no committed request {shown} ({len(merged.requests)} requests committed){note}"
-            )
-        # Each request is read from one source holding it (the first that has not failed in
-        # this call); its segments are grouped by (source, array): each array is read once,
-        # over the span its segments cover when that span is dense, and arrays are read in
-        # parallel. A source whose read fails (unreachable, timed out, failed I/O) is dropped
-        # and its requests are read again from their other replicas.
-        chosen: dict[str, tuple[int, dict[str, Any]]] = {}
+        pending = [rid for rid in missing if rid in merged.pending]
+        note = (
+            f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
+            if pending
+            else ""
+        )
+        raise UnknownRequestError(
+            f"rollout {rollout_id!r} has no committed request {shown} ({len(missing)} of the {len(request_ids)} "
+            f"asked for are missing; {len(merged.requests)} requests committed){note}; nothing was read"
+        )
 
-        def read_array(key: tuple[int, str], wanted) -> dict[tuple[str, int], np.ndarray]:
-            src, name = key
-            segs = wanted[key]
-            source = self._sources[src]
-            lo = min(s["offset"] for _, _, s in segs)
-            hi = max(s["offset"] + s["rows"] for _, _, s in segs)
-            extent = merged.extent(src, name)
-            parts = {}
-            sums: list[int] | None = None  # the segments' CRC-32C, when the read computed them
-            if hi - lo <= 2 * sum(s["rows"] for _, _, s in segs):
-                ranges = [(s["offset"] - lo, s["offset"] - lo + s["rows"]) for _, _, s in segs] if self._verify else []
-                span, sums = source.read_rows(rollout_id, name, lo, hi, extent, ranges)
-                for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = span[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
-            else:
-                for rid, seg_no, seg in segs:
-                    parts[(rid, seg_no)] = source.read_rows(rollout_id, name, seg["offset"], seg["offset"] + seg["rows"], extent)[0]
-            if self._verify:
-                if sums is None:  # in parallel over the array's requests: crc32c releases the GIL
-                    sums = list(chunk_pool().map(lambda s: checksum(parts[(s[0], s[1])]), segs))
-                for (rid, seg_no, seg), got in zip(segs, sums):
-                    if got != seg["crc32c"]:
-                        raise CorruptDataError(
-                            f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array "
-                            f"{seg['array']} rows {seg['offset']}..{seg['offset'] + seg['rows'] - 1}: "
-                            f"crc32c {got:#010x}, index says {seg['crc32c']:#010x}"
-                        )
-            return parts
-
-        parts: dict[tuple[str, int], np.ndarray] = {}
+    def _read(self, rollout_id: str, merged: "_MergedIndex", request_ids: list[str]) -> dict[str, list[np.ndarray]]:
+        """Each request's segments, read from one source holding it (the first that has not
+        failed in this call). A source whose read fails (unreachable, timed out, failed I/O) is
+        dropped and its requests are read again from their other replicas."""
+        pieces: dict[str, list[np.ndarray]] = {}
         failed: dict[int, Exception] = {}
         todo = request_ids
+        show = self._progress if self._progress is not None else sys.stderr.isatty()
+        arrays = {(merged.requests[rid][0], seg["array"]) for rid in request_ids for seg in merged.requests[rid][1]["segments"]}
         try:
-            show = self._progress if self._progress is not None else sys.stderr.isatty()
-            arrays = {(merged.requests[rid][0], seg["array"]) for rid in request_ids for seg in merged.requests[rid][1]["segments"]}
             with tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr,
                       disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS) as bar:
                 while todo:
-                    this_round = todo
+                    chosen: dict[str, tuple[int, dict[str, Any]]] = {}
                     wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
                     for rid in todo:
                         alive = [h for h in merged.holders[rid] if h[0] not in failed]
@@ -263,76 +289,87 @@ class RoutingReader:
                                 + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in merged.holders[rid])
                                 + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
                             ) from cause
-                        chosen[rid] = src, entry = alive[0]
+                        src, entry = chosen[rid] = alive[0]
                         for seg_no, seg in enumerate(entry["segments"]):
                             wanted.setdefault((src, seg["array"]), []).append((rid, seg_no, seg))
                     bar.total = (bar.total or 0) + len(wanted)
-                    futures = [(key, self._pool.submit(read_array, key, wanted)) for key in wanted]
-                    todo = []
+                    results = sync(self._fetch(rollout_id, merged, wanted, bar))
+                    got: dict[tuple[str, int], np.ndarray] = {}
                     first_error: Exception | None = None
-                    for key, future in futures:
-                        try:
-                            parts.update(future.result())
-                        except (TransportError, R3TimeoutError, StoreError) as e:
-                            if isinstance(e, AuthenticationError) or len(self._sources) == 1:
-                                first_error = first_error or e
-                                continue
-                            if key[0] not in failed:
-                                _log.warning("reading rollout %r from %s failed, trying other replicas: %s", rollout_id, self._sources[key[0]].name, e)
+                    for (src, _name), result in zip(wanted, results):
+                        if not isinstance(result, BaseException):
+                            got.update(result)
+                        elif isinstance(result, (TransportError, R3TimeoutError, StoreError)) and not (
+                            isinstance(result, AuthenticationError) or len(self._sources) == 1
+                        ):
+                            if src not in failed:
+                                _log.warning("reading rollout %r from %s failed, trying other replicas: %s",
+                                             rollout_id, self._sources[src].name, result)
                                 self.read_failovers += 1
-                            failed.setdefault(key[0], e)
-                        except Exception as e:  # not a node failure: raised once the others are done
-                            first_error = first_error or e
-                        bar.update()
+                            failed.setdefault(src, result)
+                        elif isinstance(result, Exception):
+                            first_error = first_error or result
+                        else:
+                            raise result
                     if first_error is not None:
                         raise first_error
-                    # This round's requests on a source that failed: read them whole from another replica.
-                    todo = [rid for rid in this_round if chosen[rid][0] in failed]
-                    for rid in todo:
-                        for n in range(len(chosen[rid][1]["segments"])):
-                            parts.pop((rid, n), None)
+                    # Requests on a source that failed: read them whole from another replica.
+                    todo = [rid for rid in todo if chosen[rid][0] in failed]
+                    for rid, (src, entry) in chosen.items():
+                        if src not in failed:
+                            pieces[rid] = [got[(rid, k)] for k in range(len(entry["segments"]))]
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
             self._raise_if_deleted(rollout_id, request_ids, e)
             raise
-        out: dict[str, np.ndarray] = {}
-        for rid in request_ids:
-            segments = chosen[rid][1]["segments"]
-            pieces = [parts[(rid, n)] for n in range(len(segments))]
-            out[rid] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        return out
+        return pieces
 
-    def get(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids)."""
-        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids).items()}
+    async def _fetch(self, rollout_id: str, merged: "_MergedIndex",
+                     wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]], bar: tqdm) -> list[Any]:
+        """Read every array's wanted segments at once; per array its segments' rows by
+        (request, segment number), or the exception that array's read raised."""
+        limit = asyncio.Semaphore(self._concurrency)
+        loop = asyncio.get_running_loop()
 
-    def get_packed(self, rollout_id: str, request_ids: Iterable[str]) -> PackedRouting:
-        """Requests concatenated along tokens in the given order, with ``cu_seqlens``."""
-        request_ids = list(request_ids)  # iterated several times below: a generator only once
-        arrays = self.get_numpy(rollout_id, request_ids)
-        merged = self._index(rollout_id)
-        geometry = merged.geometry
-        ordered = [arrays[rid] for rid in request_ids]
-        lengths = [a.shape[0] for a in ordered]
-        cu = np.zeros(len(ordered) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        if cu[-1] >= 2**31:
-            raise CorruptDataError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
-        if ordered:
-            packed = np.concatenate(ordered)
-        else:
-            packed = np.zeros((0, geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
-        return PackedRouting(
-            request_ids=tuple(request_ids),
-            ids_TLK=to_torch(packed),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            start_rows=tuple(merged.requests[rid][1]["start_row"] for rid in request_ids),
-            layer_map=tuple(geometry["layer_map"]),
-            num_experts=geometry["num_experts"],
-        )
+        async def read_array(src: int, name: str, segs: list[tuple[str, int, dict[str, Any]]]):
+            source = self._sources[src]
+            uid = merged.per_source[src].uid
+            array = await source.array(rollout_id, uid, name)
+            segs = sorted(segs, key=lambda s: s[2]["offset"])
+            rows, chunk = array.shape[0], array.chunks[0]
+            if 2 * sum(s[2]["rows"] for s in segs) >= rows:
+                ranges = [[0, rows, segs]]  # most of the array: all of it, in one ranged read
+            else:
+                ranges = []
+                for seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
+                    lo, hi = seg[2]["offset"], seg[2]["offset"] + seg[2]["rows"]
+                    if ranges and lo // chunk <= (ranges[-1][1] - 1) // chunk:
+                        ranges[-1][1] = max(ranges[-1][1], hi)
+                        ranges[-1][2].append(seg)
+                    else:
+                        ranges.append([lo, hi, [seg]])
+            async with limit:
+                blocks = await source.read_ranges(rollout_id, uid, name, [(lo, hi) for lo, hi, _ in ranges])
+            bar.update()
+            out = {}
+            for (lo, _hi, members), block in zip(ranges, blocks):
+                for rid, seg_no, seg in members:
+                    out[(rid, seg_no)] = block[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
+            if self._verify:
+                # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
+                sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
+                for (rid, seg_no, seg), got in zip(segs, sums):
+                    if got != seg["crc32c"]:
+                        raise CorruptDataError(
+                            f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array {name} rows "
+                            f"{seg['offset']}..{seg['offset'] + seg['rows'] - 1}: crc32c {got:#010x}, "
+                            f"index says {seg['crc32c']:#010x}"
+                        )
+            return out
 
-    # -- internals --------------------------------------------------------------------------
+        return await asyncio.gather(*(read_array(src, name, segs) for (src, name), segs in wanted.items()),
+                                    return_exceptions=True)
 
     def _raise_if_deleted(self, rollout_id: str, request_ids: list[str], cause: Exception) -> None:
         try:
@@ -347,37 +384,131 @@ class RoutingReader:
 
     def _index(self, rollout_id: str, *, refresh: bool = False) -> "_MergedIndex":
         validate_id(rollout_id, "rollout_id")
-        if refresh or rollout_id not in self._indexes:
-            futures = [self._pool.submit(s.index, rollout_id) for s in self._sources]
-            results: list[dict[str, Any] | None] = []
-            skipped: dict[str, str] = {}
-            errors: list[BaseException] = []
-            for source, future in zip(self._sources, futures):
-                try:
-                    results.append(future.result())
-                except (TransportError, R3TimeoutError, StoreError) as e:
-                    if isinstance(e, AuthenticationError) or len(self._sources) == 1:
-                        raise
-                    # Replicas elsewhere may cover it: skip this node, say so, decide per request.
-                    _log.warning("store source %s skipped for rollout %r: %s", source.name, rollout_id, e)
-                    skipped[source.name] = str(e)
-                    errors.append(e)
-                    results.append(None)
-            self.last_skipped_nodes = skipped
-            if len(errors) == len(self._sources):
-                raise errors[0]
-            try:
-                merged = _MergedIndex.merge(rollout_id, self._sources, results)
-            except UnknownRolloutError:
-                if skipped:  # the rollout may live on the nodes that did not answer
-                    raise TransportError(
-                        f"rollout {rollout_id!r} is on none of the reachable store nodes; {len(skipped)} could not "
-                        "be reached and may hold it (retryable): " + "; ".join(f"{n}: {w}" for n, w in skipped.items())
-                    ) from errors[0]
-                raise
-            merged.skipped = skipped
-            self._indexes[rollout_id] = merged
-        return self._indexes[rollout_id]
+        cached = self._merged.get(rollout_id)
+        if cached is not None and not refresh:
+            return cached
+
+        async def load_all():
+            return await asyncio.gather(*(s.index(rollout_id, self._concurrency) for s in self._sources),
+                                        return_exceptions=True)
+
+        results: list[RolloutIndex | None] = []
+        skipped: dict[str, str] = {}
+        errors: list[BaseException] = []
+        for source, result in zip(self._sources, sync(load_all())):
+            if isinstance(result, (TransportError, R3TimeoutError, StoreError)):
+                if isinstance(result, AuthenticationError) or len(self._sources) == 1:
+                    raise result
+                # Replicas elsewhere may cover it: skip this node, say so, decide per request.
+                _log.warning("store source %s skipped for rollout %r: %s", source.name, rollout_id, result)
+                skipped[source.name] = str(result)
+                errors.append(result)
+                results.append(None)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                results.append(result)
+        self.last_skipped_nodes = skipped
+        if len(errors) == len(self._sources):
+            raise errors[0]
+        if cached is not None and not skipped and not cached.skipped and cached.same(results):
+            return cached  # nothing new anywhere
+        try:
+            merged = _MergedIndex.merge(rollout_id, self._sources, results)
+        except UnknownRolloutError:
+            if skipped:  # the rollout may live on the nodes that did not answer
+                raise TransportError(
+                    f"rollout {rollout_id!r} is on none of the reachable store nodes; {len(skipped)} could not "
+                    "be reached and may hold it (retryable): " + "; ".join(f"{n}: {w}" for n, w in skipped.items())
+                ) from errors[0]
+            raise
+        merged.skipped = skipped
+        self._merged[rollout_id] = merged
+        return merged
+
+
+class Prefetcher:
+    """Yields :class:`PackedRouting` of each batch in order while the next ones load
+    (:meth:`RoutingReader.prefetch`). One background thread reads the batches one after another
+    (each read is itself concurrent), at most ``depth`` ahead of the consumer."""
+
+    def __init__(self, reader: RoutingReader, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int,
+                 pin_memory: bool) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigError("pin_memory=True needs CUDA (page-locked memory is for copies to a GPU); none is available")
+        self._batches = [_check_ids(batch) for batch in batches]
+        every = [rid for batch in self._batches for rid in batch]
+        reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
+        self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rdma-prefetch")
+        self._queue: collections.deque[Future] = collections.deque()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[PackedRouting]:
+        return self
+
+    def __next__(self) -> PackedRouting:
+        while len(self._queue) < self._depth and self._next < len(self._batches):
+            self._queue.append(self._thread.submit(self._load, self._batches[self._next]))
+            self._next += 1
+        if not self._queue:
+            self.close()
+            raise StopIteration
+        try:
+            return self._queue.popleft().result()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, batch: list[str]) -> PackedRouting:
+        packed = self._reader.get_packed(self._rollout_id, batch)
+        if self._pin:
+            import dataclasses
+
+            packed = dataclasses.replace(packed, ids_TLK=packed.ids_TLK.pin_memory())
+        return packed
+
+    def close(self) -> None:
+        """Stop loading: batches not started are dropped, the one in progress finishes."""
+        for future in self._queue:
+            future.cancel()
+        self._queue.clear()
+        self._next = len(self._batches)
+        self._thread.shutdown(wait=False)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_ids(request_ids: Iterable[str]) -> list[str]:
+    """The ids as a list, each valid, none repeated (a repeat is a caller's bug: its rows would
+    be trained on twice, or a dict would silently drop one)."""
+    if isinstance(request_ids, str):
+        raise InvalidIdError(f"request ids must be a list of ids, got one string {request_ids[:200]!r}")
+    ids = list(request_ids)
+    for rid in ids:
+        validate_id(rid, "request_id")
+    if len(set(ids)) != len(ids):
+        counts = collections.Counter(ids)
+        repeated = [(rid, n) for rid, n in counts.items() if n > 1]
+        raise InvalidIdError(
+            f"request ids repeat: {', '.join(f'{rid!r} x{n}' for rid, n in repeated[:5])}"
+            + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else "")
+            + f" ({len(ids)} ids, {len(counts)} distinct); nothing was read"
+        )
+    return ids
+
+
+def _checksums(pieces: list[np.ndarray]) -> list[int]:
+    return [checksum(piece) for piece in pieces]
 
 
 @dataclass
@@ -385,26 +516,18 @@ class _MergedIndex:
     geometry: dict[str, Any]
     requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (first source holding it, entry)
     pending: set[str]
-    per_source: dict[int, dict[str, Any]]
+    per_source: dict[int, RolloutIndex]
     holders: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)  # every replica
     skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
-    _extents: dict[int, dict[str, int]] = field(default_factory=dict)
 
-    def extent(self, source: int, array: str) -> int:
-        """Rows of ``array`` on ``source`` that its index accounts for (committed or pending)."""
-        if source not in self._extents:
-            index = self.per_source[source]
-            ends: dict[str, int] = {}
-            segments = [seg for entry in index["requests"].values() for seg in entry["segments"]]
-            segments += [seg for segs in index.get("pending", {}).values() if isinstance(segs, list) for seg in segs if isinstance(seg, dict)]
-            for seg in segments:
-                if _is_int(seg.get("offset")) and _is_int(seg.get("rows")) and isinstance(seg.get("array"), str):
-                    ends[seg["array"]] = max(ends.get(seg["array"], 0), seg["offset"] + seg["rows"])
-            self._extents[source] = ends
-        return self._extents[source].get(array, 0)
+    def same(self, indexes: list[RolloutIndex | None]) -> bool:
+        """Whether ``indexes`` (one per source) are the ones this was merged from."""
+        return {i: x for i, x in enumerate(indexes) if x is not None}.keys() == self.per_source.keys() and all(
+            self.per_source[i] is x for i, x in enumerate(indexes) if x is not None
+        )
 
     @classmethod
-    def merge(cls, rollout_id: str, sources: list["_Source"], indexes: list[dict[str, Any] | None]) -> "_MergedIndex":
+    def merge(cls, rollout_id: str, sources: list[Source], indexes: list[RolloutIndex | None]) -> "_MergedIndex":
         present = {i: index for i, index in enumerate(indexes) if index is not None}
         if not present:
             where = sources[0].name if len(sources) == 1 else f"any of {len(sources)} sources"
@@ -414,261 +537,28 @@ class _MergedIndex:
         holders: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         pending: set[str] = set()
         for i, index in present.items():
-            mine = {k: index.get(k) for k in ("num_layers", "top_k", "num_experts", "dtype", "layer_map")}
+            if not index.requests and not index.geometry:
+                continue
             if geometry is None:
-                geometry, first = mine, i
-            elif mine != geometry:
+                geometry, first = index.geometry, i
+            elif index.geometry != geometry:
                 raise CorruptDataError(
-                    f"rollout {rollout_id!r}: {sources[first].name} stores {geometry}, {sources[i].name} stores {mine}"
+                    f"rollout {rollout_id!r}: {sources[first].name} stores {geometry}, {sources[i].name} stores {index.geometry}"
                 )
-            for rid, entry in index["requests"].items():
+            for rid, entry in index.requests.items():
                 prior = requests.get(rid)
                 if prior is None:
                     requests[rid] = (i, entry)
-                elif [s["crc32c"] for s in prior[1]["segments"]] != [s["crc32c"] for s in entry["segments"]]:
+                    holders[rid] = [(i, entry)]
+                    continue
+                if [s["crc32c"] for s in prior[1]["segments"]] != [s["crc32c"] for s in entry["segments"]]:
                     raise CorruptDataError(
                         f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
                         f"{sources[prior[0]].name} (crc32c {[s['crc32c'] for s in prior[1]['segments']]}) and "
                         f"{sources[i].name} (crc32c {[s['crc32c'] for s in entry['segments']]})"
                     )
-                holders.setdefault(rid, []).append((i, entry))
-            pending.update(index.get("pending", {}))
+                holders[rid].append((i, entry))
+            pending.update(index.pending)
+        if geometry is None:
+            geometry = {"num_layers": 0, "top_k": 0, "num_experts": 0, "dtype": "uint8", "layer_map": []}
         return cls(geometry, requests, pending - set(requests), present, holders)
-
-
-class _Source:
-    """One store root: a zarr store plus how to name it in messages. A store node's URL also
-    gets a :class:`NodeHttpClient`, which reads indexes and whole batch arrays without zarr."""
-
-    def __init__(self, name: str, store: Any, remote: bool, http: NodeHttpClient | None = None) -> None:
-        self.name = name
-        self.store = store
-        self.remote = remote
-        self.http = http
-
-    @classmethod
-    def of(cls, item: Any, token: str | None, timeout_s: float) -> "_Source":
-        if isinstance(item, str) and item.startswith(("http://", "https://")):
-            import aiohttp
-            from zarr.storage import FsspecStore
-
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            # Like NodeHttpClient's: each wait (connect, each read) is bounded, not the transfer.
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-            options = {"headers": headers, "client_kwargs": {"timeout": timeout}}
-            store = FsspecStore.from_url(item.rstrip("/") + "/zarr", storage_options=options, read_only=True)
-            return cls(item, store, remote=True, http=NodeHttpClient(item, token, timeout_s=timeout_s))
-        if isinstance(item, (str, os.PathLike)):
-            return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
-        return cls(str(item), item, remote=not isinstance(item, LocalStore))
-
-    def close(self) -> None:
-        if self.http is not None:
-            self.http.close()
-
-    def failure(self, what: str, error: Exception) -> R3Error | None:
-        """The R3Error that says why reading ``what`` here failed, or None when ``error`` is
-        no failure to reach the data (absent, garbled: the caller decides)."""
-        if isinstance(error, R3Error):
-            return error  # already says what happened
-        if self.remote:
-            return read_error(self.name, what, error)
-        if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
-            return StoreError(f"{self.name}: {what} failed: {type(error).__name__}: {error}")
-        return None
-
-    def index(self, rollout_id: str) -> dict[str, Any] | None:
-        """The rollout's index here, or None when this root has no such rollout."""
-        try:
-            if self.http is not None:
-                document = self.http.get_json(f"{rollout_id}/zarr.json")
-                if document is None or document.get("zarr_format") != 3 or document.get("node_type") != "group":
-                    return None
-                index = (document.get("attributes") or {}).get(INDEX_KEY)
-            else:
-                group = zarr.open_group(self.store, path=rollout_id, mode="r", zarr_format=3)
-                index = group.attrs.asdict().get(INDEX_KEY)
-        except R3Error:
-            raise
-        except Exception as e:
-            # A refused token, a lost connection, a disk error: say so, it is not "absent".
-            failure = self.failure(f"reading the index of rollout {rollout_id!r}", e)
-            if failure is not None:
-                raise failure from e
-            if isinstance(e, (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)):
-                return None
-            raise CorruptDataError(f"cannot read the index of rollout {rollout_id!r} from {self.name}: {e}") from e
-        if not isinstance(index, dict) or "requests" not in index:
-            return None
-        _check_index(rollout_id, index, self.name)
-        return index
-
-    def read_rows(
-        self, rollout_id: str, name: str, lo: int, hi: int, extent: int, crc_ranges: Sequence[tuple[int, int]] = ()
-    ) -> tuple[np.ndarray, list[int] | None]:
-        """Rows ``lo:hi`` of a batch array the index says holds at least ``extent`` rows, and the
-        CRC-32C of each of ``crc_ranges`` (row ranges of the returned rows) when the read could
-        compute them as the rows arrived (else None: the caller hashes them)."""
-        if self.http is not None and (hi - lo) * 2 >= extent:
-            # Most of the array is wanted: fetch it whole, decoding (and hashing the wanted
-            # ranges) while it streams.
-            where = f"{self.name}: rollout {rollout_id!r} array {name}"
-            ranges = [(lo + a, lo + b) for a, b in crc_ranges]
-            whole = self.http.read_array(f"{rollout_id}/{name}", where, ranges)
-            if whole is not None:
-                if whole.array.shape[0] < hi:
-                    raise CorruptDataError(f"{where} has {whole.array.shape[0]} rows; the index lists rows up to {hi}")
-                return whole.array[lo:hi], whole.crc32c
-        return self._read_rows(rollout_id, name, lo, hi), None
-
-    def _read_rows(self, rollout_id: str, name: str, lo: int, hi: int) -> np.ndarray:
-        array = self._open_array(rollout_id, name)
-        try:
-            if self.remote and (hi - lo) * 2 >= array.shape[0]:
-                # Most of the array is wanted: fetch its shard files whole (one GET each) instead
-                # of a ranged GET per inner chunk, then decode from memory, in parallel where the
-                # layout is ours (r3rdma.store.shard_codec), else through zarr.
-                decoder = ShardDecoder.of(array.metadata.to_dict())
-                if decoder is not None:
-                    return self._fetch_and_decode(rollout_id, name, decoder)[lo:hi]
-                array = self._fetch_whole(rollout_id, name, array)
-            return array[lo:hi]
-        except R3Error:
-            raise
-        except Exception as e:
-            failure = self.failure(f"reading rollout {rollout_id!r} array {name}", e)
-            if failure is not None:
-                raise failure from e
-            # zarr reports a chunk checksum mismatch as ValueError
-            raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} rows {lo}..{hi - 1} cannot be read: {e}") from e
-
-    def _fetch_and_decode(self, rollout_id: str, name: str, decoder: ShardDecoder) -> np.ndarray:
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
-        prefix = f"{rollout_id}/{name}/c/"
-        keys = [f"{s}/0/0" for s in range(decoder.num_shards)]  # default key encoding, "/" separator
-
-        async def fetch_all():
-            import asyncio
-
-            return await asyncio.gather(*(self.store.get(prefix + k, prototype=default_buffer_prototype()) for k in keys))
-
-        out = np.empty(decoder.shape, dtype=decoder.dtype)
-        where = f"{self.name}: rollout {rollout_id!r} array {name}"
-        for shard_no, buffer in enumerate(sync(fetch_all())):
-            decoder.decode_into(out, shard_no, None if buffer is None else buffer.as_numpy_array(), where)
-        return out
-
-    def stored_bytes(self, rollout_id: str, arrays: list[str]) -> int:
-        total = self._size(rollout_id, "zarr.json")
-        if total is None:
-            raise UnknownRolloutError(f"rollout {rollout_id!r} is gone from {self.name} (deleted while being read?)")
-        for name in arrays:
-            array = self._open_array(rollout_id, name)
-            for key in ["zarr.json", *_shard_keys(array)]:
-                # A shard zarr left out (every chunk the fill value) stores nothing.
-                total += self._size(rollout_id, f"{name}/{key}") or 0
-        return total
-
-    def _size(self, rollout_id: str, key: str) -> int | None:
-        """Bytes of the file ``key`` of the rollout, or None when there is no such file."""
-        from zarr.core.sync import sync
-
-        try:
-            return int(sync(self.store.getsize(f"{rollout_id}/{key}")))
-        except R3Error:
-            raise
-        except Exception as e:
-            failure = self.failure(f"reading the size of {key} of rollout {rollout_id!r}", e)
-            if failure is not None:
-                raise failure from e
-            if isinstance(e, FileNotFoundError):
-                return None
-            raise CorruptDataError(f"{self.name}: the size of {key} of rollout {rollout_id!r} cannot be read: {e}") from e
-
-    def _open_array(self, rollout_id: str, name: str) -> zarr.Array:
-        try:
-            return zarr.open_array(self.store, path=f"{rollout_id}/{name}", mode="r", zarr_format=3)
-        except R3Error:
-            raise
-        except Exception as e:  # zarr raises several types for missing/garbled metadata
-            failure = self.failure(f"reading the metadata of rollout {rollout_id!r} array {name}", e)
-            if failure is not None:
-                raise failure from e
-            raise CorruptDataError(f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened from {self.name}: {e}") from e
-
-    def _fetch_whole(self, rollout_id: str, name: str, array: zarr.Array) -> zarr.Array:
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-        from zarr.storage import MemoryStore
-
-        prefix = f"{rollout_id}/{name}/"
-        keys = ["zarr.json", *_shard_keys(array)]
-
-        async def fetch_all():
-            import asyncio
-
-            return await asyncio.gather(*(self.store.get(prefix + k, prototype=default_buffer_prototype()) for k in keys))
-
-        buffers = sync(fetch_all())
-        memory = MemoryStore({k: b for k, b in zip(keys, buffers) if b is not None}, read_only=True)
-        return zarr.open_array(memory, mode="r", zarr_format=3)
-
-
-def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _check_index(rollout_id: str, index: Any, where: str) -> None:
-    """Refuse a malformed rollout index up front (CorruptDataError), so a damaged or tampered
-    ``zarr.json`` never surfaces as a TypeError/KeyError deep in a read (found by fuzzing)."""
-
-    def bad(what: str) -> CorruptDataError:
-        return CorruptDataError(f"index of rollout {rollout_id!r} on {where} is malformed: {what}")
-
-    if not isinstance(index, dict) or not isinstance(index.get("requests"), dict):
-        raise bad("'requests' must be a map")
-    if not isinstance(index.get("pending", {}), dict):
-        raise bad("'pending' must be a map")
-    arrays = index.get("arrays")
-    if not isinstance(arrays, list) or not all(isinstance(a, str) and parse_array_name(a) is not None for a in arrays):
-        raise bad(f"'arrays' must list batch array names, got {str(arrays)[:100]}")
-    if not index["requests"]:
-        return
-    for key in ("num_layers", "top_k", "num_experts"):
-        if not _is_int(index.get(key), 1):
-            raise bad(f"{key!r} must be an int >= 1, got {index.get(key)!r}")
-    if index.get("dtype") not in ("uint8", "uint16", "int32"):
-        raise bad(f"dtype must be uint8/uint16/int32, got {index.get('dtype')!r}")
-    layer_map = index.get("layer_map")
-    if not isinstance(layer_map, list) or len(layer_map) != index["num_layers"] or not all(map(_is_int, layer_map)):
-        raise bad("'layer_map' must list num_layers ints")
-    listed = set(arrays)
-    for rid, entry in index["requests"].items():
-        segments = entry.get("segments") if isinstance(entry, dict) else None
-        if not isinstance(segments, list) or not segments or not _is_int(entry.get("rows")) or not _is_int(entry.get("start_row")):
-            raise bad(f"request {rid!r} needs rows, start_row and a non-empty segment list")
-        for seg in segments:
-            ok = (
-                isinstance(seg, dict)
-                and seg.get("array") in listed
-                and _is_int(seg.get("offset"))
-                and _is_int(seg.get("rows"), 1)
-                and _is_int(seg.get("start_row"))
-                and _is_int(seg.get("crc32c"))
-                and seg["crc32c"] < 1 << 32
-            )
-            if not ok:
-                raise bad(f"request {rid!r} has a segment {str(seg)[:200]}")
-        if sum(seg["rows"] for seg in segments) != entry["rows"]:
-            raise bad(f"request {rid!r}: segments hold {sum(seg['rows'] for seg in segments)} rows, entry says {entry['rows']}")
-
-
-def _shard_keys(array: zarr.Array) -> list[str]:
-    """Storage keys of every shard (or chunk, when unsharded) of ``array``."""
-    import itertools
-
-    outer = array.shards or array.chunks
-    grid = [-(-n // c) for n, c in zip(array.shape, outer)]
-    return [array.metadata.encode_chunk_key(coords) for coords in itertools.product(*(range(g) for g in grid))]

@@ -1,0 +1,259 @@
+"""One store root a reader reads: a zarr store, its rollout indexes, its batch arrays (async).
+
+Stores and metadata go through zarr-python's async API: a local root through ``LocalStore``, a store
+node's ``/zarr/`` tree through ``ObjectStore`` over obstore's ``HTTPStore`` (the bearer token
+as a header; :func:`http_store`), or any zarr ``StoreLike`` a caller passes. Batch arrays are opened once per reader (their metadata is
+immutable) and read by row ranges: r3rdma's own layout through :mod:`r3rdma.read.shard_ranges`
+(shard indexes kept, chunks fetched in few ranged GETs, decoded in a pool), any other layout
+through zarr's ``getitem``.
+
+Errors say what happened (:meth:`Source.failure`): a refused token is
+:class:`AuthenticationError`; a connection refused, reset or dropped is :class:`TransportError`
+and a wait past ``timeout_s`` :class:`R3TimeoutError` (both retryable); a disk or 5xx failure is
+:class:`StoreError`; bytes that arrived whole but fail their checksum or format are
+:class:`CorruptDataError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.errors
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import LocalStore
+
+from r3rdma.errors import CorruptDataError, R3Error, StoreError, UnknownRolloutError
+from r3rdma.read.http_errors import read_error
+from r3rdma.read.shard_ranges import ShardLayout, read_ranges
+from r3rdma.store.rollout_index import (
+    GEOMETRY_KEYS,
+    RolloutIndex,
+    StalePartError,
+    check_entry,
+    check_part,
+    parse_attrs,
+    part_name,
+)
+
+__all__ = ["Source", "http_store"]
+
+
+class Source:
+    """One store root: a zarr store plus how to name it in messages."""
+
+    def __init__(self, name: str, store: Any, remote: bool) -> None:
+        self.name = name
+        self.store = store
+        self.remote = remote
+        # Immutable once written, so kept for the reader's life: batch arrays (metadata) by
+        # (rollout, uid, name), and each rollout's index by rollout id.
+        self._arrays: dict[tuple[str, str, str], zarr.AsyncArray] = {}
+        self._layouts: dict[tuple[str, str, str], ShardLayout | None] = {}
+        self._shard_indexes: dict[tuple[str, int], np.ndarray] = {}
+        self._indexes: dict[str, RolloutIndex] = {}
+
+    @classmethod
+    def of(cls, item: Any, token: str | None, timeout_s: float) -> "Source":
+        if isinstance(item, str) and item.startswith(("http://", "https://")):
+            return cls(item.rstrip("/"), http_store(item, token, timeout_s), remote=True)
+        if isinstance(item, (str, os.PathLike)):
+            return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
+        return cls(str(item), item, remote=not isinstance(item, LocalStore))
+
+    def failure(self, what: str, error: BaseException) -> R3Error | None:
+        """The R3Error that says why reading ``what`` here failed, or None when ``error`` is
+        no failure to reach the data (absent, garbled: the caller decides)."""
+        if isinstance(error, R3Error):
+            return error
+        if self.remote:
+            return read_error(self.name, what, error)
+        if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+            return StoreError(f"{self.name}: {what} failed: {type(error).__name__}: {error}")
+        return None
+
+    async def get(self, key: str, what: str) -> bytes | None:
+        """The bytes of ``key``, or None when there is no such file."""
+        try:
+            buffer = await self.store.get(key, prototype=default_buffer_prototype())
+        except Exception as e:
+            failure = self.failure(what, e)
+            if failure is not None:
+                raise failure from e
+            if isinstance(e, (FileNotFoundError, KeyError)):
+                return None
+            raise CorruptDataError(f"{self.name}: {what}: {e}") from e
+        return None if buffer is None else buffer.to_bytes()
+
+    # -- the index ------------------------------------------------------------------------
+
+    async def index(self, rollout_id: str, concurrency: int) -> RolloutIndex | None:
+        """The rollout's index here (None when this root has no such rollout), fetching only
+        the parts not seen before; a rollout deleted and created again is read afresh."""
+        for attempt in (0, 1):
+            try:
+                return await self._refresh(rollout_id, concurrency)
+            except StalePartError:
+                self._indexes.pop(rollout_id, None)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _refresh(self, rollout_id: str, concurrency: int) -> RolloutIndex | None:
+        raw = await self.get(f"{rollout_id}/zarr.json", f"reading the index of rollout {rollout_id!r}")
+        entry = check_entry(rollout_id, parse_attrs(raw, rollout_id, self.name), self.name)
+        if entry is None:
+            self._indexes.pop(rollout_id, None)
+            return None
+        if entry.get("format_version", 1) == 1:
+            return RolloutIndex.from_format_1(rollout_id, entry, self.name)
+        cached = self._indexes.get(rollout_id)
+        if cached is None or cached.uid != entry["uid"] or cached.parts > entry["parts"]:
+            cached = RolloutIndex(uid=entry["uid"], geometry={k: entry[k] for k in GEOMETRY_KEYS})
+        if cached.parts == entry["parts"]:
+            return cached
+        # A copy gets the new parts: a read on another thread may be using the cached one.
+        index = RolloutIndex(uid=cached.uid, geometry=cached.geometry, parts=cached.parts,
+                             requests=dict(cached.requests), pending=dict(cached.pending), arrays=list(cached.arrays))
+        limit = asyncio.Semaphore(concurrency)
+
+        async def fetch(seq: int) -> dict[str, Any]:
+            async with limit:
+                raw = await self.get(f"{rollout_id}/{part_name(seq)}/zarr.json",
+                                     f"reading index part {seq} of rollout {rollout_id!r}")
+            if raw is None:
+                # Parts are written before the entry point counts them; only a deletion (and
+                # perhaps a new rollout of the same id) removes one.
+                raise StalePartError(rollout_id, self.name, seq)
+            return check_part(rollout_id, seq, index.uid, parse_attrs(raw, rollout_id, self.name), self.name)
+
+        parts = await asyncio.gather(*(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1)))
+        for part in parts:
+            index.apply(part)
+        self._indexes[rollout_id] = index
+        return index
+
+    # -- batch arrays ---------------------------------------------------------------------
+
+    async def array(self, rollout_id: str, uid: str, name: str) -> zarr.AsyncArray:
+        key = (rollout_id, uid, name)
+        array = self._arrays.get(key)
+        if array is None:
+            what = f"reading the metadata of rollout {rollout_id!r} array {name}"
+            try:
+                array = await zarr.api.asynchronous.open_array(store=self.store, path=f"{rollout_id}/{name}", mode="r",
+                                                               zarr_format=3)
+            except Exception as e:  # zarr raises several types for missing/garbled metadata
+                failure = self.failure(what, e)
+                if failure is not None:
+                    raise failure from e
+                raise CorruptDataError(
+                    f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened from {self.name}: {e}"
+                ) from e
+            if array.ndim != 3:
+                raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} has shape {array.shape}, not [rows, L, K]")
+            self._arrays[key] = array
+        return array
+
+    async def read_ranges(self, rollout_id: str, uid: str, name: str, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Rows ``lo:hi`` of a batch array for each of ``ranges``; zarr's or r3rdma's own chunk
+        CRC-32C is checked on the way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
+        array = await self.array(rollout_id, uid, name)
+        if any(hi > array.shape[0] for _, hi in ranges):
+            raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} has {array.shape[0]} rows; "
+                                   f"the index lists rows up to {max(hi for _, hi in ranges)}")
+        where = f"{self.name}: rollout {rollout_id!r} array {name}"
+        layout = self._layouts.get((rollout_id, uid, name), False)
+        if layout is False:
+            layout = self._layouts[(rollout_id, uid, name)] = ShardLayout.of(array.metadata.to_dict())
+        try:
+            if layout is not None:
+                return await read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where)
+            return [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
+        except R3Error:
+            raise
+        except Exception as e:
+            failure = self.failure(f"reading rollout {rollout_id!r} array {name}", e)
+            if failure is not None:
+                raise failure from e
+            # zarr reports a chunk checksum mismatch as ValueError
+            raise CorruptDataError(f"{where} cannot be read: {e}") from e
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop what is cached about a rollout (it was deleted)."""
+        self._indexes.pop(rollout_id, None)
+        for key in [k for k in self._arrays if k[0] == rollout_id]:
+            del self._arrays[key]
+            self._layouts.pop(key, None)
+        for key in [k for k in self._shard_indexes if k[0].startswith(f"{rollout_id}/")]:
+            del self._shard_indexes[key]
+
+    async def stored_bytes(self, rollout_id: str, index: RolloutIndex) -> int:
+        """Bytes this root stores for the rollout: entry point, index parts, batch arrays."""
+        keys = ["zarr.json"] + [f"{part_name(seq)}/zarr.json" for seq in range(1, index.parts + 1)]
+        for name in index.arrays:
+            array = await self.array(rollout_id, index.uid, name)
+            keys += [f"{name}/zarr.json"] + [f"{name}/{k}" for k in _shard_keys(array)]
+        sizes = await asyncio.gather(*(self._size(rollout_id, key) for key in keys))
+        if sizes[0] is None:
+            raise UnknownRolloutError(f"rollout {rollout_id!r} is gone from {self.name} (deleted while being read?)")
+        return sum(s or 0 for s in sizes)  # a shard zarr left out (all fill value) stores nothing
+
+    async def _size(self, rollout_id: str, key: str) -> int | None:
+        try:
+            return int(await self.store.getsize(f"{rollout_id}/{key}"))
+        except Exception as e:
+            failure = self.failure(f"reading the size of {key} of rollout {rollout_id!r}", e)
+            if failure is not None:
+                raise failure from e
+            if isinstance(e, FileNotFoundError):
+                return None
+            raise CorruptDataError(f"{self.name}: the size of {key} of rollout {rollout_id!r} cannot be read: {e}") from e
+
+
+def http_store(url: str, token: str | None, timeout_s: float) -> Any:
+    """A read-only zarr store of a store node's ``/zarr/`` tree: ``ObjectStore`` over obstore's
+    ``HTTPStore`` (Rust HTTP client; bodies land in one buffer, no per-read Python objects).
+
+    It moved whole shards at 2-2.5x the rate of zarr's ``FsspecStore`` (aiohttp) on the same
+    reads (BENCHMARKS.md "Read at scale"). obstore retries failed requests for up to minutes by
+    default; here at most twice within ``timeout_s``, so a dead node fails over in time.
+    """
+    from datetime import timedelta
+
+    try:
+        from obstore.store import HTTPStore
+    except ImportError:  # a declared dependency; without it (no wheel for the platform): fsspec
+        return _fsspec_store(url, token, timeout_s)
+    from zarr.storage import ObjectStore
+
+    options: dict[str, Any] = {"allow_http": True, "connect_timeout": timedelta(seconds=timeout_s),
+                               "timeout": timedelta(seconds=timeout_s)}
+    if token:
+        options["default_headers"] = {"Authorization": f"Bearer {token}"}
+    retry = {"max_retries": 2, "retry_timeout": timedelta(seconds=timeout_s),
+             "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1), "base": 2}}
+    return ObjectStore(HTTPStore.from_url(url.rstrip("/") + "/zarr", client_options=options, retry_config=retry),
+                       read_only=True)
+
+
+def _fsspec_store(url: str, token: str | None, timeout_s: float) -> Any:
+    import aiohttp
+    from zarr.storage import FsspecStore
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # Each wait (connect, each read) is bounded, not the whole transfer.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+    options = {"headers": headers, "client_kwargs": {"timeout": timeout}}
+    return FsspecStore.from_url(url.rstrip("/") + "/zarr", storage_options=options, read_only=True)
+
+
+def _shard_keys(array: zarr.AsyncArray) -> list[str]:
+    """Storage keys of every shard (or chunk, when unsharded) of ``array``."""
+    outer = array.shards or array.chunks
+    grid = [-(-n // c) for n, c in zip(array.shape, outer)]
+    return [array.metadata.encode_chunk_key(coords) for coords in itertools.product(*(range(g) for g in grid))]

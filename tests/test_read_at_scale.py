@@ -1,0 +1,173 @@
+"""Reads shaped like training, and an index whose commits cost O(batch) (format 2).
+
+- commits write one immutable index part and a constant-size entry point, however large the
+  rollout; a reader fetches only the parts it has not seen;
+- a data-parallel rank's scattered share comes back bit-exact, in the asked order, from one
+  call that plans every range first; ``prefetch`` yields micro-batches in order;
+- bad id lists (100k names, repeats, unknown ids) fail with a clear error and no partial result;
+- a reader refreshing while commits land sees only whole requests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from r3rdma import RoutingReader, UnknownRequestError
+from r3rdma.errors import InvalidIdError
+from r3rdma.errors import ConfigError
+from r3rdma.store.local_store import LocalRoutingStore
+
+
+def _commit(root, make_record, n, batch, *, rows=lambda i: 3 + i % 17):
+    recs = [make_record(f"q{i:05d}", rows=rows(i)) for i in range(n)]
+    with LocalRoutingStore(root, chunk_rows=8) as store:
+        for b in range(0, n, batch):
+            store.commit(recs[b : b + batch])
+    return recs
+
+
+def test_commit_writes_a_part_and_an_entry_point_of_constant_size(tmp_path, make_record):
+    recs = [make_record(f"q{i:04d}", rows=4) for i in range(400)]
+    sizes = []
+    with LocalRoutingStore(tmp_path) as store:
+        for b in range(0, 400, 4):
+            store.commit(recs[b : b + 4])
+            sizes.append(((tmp_path / "roll-0" / "zarr.json").stat().st_size,
+                          (tmp_path / "roll-0" / f"i{b // 4 + 1:08d}" / "zarr.json").stat().st_size))
+    entry_sizes = {s for s, _ in sizes}
+    assert max(entry_sizes) - min(entry_sizes) <= 2  # the part count grows by digits only
+    assert max(p for _, p in sizes) <= 1.1 * min(p for _, p in sizes)  # each part lists its batch only
+    entry = json.loads((tmp_path / "roll-0" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    assert entry["parts"] == 100 and entry["format_version"] == 2 and "requests" not in entry
+
+
+def test_reader_fetches_only_new_parts(tmp_path, make_record):
+    recs = _commit(tmp_path, make_record, 40, 4)
+    reader = RoutingReader(tmp_path)
+    assert len(reader.info("roll-0").request_ids) == 40
+    fetched = []
+    store = reader._sources[0].store
+    original = store.get
+
+    async def counting_get(key, *args, **kwargs):
+        fetched.append(key)
+        return await original(key, *args, **kwargs)
+
+    store.get = counting_get
+    more = [make_record(f"z{i}", rows=5) for i in range(6)]
+    with LocalRoutingStore(tmp_path, chunk_rows=8) as writer:
+        writer.commit(more[:3])
+        writer.commit(more[3:])
+    got = reader.get_numpy("roll-0", ["z5", "q00001"])
+    index_keys = [k for k in fetched if k.endswith("zarr.json") and "/b" not in k]
+    assert sorted(index_keys) == ["roll-0/i00000011/zarr.json", "roll-0/i00000012/zarr.json", "roll-0/zarr.json"]
+    np.testing.assert_array_equal(got["z5"], more[5].ids_TLK)
+    np.testing.assert_array_equal(got["q00001"], recs[1].ids_TLK)
+
+
+def test_scattered_share_is_bit_exact_in_the_asked_order(tmp_path, make_record):
+    recs = _commit(tmp_path, make_record, 300, 7)
+    ranks = 8
+    with RoutingReader(tmp_path) as reader:
+        for rank in range(ranks):
+            share = [recs[i] for i in range(rank, 300, ranks)][::-1]  # any order
+            packed = reader.get_packed("roll-0", [r.request_id for r in share])
+            want = np.concatenate([r.ids_TLK for r in share])
+            assert torch.equal(packed.ids_TLK, torch.from_numpy(want))
+            assert packed.cu_seqlens.tolist() == np.concatenate([[0], np.cumsum([r.num_rows for r in share])]).tolist()
+
+
+def test_prefetch_yields_micro_batches_in_order(tmp_path, make_record):
+    recs = _commit(tmp_path, make_record, 90, 5)
+    batches = [[recs[i].request_id for i in range(j, 90, 9)] for j in range(9)]
+    with RoutingReader(tmp_path) as reader:
+        with reader.prefetch("roll-0", batches, depth=2) as it:
+            assert len(it) == 9
+            got = list(it)
+        assert [p.request_ids for p in got] == [tuple(b) for b in batches]
+        for packed, batch in zip(got, batches):
+            want = np.concatenate([recs[int(rid[1:])].ids_TLK for rid in batch])
+            assert torch.equal(packed.ids_TLK, torch.from_numpy(want))
+        # Stopping early is fine; later batches are dropped.
+        it = reader.prefetch("roll-0", batches, depth=3)
+        assert next(it).request_ids == tuple(batches[0])
+        it.close()
+        with pytest.raises(StopIteration):
+            next(it)
+        with pytest.raises(ConfigError, match="depth"):
+            reader.prefetch("roll-0", batches, depth=0)
+
+
+def test_bad_id_lists_fail_clearly_with_no_partial_result(tmp_path, make_record):
+    recs = _commit(tmp_path, make_record, 50, 10)
+    ids = [r.request_id for r in recs]
+    with RoutingReader(tmp_path) as reader:
+        huge = [f"n{i}" for i in range(100_000)]
+        with pytest.raises(UnknownRequestError, match=r"'n0', 'n1', 'n2', 'n3', 'n4' and 99995 more \(100000 of the 100000") as info:
+            reader.get_packed("roll-0", huge)
+        assert len(str(info.value)) < 600  # says how many, names a few
+        with pytest.raises(InvalidIdError, match=r"repeat: 'q00003' x2.*nothing was read"):
+            reader.get_packed("roll-0", ids[:5] + ["q00003"])
+        with pytest.raises(InvalidIdError, match="repeat"):
+            reader.get_numpy("roll-0", ["q00001", "q00001"])
+        with pytest.raises(UnknownRequestError, match=r"'nope'.*1 of the 3"):
+            reader.get_packed("roll-0", ["q00001", "nope", "q00002"])
+        with pytest.raises(InvalidIdError, match="one string"):
+            reader.get_packed("roll-0", "q00001")
+        # The whole prefetch plan is checked before anything is read or yielded.
+        with pytest.raises(UnknownRequestError, match="'nope'"):
+            reader.prefetch("roll-0", [ids[:3], ids[3:6] + ["nope"]])
+        with pytest.raises(InvalidIdError, match="repeat"):
+            reader.prefetch("roll-0", [ids[:3] + ids[:1]])
+
+
+def test_reader_refreshing_while_commits_land_sees_only_whole_requests(tmp_path, make_record):
+    """A reader re-reading the index while a writer commits: every request it sees is whole
+    and bit-exact, and it sees all of them at the end."""
+    recs = [make_record(f"q{i:04d}", rows=2 + i % 29) for i in range(600)]
+    first = recs[:6]
+    with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
+        store.commit(first)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def write():
+        try:
+            with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
+                for b in range(6, 600, 6):
+                    store.commit(recs[b : b + 6])
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen_counts = []
+    with RoutingReader(tmp_path) as reader:
+        while True:
+            finished = done.is_set()
+            visible = reader.info("roll-0").request_ids
+            seen_counts.append(len(visible))
+            sample = list(visible[-12:])
+            got = reader.get_numpy("roll-0", sample)
+            for rid in sample:
+                np.testing.assert_array_equal(got[rid], recs[int(rid[1:])].ids_TLK)
+            if finished:
+                break
+    writer.join()
+    assert not errors
+    assert seen_counts[-1] == 600 and seen_counts == sorted(seen_counts)
+
+
+def test_two_writers_to_one_root_refuse_each_other(tmp_path):
+    from r3rdma.errors import StoreError
+
+    with LocalRoutingStore(tmp_path):
+        with pytest.raises(StoreError, match="another writer"):
+            LocalRoutingStore(tmp_path)
