@@ -411,7 +411,7 @@ class LocalRoutingStore:
         data = np.concatenate([r.ids_TLK for r in new]) if len(new) > 1 else new[0].ids_TLK
         rollout_path = self.root / rollout_id
         try:
-            self._write_array(rollout_path, name, data)
+            shards = self._write_array(rollout_path, name, data)
         except R3Error:
             raise
         except OSError as e:
@@ -420,7 +420,8 @@ class LocalRoutingStore:
         if not index.geometry:
             index.geometry = geometry
         try:
-            self._write_part(rollout_id, index, {"arrays": [name], "requests": state.requests, "pending": state.pending})
+            self._write_part(rollout_id, index, {"arrays": [name], "shards": {name: shards}, "requests": state.requests,
+                                                 "pending": state.pending})
         except StoreError:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
             if index.parts == 0:
@@ -429,7 +430,8 @@ class LocalRoutingStore:
         still_pending = len({r.request_id for r in new} & set(index.pending))
         return len(new), duplicates, int(data.nbytes), still_pending
 
-    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> None:
+    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> dict[str, Any]:
+        """Write and fsync a batch array; return its shard layout for the index part."""
         rows, layers, top_k = data.shape
         chunk = max(1, min(self.chunk_rows, rows))
         shard = -(-rows // chunk) * chunk  # one shard file per batch: few files, ranged reads
@@ -449,6 +451,14 @@ class LocalRoutingStore:
             fill_value=0,
         )
         fsync_tree(rollout_path / name)
+        # The shard's chunk index, copied into the index part: a reader of a few requests from
+        # every array (a data-parallel rank's share) then needs one ranged GET per request,
+        # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
+        chunks = shard // chunk
+        with open(rollout_path / name / "c" / "0" / "0" / "0", "rb") as f:
+            raw = f.read(16 * chunks)
+        return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0,
+                "chunks": np.frombuffer(raw, dtype="<u8").astype(np.int64).tolist()}
 
 
 def check_rollout_dir_name(rollout_id: str) -> str:

@@ -11,8 +11,10 @@ refresh fetched and parsed the whole of it again. Format 2 splits it::
     <rollout>/i00000001/zarr.json  group; attributes.r3rdma = index part 1 (immutable)
     <rollout>/b00000001/           the batch array part 1 added (a part may add none)
 
-Part ``n`` (``{"part": n, "uid": ..., "arrays": [...], "requests": {...}, "pending": {...}}``)
-says what commit ``n`` changed: ``requests`` maps each request it made visible, extended (a
+Part ``n`` (``{"part": n, "uid": ..., "arrays": [...], "shards": {...}, "requests": {...},
+"pending": {...}}``) says what commit ``n`` changed: ``shards`` gives each array it added its
+row count, chunk rows, codec and the byte ranges of its chunks (a copy of the shard index, so a
+reader of a few requests per array needs no other GET than the rows'); ``requests`` maps each request it made visible, extended (a
 later turn) or replaced (``only_last_turn``) to its whole entry ``{"rows", "start_row",
 "segments": [{"array", "offset", "rows", "start_row", "crc32c"}]}``; ``pending`` maps each
 request whose incomplete parts changed to its whole new list of pending segments (``[]``: none
@@ -85,6 +87,7 @@ class RolloutIndex:
     requests: dict[str, dict[str, Any]] = field(default_factory=dict)
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     arrays: list[str] = field(default_factory=list)
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     version: int = INDEX_FORMAT_VERSION
 
     @classmethod
@@ -108,6 +111,7 @@ class RolloutIndex:
             else:
                 self.pending.pop(rid, None)
         self.arrays.extend(part["arrays"])
+        self.shards.update(part.get("shards", {}))
         self.parts = part["part"]
 
     def entry_document(self) -> dict[str, Any]:
@@ -164,7 +168,21 @@ def check_part(rollout_id: str, seq: int, uid: str, attrs: Any, where: str) -> d
     arrays = part.get("arrays")
     if not isinstance(arrays, list) or not all(isinstance(a, str) and parse_array_name(a) is not None for a in arrays):
         raise _bad(rollout_id, where, what, f"'arrays' must list batch array names, got {str(arrays)[:100]}")
+    shards = part.get("shards", {})
+    if not isinstance(shards, dict) or not all(name in arrays and _shard_ok(info) for name, info in shards.items()):
+        raise _bad(rollout_id, where, what, f"'shards' must describe arrays it adds, got {str(shards)[:200]}")
     return _check_changes(rollout_id, part, None, where, what)
+
+
+def _shard_ok(info: Any) -> bool:
+    """``{"rows", "chunk_rows", "zstd", "chunks": [offset, nbytes, ...]}`` of one batch array's
+    single shard (offset and nbytes -1 for a chunk zarr left out as all fill value)."""
+    if not isinstance(info, dict) or not _is_int(info.get("rows"), 1) or not _is_int(info.get("chunk_rows"), 1):
+        return False
+    chunks = info.get("chunks")
+    return (isinstance(info.get("zstd"), bool) and isinstance(chunks, list)
+            and len(chunks) == 2 * -(-info["rows"] // info["chunk_rows"])
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in chunks))
 
 
 class StalePartError(CorruptDataError):

@@ -122,7 +122,7 @@ class RoutingReader:
         *,
         token: str | None = None,
         verify: bool = True,
-        max_workers: int = 16,
+        max_workers: int = 32,
         progress: bool | None = None,
         timeout_s: float = 60.0,
     ) -> None:
@@ -334,10 +334,9 @@ class RoutingReader:
 
         async def read_array(src: int, name: str, segs: list[tuple[str, int, dict[str, Any]]]):
             source = self._sources[src]
-            uid = merged.per_source[src].uid
-            array = await source.array(rollout_id, uid, name)
+            index = merged.per_source[src]
+            rows, chunk = source.shape_of(rollout_id, index, name)
             segs = sorted(segs, key=lambda s: s[2]["offset"])
-            rows, chunk = array.shape[0], array.chunks[0]
             if 2 * sum(s[2]["rows"] for s in segs) >= rows:
                 ranges = [[0, rows, segs]]  # most of the array: all of it, in one ranged read
             else:
@@ -350,7 +349,7 @@ class RoutingReader:
                     else:
                         ranges.append([lo, hi, [seg]])
             async with limit:
-                blocks = await source.read_ranges(rollout_id, uid, name, [(lo, hi) for lo, hi, _ in ranges])
+                blocks = await source.read_ranges(rollout_id, index, name, [(lo, hi) for lo, hi, _ in ranges])
             bar.update()
             out = {}
             for (lo, _hi, members), block in zip(ranges, blocks):
@@ -368,8 +367,18 @@ class RoutingReader:
                         )
             return out
 
-        return await asyncio.gather(*(read_array(src, name, segs) for (src, name), segs in wanted.items()),
-                                    return_exceptions=True)
+        # Metadata and shard indexes of arrays not read before, all at once (small GETs, many
+        # in flight), so no array's data GET waits behind its own index GET.
+        opening = asyncio.Semaphore(8 * self._concurrency)
+
+        async def prepare(src: int, name: str) -> None:
+            async with opening:
+                await self._sources[src].prepare(rollout_id, merged.per_source[src], name)
+
+        prepared = await asyncio.gather(*(prepare(src, name) for src, name in wanted), return_exceptions=True)
+        reads = [read_array(src, name, segs) if not isinstance(ready, BaseException) else _raise(ready)
+                 for ((src, name), segs), ready in zip(wanted.items(), prepared)]
+        return await asyncio.gather(*reads, return_exceptions=True)
 
     def _raise_if_deleted(self, rollout_id: str, request_ids: list[str], cause: Exception) -> None:
         try:
@@ -389,7 +398,8 @@ class RoutingReader:
             return cached
 
         async def load_all():
-            return await asyncio.gather(*(s.index(rollout_id, self._concurrency) for s in self._sources),
+            # Index parts are small and many (one per commit): fetch them well past the read bound.
+            return await asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources),
                                         return_exceptions=True)
 
         results: list[RolloutIndex | None] = []
@@ -505,6 +515,10 @@ def _check_ids(request_ids: Iterable[str]) -> list[str]:
             + f" ({len(ids)} ids, {len(counts)} distinct); nothing was read"
         )
     return ids
+
+
+async def _raise(error: BaseException) -> None:
+    raise error
 
 
 def _checksums(pieces: list[np.ndarray]) -> list[int]:

@@ -31,7 +31,7 @@ from zarr.core.buffer import default_buffer_prototype
 from r3rdma.errors import CorruptDataError
 from r3rdma.records import buffer_checksum
 
-__all__ = ["ShardLayout", "read_ranges"]
+__all__ = ["ShardLayout", "read_ranges", "shard_indexes", "shard_index_of"]
 
 _EMPTY = 2**64 - 1  # (offset, nbytes) of an inner chunk zarr left out: every value the fill value
 _CRC = struct.Struct("<I")
@@ -90,6 +90,14 @@ class ShardLayout:
             return None
         return cls(shape[0], np.dtype(_DTYPES[metadata["data_type"]]), shape[1:], outer[0], inner[0], "zstd" in names,
                    metadata["fill_value"], config.get("index_location", "end") == "start")
+
+    @classmethod
+    def from_index(cls, shard: dict[str, Any], dtype: str, row_shape: tuple[int, int]) -> "ShardLayout":
+        """The layout an index part's ``shards`` entry describes (r3rdma's writer: one shard of
+        whole chunks, index first, fill value 0); see :func:`shard_index_of`."""
+        rows, chunk_rows = shard["rows"], shard["chunk_rows"]
+        return cls(rows, np.dtype(_DTYPES[dtype]), row_shape, -(-rows // chunk_rows) * chunk_rows, chunk_rows,
+                   shard["zstd"], 0, True)
 
     @property
     def chunks_per_shard(self) -> int:
@@ -150,6 +158,19 @@ async def read_ranges(store: Any, path: str, layout: ShardLayout, ranges: Sequen
 
     await asyncio.gather(*(shard(s, chunks) for s, chunks in by_shard.items()))
     return outs
+
+
+def shard_index_of(shard: dict[str, Any]) -> np.ndarray:
+    """The shard index an index part's ``shards`` entry carries (-1 marks a chunk left out)."""
+    return np.asarray(shard["chunks"], dtype=np.int64).reshape(-1, 2).astype("<u8")
+
+
+async def shard_indexes(store: Any, path: str, layout: ShardLayout, cache: dict[tuple[str, int], np.ndarray],
+                        where: str) -> None:
+    """Fetch (into ``cache``) the index of every shard of the array at ``path``: a reader does
+    this for all arrays of a read at once, so each array's data GET does not wait behind it."""
+    shards = -(-layout.rows // layout.shard_rows)
+    await asyncio.gather(*(_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards)))
 
 
 async def _index(store: Any, key: str, layout: ShardLayout, shard_no: int, cache: dict[tuple[str, int], np.ndarray],

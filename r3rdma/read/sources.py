@@ -29,7 +29,7 @@ from zarr.storage import LocalStore
 
 from r3rdma.errors import CorruptDataError, R3Error, StoreError, UnknownRolloutError
 from r3rdma.read.http_errors import read_error
-from r3rdma.read.shard_ranges import ShardLayout, read_ranges
+from r3rdma.read.shard_ranges import ShardLayout, read_ranges, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
     GEOMETRY_KEYS,
     RolloutIndex,
@@ -159,21 +159,61 @@ class Source:
             self._arrays[key] = array
         return array
 
-    async def read_ranges(self, rollout_id: str, uid: str, name: str, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+    async def prepare(self, rollout_id: str, index: RolloutIndex, name: str) -> None:
+        """Know the array's layout and shard index (kept) before :meth:`read_ranges`: from the
+        index part that added it when it says (no GET), else from its ``zarr.json`` and shard."""
+        key = (rollout_id, index.uid, name)
+        if key in self._layouts:
+            return
+        hint = index.shards.get(name)
+        if hint is not None:
+            geometry = index.geometry
+            self._layouts[key] = ShardLayout.from_index(hint, geometry["dtype"], (geometry["num_layers"], geometry["top_k"]))
+            self._shard_indexes[(f"{rollout_id}/{name}/c/0/0/0", 0)] = shard_index_of(hint)
+            return
+        array = await self.array(rollout_id, index.uid, name)
+        layout = self._layouts[key] = ShardLayout.of(array.metadata.to_dict())
+        if layout is not None:
+            await self._guard(rollout_id, name, shard_indexes(self.store, f"{rollout_id}/{name}", layout,
+                                                              self._shard_indexes, self._where(rollout_id, name)))
+
+    async def read_ranges(self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
         """Rows ``lo:hi`` of a batch array for each of ``ranges``; zarr's or r3rdma's own chunk
         CRC-32C is checked on the way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
-        array = await self.array(rollout_id, uid, name)
-        if any(hi > array.shape[0] for _, hi in ranges):
-            raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} has {array.shape[0]} rows; "
-                                   f"the index lists rows up to {max(hi for _, hi in ranges)}")
-        where = f"{self.name}: rollout {rollout_id!r} array {name}"
-        layout = self._layouts.get((rollout_id, uid, name), False)
-        if layout is False:
-            layout = self._layouts[(rollout_id, uid, name)] = ShardLayout.of(array.metadata.to_dict())
+        await self.prepare(rollout_id, index, name)
+        layout = self._layouts[(rollout_id, index.uid, name)]
+        where = self._where(rollout_id, name)
+        if layout is not None:
+            rows = layout.rows
+            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where)
+        else:
+            array = await self.array(rollout_id, index.uid, name)
+            rows = array.shape[0]
+
+            async def read():
+                return [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
+
+            read = read()
+        if any(hi > rows for _, hi in ranges):
+            read.close()
+            raise CorruptDataError(f"{where} has {rows} rows; the index lists rows up to {max(hi for _, hi in ranges)}")
+        return await self._guard(rollout_id, name, read)
+
+    def shape_of(self, rollout_id: str, index: RolloutIndex, name: str) -> tuple[int, int]:
+        """Rows and inner-chunk rows of a prepared array (:meth:`prepare`)."""
+        layout = self._layouts[(rollout_id, index.uid, name)]
+        if layout is not None:
+            return layout.rows, layout.chunk_rows
+        array = self._arrays[(rollout_id, index.uid, name)]
+        return array.shape[0], array.chunks[0]
+
+    def _where(self, rollout_id: str, name: str) -> str:
+        return f"{self.name}: rollout {rollout_id!r} array {name}"
+
+    async def _guard(self, rollout_id: str, name: str, work: Any) -> Any:
+        """Await ``work`` (a read of array ``name``), saying what its failure means."""
         try:
-            if layout is not None:
-                return await read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where)
-            return [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
+            return await work
         except R3Error:
             raise
         except Exception as e:
@@ -181,7 +221,7 @@ class Source:
             if failure is not None:
                 raise failure from e
             # zarr reports a chunk checksum mismatch as ValueError
-            raise CorruptDataError(f"{where} cannot be read: {e}") from e
+            raise CorruptDataError(f"{self._where(rollout_id, name)} cannot be read: {e}") from e
 
     def forget(self, rollout_id: str) -> None:
         """Drop what is cached about a rollout (it was deleted)."""
