@@ -9,6 +9,10 @@ Routing sources (each a list of :class:`RequestRecord`):
   128 experts, top-8; 16 of its 48 layers and a tiny hidden size so it runs on a CPU).
 - ``synthetic-skewed``: :func:`synthetic_records` (48 layers x top-8 of 128, per-layer
   Dirichlet(0.5) expert popularity), the shape and skew trained routers show.
+- ``--routing ROOT:ROLLOUT`` (repeatable): routing already stored, e.g. the rollout that
+  ``r3rdma verify --model CKPT --root ROOT`` captured from a ``r3rdma train-tiny`` model (trained
+  routers on real text), read back with :class:`RoutingReader`; ``--routing-only`` skips the
+  built-in sources.
 
 Each codec choice writes the same batches as :class:`LocalRoutingStore` does (sharded along
 tokens, inner chunks of ``chunk_rows`` rows, CRC-32C after the compressor) into a memory store;
@@ -129,6 +133,29 @@ def routing_sources(*, quick: bool = False, large: bool = True, seed: int = 0) -
     return sources
 
 
+def stored_records(spec: str) -> tuple[str, list[RequestRecord]]:
+    """``(source name, records)`` of a stored rollout: ``spec`` is ``ROOT:ROLLOUT`` (a local store
+    root; the last ``:`` splits) or just ``ROOT`` when it holds one rollout."""
+    import os
+
+    from r3rdma.read.reader import RoutingReader
+
+    root, sep, rollout = spec.rpartition(":")
+    if not sep or not root or "/" in rollout or not rollout:
+        root, rollout = spec, ""
+    with RoutingReader(root) as reader:
+        if not rollout:
+            names = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "zarr.json")))
+            if len(names) != 1:
+                raise SystemExit(f"r3rdma bench codecs: --routing {spec!r}: name the rollout (ROOT:ROLLOUT), found {names}")
+            rollout = names[0]
+        info = reader.info(rollout)
+        arrays = reader.get_numpy(rollout, info.request_ids)
+    records = [RequestRecord("codec", rid, arrays[rid], tuple(info.layer_map), info.num_experts)
+               for rid in info.request_ids]
+    return f"stored:{rollout}", records
+
+
 def _batches(records: Sequence[RequestRecord], flush_bytes: int) -> list[np.ndarray]:
     return [np.concatenate([r.ids_TLK for r in batch]) for batch in batches_by_size(records, flush_bytes)]
 
@@ -184,11 +211,18 @@ def yardsticks(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence[str] | None = None,
                     chunk_rows: Sequence[int] = (256, 1024, 4096), repeats: int = 2, seed: int = 0,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, routing: Sequence[str] = (), routing_only: bool = False) -> dict[str, Any]:
+    """The study; ``routing``: stored rollouts (``ROOT:ROLLOUT``) measured as extra sources,
+    ``routing_only``: only those (chunking then runs on the first of them)."""
     from tqdm.auto import tqdm
 
     chosen = [c for c in CODECS if codecs is None or c.name in codecs]
-    sources = routing_sources(quick=quick, large=large, seed=seed)
+    sources = {} if routing_only else routing_sources(quick=quick, large=large, seed=seed)
+    for spec in routing:
+        name, records = stored_records(spec)
+        sources[name] = records
+    if not sources:
+        raise SystemExit("r3rdma bench codecs: --routing-only needs at least one --routing ROOT:ROLLOUT")
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
     disable = not (progress and sys.stderr.isatty())
@@ -210,14 +244,15 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
                 bar.update()
     # Chunking: the default codec (and its best rival) at several inner-chunk sizes, skewed data.
     chunking = []
-    skewed = sources["synthetic-skewed"]
+    chunk_source = "synthetic-skewed" if "synthetic-skewed" in sources else next(iter(sources))
+    skewed = sources[chunk_source]
     for name in ("zstd-3", "blosc-zstd5-bitshuffle"):
         codec = next((c for c in CODECS if c.name == name), None)
         if codec is None or (codecs is not None and name not in codecs):
             continue
         for rows_per_chunk in chunk_rows:
             m = measure(skewed, codec, chunk_rows=rows_per_chunk, repeats=repeats)
-            chunking.append({"codec": name, "chunk_rows": rows_per_chunk, "bytes_per_token": round(m["bytes_per_token"], 2),
+            chunking.append({"source": chunk_source, "codec": name, "chunk_rows": rows_per_chunk, "bytes_per_token": round(m["bytes_per_token"], 2),
                              "encode_mbps": round(m["encode_mbps"], 1), "decode_mbps": round(m["decode_mbps"], 1)})
     return {"bench": "codecs", "sources": info, "rows": rows, "chunking": chunking}
 
@@ -248,10 +283,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--codecs", nargs="+", default=None, help=f"subset of: {' '.join(c.name for c in CODECS)}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (before the JSON line)")
+    parser.add_argument("--routing", action="append", default=[], metavar="ROOT:ROLLOUT",
+                        help="also measure a stored rollout (a local store root, then ':' and the rollout id), "
+                             "e.g. what `r3rdma verify --model CKPT --root ROOT` captured; repeatable")
+    parser.add_argument("--routing-only", action="store_true", help="measure only the --routing rollouts")
 
 
 def main(args) -> int:
-    result = run_codec_bench(quick=args.quick, large=args.large, codecs=args.codecs, repeats=args.repeats)
+    result = run_codec_bench(quick=args.quick, large=args.large, codecs=args.codecs, repeats=args.repeats,
+                             routing=args.routing, routing_only=args.routing_only)
     if args.markdown:
         print(markdown_table(result))
     print(json.dumps(result))

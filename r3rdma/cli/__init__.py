@@ -20,6 +20,7 @@ COMMANDS = [
     ("check", None, "r3rdma.cli.check", "trainer side: read a rollout from store nodes over HTTP, compare with shadow records"),
     ("verify", None, "r3rdma.cli.verify", "measure rollout/trainer routing mismatch with and without replay"),
     ("inspect", None, "r3rdma.cli.inspect", "summary of a rollout (local root or store node URL) and a PNG of expert load"),
+    ("train-tiny", None, "r3rdma.cli.train_tiny", "train a small Qwen3-MoE on the standard library's sources, for verify --model"),
     ("delete", None, "r3rdma.cli.delete", "retention: delete rollouts (by id or by age) on every store node"),
     ("bench", "reliability", "r3rdma.bench.reliability_bench", "crash cycles, fuzzing, auth, disk full and load: reliability figures"),
     ("bench", "store", "r3rdma.bench.store_bench", "local-store ingest vs raw zarr write of the same arrays"),
@@ -29,6 +30,7 @@ COMMANDS = [
     ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
     ("bench", "codecs", "r3rdma.bench.codec_bench", "stored bytes per token under standard codecs vs int32 / uint8 / base64"),
     ("bench", "scaling", "r3rdma.bench.scaling_bench", "N store nodes on one machine ingesting concurrently vs N x one node"),
+    ("bench", "scale", "r3rdma.bench.scale_bench", "a whole RL step: commit cost vs rollout size, scattered DP-share reads vs contiguous"),
     ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
 ]
 

@@ -141,6 +141,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("rollout", help="rollout id")
     add_read_token_arguments(parser)
     parser.add_argument("--png", default=None, help="write a heatmap of expert load per layer to this PNG file")
+    parser.add_argument("--title", default=None, help="heatmap title (default: the rollout id and token count)")
 
 
 def main(args) -> int:
@@ -168,7 +169,8 @@ def main(args) -> int:
               f"unused experts: {sum(s.unused_experts)} over all layers")
     result = s.to_json()
     if args.png:
-        plot_expert_load(load, args.png, title=f"expert load, rollout {s.rollout_id} ({s.tokens} tokens)", layer_map=s.layer_map)
+        title = getattr(args, "title", None) or f"expert load, rollout {s.rollout_id} ({s.tokens} tokens)"
+        plot_expert_load(load, args.png, title=title, layer_map=s.layer_map)
         print(f"  heatmap:   {args.png}")
         result["png"] = args.png
     print(json.dumps(result))

@@ -12,7 +12,16 @@
 
 KL: the k3 estimator of KL(pi_rollout || pi_train) over the generated tokens (sampled from
 pi_rollout): ``mean(exp(r) - 1 - r)`` with ``r = logp_train - logp_rollout``. A token is
-"extreme" when ``|logp_train - logp_rollout| > log 2``.
+"extreme" when the paper's ratio ``tau = pi_train / pi_rollout`` or its inverse exceeds 2, i.e.
+``|r| > log 2``; the distribution of ``|r|`` is reported as quantiles and a histogram. Routing:
+the share of router decisions (token x layer x top-k slot) whose expert is not in the other
+side's top-k set, the share of tokens with at least one differing layer, and the mean number of
+differing layers per token.
+
+``--model PATH``: a checkpoint of ``r3rdma train-tiny`` (or any Hugging Face MoE checkpoint with
+a byte vocabulary) instead of a random-init preset: its weights are used as trained (no re-init),
+prompts are windows of held-out standard-library text, generation is sampled, and the summary
+carries the checkpoint's held-out loss.
 
 Exit status 1 unless replay leaves zero routing differences and lowers the KL.
 """
@@ -20,6 +29,7 @@ Exit status 1 unless replay leaves zero routing differences and lowers the KL.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -206,6 +216,7 @@ def run_verify(
     root: str | None = None,
     init: str = "fan-in",
     logit_gain: float = 4.0,
+    model_path: str | None = None,
 ) -> VerifyResult:
     from r3rdma.cli.demo import make_requests
     from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
@@ -220,12 +231,18 @@ def run_verify(
     started = time.perf_counter()
     if layout not in ("packed", "padded"):
         raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {layout!r}")
-    config = resolve_config(model_config)
-    train_model = build_model(config, seed=seed, dtype=torch.float32)
-    if init == "fan-in":
-        fan_in_init(train_model, seed=seed, logit_gain=logit_gain)
-    elif init != "hf":
-        raise SystemExit(f"r3rdma verify: --init must be fan-in or hf, got {init!r}")
+    meta = None
+    if model_path is not None:
+        train_model, meta = load_trained(model_path)
+        config = train_model.config
+        model_config = model_path
+    else:
+        config = resolve_config(model_config)
+        train_model = build_model(config, seed=seed, dtype=torch.float32)
+        if init == "fan-in":
+            fan_in_init(train_model, seed=seed, logit_gain=logit_gain)
+        elif init != "hf":
+            raise SystemExit(f"r3rdma verify: --init must be fan-in or hf, got {init!r}")
     # Both sides hold the same weights (rounded to the rollout dtype once): only the arithmetic
     # differs, as between an inference engine and a trainer loading one checkpoint.
     with torch.no_grad():
@@ -235,8 +252,14 @@ def run_verify(
     train_model = train_model.to(_DTYPES[train_dtype])
     rollout_model = copy.deepcopy(train_model).to(_DTYPES[rollout_dtype])
     routers = find_moe_routers(train_model)
-    requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
-                             max_prompt=max_prompt, min_new=min_new, max_new=max_new)
+    if model_path is not None:
+        from r3rdma.cli.train_tiny import heldout_prompts
+
+        requests = heldout_prompts(num_requests, seed=seed, min_prompt=min_prompt, max_prompt=max_prompt,
+                                   min_new=min_new, max_new=max_new)
+    else:
+        requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
+                                 max_prompt=max_prompt, min_new=min_new, max_new=max_new)
     rollout_id = "verify-rollout-0"
     own_root = root is None
     root = root or tempfile.mkdtemp(prefix="r3rdma-verify-")
@@ -269,7 +292,7 @@ def run_verify(
         order = list(np.random.default_rng(seed + 1).permutation(len(outputs)))
         acc = {
             mode: {"decisions_differ": 0, "tokens_any": 0, "layer": np.zeros(len(routers), np.int64),
-                   "logp_train": [], "logp_rollout": []}
+                   "layers_per_token": [], "logp_train": [], "logp_rollout": []}
             for mode in ("no_replay", "replay")
         }
         live_vs_replayed = {"decisions_differ": 0, "tokens_any": 0}
@@ -305,8 +328,10 @@ def run_verify(
                     live_vs_replayed["decisions_differ"] += report.decisions_differ
                     live_vs_replayed["tokens_any"] += report.tokens_any_layer_differ
                     replay.detach()
-                d, t, per_layer = routing_agreement(used_NLK[torch.from_numpy(recorded_rows)], packed.ids_TLK)
+                used_TLK = used_NLK[torch.from_numpy(recorded_rows)]
+                d, t, per_layer = routing_agreement(used_TLK, packed.ids_TLK)
                 a = acc[mode]
+                a["layers_per_token"].append(_layers_differ_per_token(used_TLK, packed.ids_TLK))
                 a["decisions_differ"] += d
                 a["tokens_any"] += t
                 a["layer"] += np.asarray(per_layer)
@@ -330,13 +355,16 @@ def run_verify(
     summary: dict[str, Any] = {
         "model_config": model_config,
         "model_type": config.model_type,
+        "model": "random init" if model_path is None else model_path,
         "moe_layers": len(routers),
         "num_experts": info.num_experts,
         "top_k": info.top_k,
         "rollout": f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)",
         "train": f"{train_dtype}, full sequence, {layout} (batch {train_batch_size}, reordered)",
         "device": device,
-        "init": init if init == "hf" else f"fan-in (logit gain {logit_gain})",
+        "init": ("trained checkpoint" if model_path is not None else
+                 init if init == "hf" else f"fan-in (logit gain {logit_gain})"),
+        "prompts": "held-out stdlib text (bytes), sampled generation" if model_path is not None else "random token ids",
         "requests": len(outputs),
         "routing_rows": rows_total,
         "generated_tokens": len(acc["replay"]["logp_train"]),
@@ -350,10 +378,20 @@ def run_verify(
         summary[f"tokens_any_layer_differ{suffix}"] = a["tokens_any"] / rows_total
         summary[f"kl_k3_{mode}"] = float(np.mean(np.expm1(r) - r))
         summary[f"extreme_ratio_tokens_{mode}"] = float(np.mean(np.abs(r) > math.log(2)))
+        summary[f"extreme_tokens_{mode}"] = int(np.sum(np.abs(r) > math.log(2)))
         summary[f"mean_abs_logp_diff_{mode}"] = float(np.mean(np.abs(r)))
+        summary[f"abs_log_ratio_quantiles_{mode}"] = _quantiles(np.abs(r))
+        summary[f"abs_log_ratio_hist_{mode}"] = _histogram(np.abs(r))
+        lpt = np.concatenate(a["layers_per_token"]) if a["layers_per_token"] else np.zeros(0, np.int64)
+        summary[f"mean_layers_differ_per_token{suffix}"] = float(lpt.mean()) if lpt.size else 0.0
+        summary[f"mean_layers_differ_per_differing_token{suffix}"] = float(lpt[lpt > 0].mean()) if (lpt > 0).any() else 0.0
         summary[f"layer_decisions_differ{suffix}"] = [int(x) / (rows_total * info.top_k) for x in a["layer"]]
     summary["replay_live_vs_replayed_decisions_differ"] = live_vs_replayed["decisions_differ"] / decisions
     summary["replay_live_vs_replayed_tokens_any_layer_differ"] = live_vs_replayed["tokens_any"] / rows_total
+    if meta is not None:
+        summary["heldout_loss_before_training"] = meta.get("heldout_loss_before")
+        summary["heldout_loss_after_training"] = meta.get("heldout_loss_after")
+        summary["train_tiny"] = {k: meta.get(k) for k in ("seed", "settings", "device", "tokens_seen", "versions")}
     summary["rollout_seconds"] = round(rollout_s, 3)
     summary["train_seconds"] = round(train_s, 3)
     summary["seconds"] = round(time.perf_counter() - started, 3)
@@ -366,14 +404,64 @@ def run_verify(
     return VerifyResult(summary=summary, ok=ok)
 
 
+_HIST_EDGES = (0.0, 0.01, 0.05, 0.1, 0.25, math.log(2), 1.0, 2.0, math.inf)
+
+
+def _quantiles(x: np.ndarray) -> dict[str, float]:
+    if x.size == 0:
+        return {}
+    qs = {"p50": 50, "p90": 90, "p99": 99, "p99.9": 99.9}
+    out = {k: float(np.percentile(x, q)) for k, q in qs.items()}
+    out["max"] = float(x.max())
+    return out
+
+
+def _histogram(x: np.ndarray) -> dict[str, int]:
+    """Counts of |log ratio| in the bins of ``_HIST_EDGES`` (log 2 is the paper's extreme-token line)."""
+    counts, _ = np.histogram(x, bins=np.asarray(_HIST_EDGES))
+    names = []
+    for lo, hi in itertools.pairwise(_HIST_EDGES):
+        names.append(f"[{lo:.3g},{'log2' if hi == math.log(2) else f'{hi:.3g}'})".replace("[0.693", "[log2"))
+    return dict(zip(names, (int(c) for c in counts)))
+
+
+def _layers_differ_per_token(a_TLK: torch.Tensor, b_TLK: torch.Tensor) -> np.ndarray:
+    """Per token: how many layers' top-k sets differ between two routings."""
+    a = a_TLK.to(torch.int64)
+    b = b_TLK.to(torch.int64).to(a.device)
+    differ_TLK = ~(a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)
+    return differ_TLK.any(-1).sum(-1).cpu().numpy()
+
+
+def load_trained(path: str):
+    """``(fp32 model in eval mode, train_tiny.json dict or None)`` from a checkpoint directory."""
+    from transformers import AutoModelForCausalLM
+
+    from r3rdma.cli.train_tiny import read_meta
+
+    if not os.path.isdir(path):
+        raise SystemExit(f"r3rdma verify: --model {path!r} is not a checkpoint directory (see r3rdma train-tiny)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.output_router_logits = False
+    return model.eval(), read_meta(path)
+
+
 def _table(s: dict[str, Any]) -> str:
     rows = [
         ("router decisions differing (vs rollout)", f"{s['router_decisions_differ']:.2%}", f"{s['router_decisions_differ_replay']:.2%}", "~10%"),
         ("tokens differing in >= 1 layer", f"{s['tokens_any_layer_differ']:.2%}", f"{s['tokens_any_layer_differ_replay']:.2%}", "94%"),
+
         ("train-inference KL (k3)", f"{s['kl_k3_no_replay']:.3e}", f"{s['kl_k3_replay']:.3e}", "1.5e-3 -> 7.5e-4"),
-        ("tokens with |log ratio| > log 2", f"{s['extreme_ratio_tokens_no_replay']:.3%}", f"{s['extreme_ratio_tokens_replay']:.3%}", "~10x fewer"),
+        ("extreme tokens (tau > 2 or < 1/2)", f"{s['extreme_ratio_tokens_no_replay']:.3%}", f"{s['extreme_ratio_tokens_replay']:.3%}", "~10x fewer"),
         ("mean |logp_train - logp_rollout|", f"{s['mean_abs_logp_diff_no_replay']:.3e}", f"{s['mean_abs_logp_diff_replay']:.3e}", ""),
     ]
+    # Rows only this module's summary has (the Megatron path reports through the same table).
+    if "mean_layers_differ_per_token" in s:
+        rows.insert(2, ("mean differing layers per token", f"{s['mean_layers_differ_per_token']:.2f}",
+                        f"{s['mean_layers_differ_per_token_replay']:.2f}", ""))
+    if s.get("abs_log_ratio_quantiles_no_replay"):
+        q0, q1 = s["abs_log_ratio_quantiles_no_replay"], s["abs_log_ratio_quantiles_replay"]
+        rows.append(("|log ratio| p99 / max", f"{q0['p99']:.2e}/{q0['max']:.2f}", f"{q1['p99']:.2e}/{q1['max']:.2f}", ""))
     w = max(len(r[0]) for r in rows)
     lines = [f"{'':{w}}  {'no replay':>12}  {'replay':>12}  paper (Qwen3-30B-A3B)"]
     lines += [f"{a:{w}}  {b:>12}  {c:>12}  {d}" for a, b, c, d in rows]
@@ -387,6 +475,9 @@ def add_arguments(parser) -> None:
                              "lengths, --seed, --logit-gain, --root, --device)")
     parser.add_argument("--model-config", default="small-qwen3-moe",
                         help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="trained checkpoint (r3rdma train-tiny --out PATH): its weights as trained, prompts from "
+                             "held-out stdlib text; --model-config and --init are ignored")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rollout-batch-size", type=int, default=8)
     parser.add_argument("--train-batch-size", type=int, default=3)
@@ -416,7 +507,7 @@ def main(args) -> int:
         train_batch_size=args.train_batch_size, layout=args.layout, rollout_dtype=args.rollout_dtype,
         train_dtype=args.train_dtype, device=device, seed=args.seed, min_prompt=args.min_prompt,
         max_prompt=args.max_prompt, min_new=args.min_new, max_new=args.max_new, root=args.root,
-        init=args.init, logit_gain=args.logit_gain,
+        init=args.init, logit_gain=args.logit_gain, model_path=args.model,
     )
     s = result.summary
     return report(result, f"r3rdma verify: {s['model_type']} ({s['model_config']})")
@@ -428,6 +519,9 @@ def report(result, title: str) -> int:
     print(f"{title}, {s['moe_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}, on {s['device']}")
     print(f"  rollout: {s['rollout']}; train: {s['train']}")
     print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
+    if s.get("heldout_loss_after_training") is not None:
+        print(f"  trained checkpoint: held-out loss {s['heldout_loss_before_training']} -> "
+              f"{s['heldout_loss_after_training']} nats/byte")
     print(_table(s))
     print("  " + ("OK: replay removes every routing difference and lowers the KL" if result.ok else
                   "FAIL: replay left routing differences or did not lower the KL"))

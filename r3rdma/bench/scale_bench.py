@@ -1,0 +1,649 @@
+"""`r3rdma bench scale`: one RL step at realistic size, pushed, committed and read back.
+
+Phases, in one program (progress on stderr, the last stdout line is JSON):
+
+1. **Push.** A synthetic rollout (default 48 layers, top-8, 128 experts, lengths drawn
+   uniformly from ``--min-rows``..``--max-rows``; rows are slices of one pool of skewed
+   routing, :class:`~r3rdma.bench.synthetic.TiledRollout`, so 10 GB cost a few MB to make)
+   goes through a :class:`RoutingWriter` to ``--nodes`` store-node processes over UCX, in
+   ``--batch-mb`` batches. Each batch's ack latency is timed at the client (the writer's
+   store is a :class:`StoreNodesClient` wrapped in a timer): ``push_ms_*``, against the
+   requests already pushed. ``ingest_gbps``: routing bytes over first submit to last ack.
+   ``node_ack_ms_mean``: the nodes' own arrival-to-durable mean (their ``/metrics``).
+2. **Commit.** The same batches, in the same order, are committed in-process to a fresh
+   :class:`LocalRoutingStore` and each ``commit`` is timed: the store's commit cost as the
+   rollout grows (``commit_ms_*``; that root is deleted afterwards). ``commit_growth`` is the
+   mean of the last 10% of commits over the mean of the first 10% (the rollout's very first
+   commit, which creates it, left out); 1.0 means a commit costs the same at any rollout size.
+   ``commit_growth_median``: the same windows' medians (robust to a few slow fsyncs).
+3. **Open.** ``index_open_ms``: a fresh :class:`RoutingReader` (in a reader process) opening
+   the committed rollout, ``reader.info(rollout)``, median of 3.
+4. **Read.** ``--readers`` D trainer processes, started and warmed (imports done, reader
+   built, the rollout's index read, one micro-batch read) before any clock starts, then
+   released together. Scattered: DP rank r reads request ``i`` of the commit order where
+   ``i % D == r``, in ``--micro-batch`` requests per ``get_packed`` (or ``prefetch`` where the
+   reader has it), spread over nearly every batch array. Contiguous yardstick: D processes
+   each read a contiguous 1/D of the same requests, same micro-batch shape.
+   ``dp_read_gbps`` / ``contiguous_read_gbps``: decoded routing bytes of all shares over the
+   span from the first start to the last finish; ``dp_ratio`` = scattered / contiguous. Then
+   one process alone reads rank 0's share (``single_scattered_gbps``) and the same bytes
+   contiguous (``single_contiguous_gbps``).
+5. **Raw GET.** ``raw_get_gbps``: plain ``http.client`` GETs of every file of the rollout on
+   the nodes (listed from their roots on disk), D worker processes, file bytes per second; the
+   ceiling of what crosses the wire. ``stored_bytes`` relates file bytes to decoded bytes.
+
+``--read-seconds`` caps each read phase (a reader stops after the micro-batch that crosses it
+and its rate counts what it read; ``*_fraction`` says how much that was): an old reader can
+spend minutes on scattered reads. ``--quick`` fits a 2-core machine in about 90 s.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_scale_bench", "add_arguments", "main", "QUICK", "FULL"]
+
+#: ``--quick``: the 2-core CPU machine, about 90 s. ``FULL``: a 16-core GPU host (~26 GB decoded).
+QUICK = {"requests": 16384, "min_rows": 8, "max_rows": 64, "batch_mb": 2.0, "readers": 8, "read_seconds": 5.0}
+FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0}
+
+_CURVE_POINTS = 128  # commit-time curves are binned to at most this many points in the JSON
+
+
+def _log(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[bench scale] {message}", file=sys.stderr, flush=True)
+
+
+def _bar(progress: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False,
+                disable=not (progress and sys.stderr.isatty()), mininterval=0.5)
+
+
+# -- reader processes ----------------------------------------------------------------------
+
+
+def _reader_context():
+    """Reader processes fork from one server that imported the reader once: on 2 cores, eight
+    separate imports of torch and zarr took ~16 s; forks of one take well under a second."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.scale_bench"])
+    return ctx
+
+
+class _Worker:
+    """A reader process and its pipe: commands one way, answers the other."""
+
+    def __init__(self, ctx, rank: int, urls: list[str], token: str) -> None:
+        self.rank = rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, urls, token), name=f"r3rdma-scale-reader-{rank}", daemon=True)
+        self.proc.start()
+        child.close()
+        self._stopping = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.conn.send(message)
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"reader process {self.rank}: no answer in {timeout} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"reader process {self.rank} exited with {self.proc.exitcode}") from None
+        if message.get("event") == "error":
+            raise RuntimeError(f"reader process {self.rank} failed:\n{message['error']}")
+        return message
+
+    def request_stop(self) -> None:
+        if self.proc.is_alive() and not self._stopping:
+            self._stopping = True
+            try:
+                self.conn.send({"cmd": "stop"})
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.request_stop()
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(30)
+        self.conn.close()
+
+
+def _worker_main(conn, urls: list[str], token: str) -> None:
+    """Body of a reader process: build the reader, then run the commands arriving on ``conn``."""
+    import traceback
+
+    os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
+    from r3rdma.read.reader import RoutingReader
+
+    reader = RoutingReader(urls, token=token, progress=False)
+    raw = _RawGetter(token)
+    conn.send({"event": "ready"})
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            break
+        if cmd["cmd"] == "stop":
+            break
+        try:
+            if cmd["cmd"] == "read":
+                _worker_read(reader, cmd, conn)
+            elif cmd["cmd"] == "raw":
+                _worker_raw(raw, cmd, conn)
+            elif cmd["cmd"] == "open":
+                times = []
+                for _ in range(cmd["repeat"]):
+                    fresh = RoutingReader(urls, token=token, progress=False)
+                    t0 = time.perf_counter()
+                    info = fresh.info(cmd["rollout"])
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    fresh.close()
+                conn.send({"event": "done", "ms": times, "requests": len(info.request_ids)})
+            else:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+        except BaseException:
+            conn.send({"event": "error", "error": traceback.format_exc()})
+    reader.close()
+    raw.close()
+
+
+def _worker_read(reader, cmd: dict[str, Any], conn) -> None:
+    """Arm (index read, one untimed micro-batch), wait for go, read every micro-batch in order."""
+    from r3rdma.records import checksum
+
+    rollout, batches = cmd["rollout"], cmd["batches"]
+    reader.info(rollout)  # the index, as a trainer holds it before its step's reads
+    if batches:
+        reader.get_packed(rollout, batches[-1])  # connections and buffers warm
+    use_prefetch = hasattr(reader, "prefetch")
+    conn.send({"event": "armed"})
+    if conn.recv()["cmd"] != "go":
+        raise RuntimeError("expected go")
+    limit = cmd["seconds"] or float("inf")
+    crcs: dict[str, int] = {}
+    requests = rows = nbytes = 0
+    start = time.time()
+    if use_prefetch:
+        stream = reader.prefetch(rollout, batches, depth=2)
+    else:
+        stream = (reader.get_packed(rollout, ids) for ids in batches)
+    try:
+        for packed in stream:
+            ids_TLK = packed.ids_TLK
+            requests += len(packed.request_ids)
+            rows += int(ids_TLK.shape[0])
+            nbytes += ids_TLK.numel() * ids_TLK.element_size()
+            if cmd["verify"]:
+                cu = packed.cu_seqlens.tolist()
+                array = ids_TLK.numpy()
+                for j, rid in enumerate(packed.request_ids):
+                    crcs[rid] = checksum(array[cu[j] : cu[j + 1]])
+            if time.time() - start > limit:
+                break
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    end = time.time()
+    conn.send({"event": "done", "start": start, "end": end, "requests": requests, "rows": rows, "bytes": nbytes,
+          "api": "prefetch" if use_prefetch else "get_packed", "crcs": crcs})
+
+
+class _RawGetter:
+    """Whole-file GETs with ``http.client`` into one reused buffer, a kept-alive connection per node."""
+
+    def __init__(self, token: str) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._buffer = memoryview(bytearray(1 << 20))
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+
+    def get(self, base: str, path: str) -> int:
+        conn = self._conns.get(base)
+        if conn is None:
+            url = urllib.parse.urlsplit(base)
+            conn = self._conns[base] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        conn.request("GET", f"/zarr/{path}", headers=self._headers)
+        response = conn.getresponse()
+        if response.status != 200:
+            response.read()
+            raise RuntimeError(f"GET {base}/zarr/{path}: HTTP {response.status}")
+        size = int(response.getheader("Content-Length"))
+        if size > len(self._buffer):
+            self._buffer = memoryview(bytearray(size))
+        got = 0
+        while got < size:
+            n = response.readinto(self._buffer[got:size])
+            if not n:
+                raise RuntimeError(f"GET {base}/zarr/{path}: body ended after {got} of {size} bytes")
+            got += n
+        response.read()
+        return got
+
+
+def _worker_raw(raw: _RawGetter, cmd: dict[str, Any], conn) -> None:
+    files = cmd["files"]
+    for base in {b for b, _ in files}:  # connections up before the clock starts
+        raw.get(base, cmd["warm"][base])
+    conn.send({"event": "armed"})
+    if conn.recv()["cmd"] != "go":
+        raise RuntimeError("expected go")
+    limit = cmd["seconds"] or float("inf")
+    got = count = 0
+    start = time.time()
+    for base, path in files:
+        got += raw.get(base, path)
+        count += 1
+        if time.time() - start > limit:
+            break
+    conn.send({"event": "done", "start": start, "end": time.time(), "bytes": got, "files": count})
+
+
+def _run_phase(workers: list[_Worker], commands: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """Arm each worker with its command, then release them together; their answers."""
+    for worker, cmd in zip(workers, commands):
+        worker.send(cmd)
+    for worker in workers:
+        assert worker.recv(timeout)["event"] == "armed"
+    for worker in workers:
+        worker.send({"cmd": "go"})
+    return [worker.recv(timeout) for worker in workers]
+
+
+def _span_rate(results: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """(GB/s, seconds, bytes) of a phase: all bytes over first start to last end."""
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    total = sum(r["bytes"] for r in results)
+    return total / max(span, 1e-9) / 1e9, span, total
+
+
+# -- push and commit -------------------------------------------------------------------------
+
+
+class _TimedStore:
+    """The writer's store: a StoreNodesClient whose every commit (push until acked) is timed."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.log: list[tuple[int, float]] = []  # (requests already pushed, ms)
+        self.batches: list[list[str]] = []
+        self._stored = 0
+
+    def commit(self, records):
+        t0 = time.perf_counter()
+        result = self.inner.commit(records)
+        self.log.append((self._stored, (time.perf_counter() - t0) * 1e3))
+        self.batches.append([r.request_id for r in records])
+        self._stored += len(records)
+        return result
+
+
+def _node_commit_seconds(nodes, token: str) -> tuple[float, float]:
+    """Sum of (seconds, batches) of the nodes' ``r3rdma_store_commit_seconds`` histograms."""
+    total = count = 0.0
+    for node in nodes:
+        url = urllib.parse.urlsplit(node.http_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"})
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        for line in text.splitlines():
+            if line.startswith("r3rdma_store_commit_seconds_sum"):
+                total += float(line.split()[-1])
+            elif line.startswith("r3rdma_store_commit_seconds_count"):
+                count += float(line.split()[-1])
+    return total, count
+
+
+def _growth(log: list[tuple[int, float]]) -> dict[str, float]:
+    """First / last 10% means (the rollout's first commit left out) and their ratio."""
+    ms = [m for _, m in log[1:]] or [m for _, m in log]
+    tenth = max(1, len(ms) // 10)
+    first, last = statistics.fmean(ms[:tenth]), statistics.fmean(ms[-tenth:])
+    # Medians of the same windows: one slow fsync among ten commits moves a mean, not these.
+    first_med, last_med = statistics.median(ms[:tenth]), statistics.median(ms[-tenth:])
+    return {"first": round(first, 3), "last": round(last, 3), "growth": round(last / first, 3) if first > 0 else None,
+            "median": round(statistics.median(ms), 3),
+            "growth_median": round(last_med / first_med, 3) if first_med > 0 else None}
+
+
+def _curve(log: list[tuple[int, float]]) -> list[list[float]]:
+    """``[requests already stored, mean ms]`` over at most ``_CURVE_POINTS`` consecutive bins."""
+    if not log:
+        return []
+    size = -(-len(log) // _CURVE_POINTS)
+    return [[log[i][0], round(statistics.fmean(m for _, m in log[i : i + size]), 3)] for i in range(0, len(log), size)]
+
+
+def _spawn_nodes(base: Path, token: str, count: int):
+    from r3rdma.store.process import spawn_node
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: spawn_node(base / f"node{i}", token), range(count)))
+
+
+def _stop_node(node) -> None:
+    try:
+        node.stop()
+    except Exception:
+        node.kill()
+
+
+def _balanced(items: list[tuple[int, Any]], parts: int) -> list[list[Any]]:
+    """Split (size, item) pairs into ``parts`` lists of similar total size (largest first)."""
+    out: list[list[Any]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for size, item in sorted(items, key=lambda x: -x[0]):
+        k = load.index(min(load))
+        out[k].append(item)
+        load[k] += size
+    return out
+
+
+def run_scale_bench(
+    *,
+    requests: int = FULL["requests"],
+    min_rows: int = FULL["min_rows"],
+    max_rows: int = FULL["max_rows"],
+    layers: int = 48,
+    top_k: int = 8,
+    experts: int = 128,
+    nodes: int = 2,
+    replicas: int = 1,
+    readers: int = FULL["readers"],
+    batch_mb: float = FULL["batch_mb"],
+    micro_batch: int = 16,
+    read_seconds: float = FULL["read_seconds"],
+    root: str | None = None,
+    seed: int = 0,
+    verify: bool = False,
+    quick: bool = False,
+    progress: bool = True,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """Run every phase (module docstring); return the result dict (the JSON line).
+
+    ``root`` keeps the nodes' data there (``<root>/node<i>``); by default a temporary
+    directory is removed at the end. ``verify``: each reader returns the CRC-32C of every
+    request it read, checked here against what was pushed (costs read time; for tests).
+    ``read_seconds`` caps each read phase (0: no cap)."""
+    from r3rdma.bench.synthetic import TiledRollout
+    from r3rdma.store.process import new_token
+
+    if readers < 1 or nodes < 1 or requests < readers or micro_batch < 1:
+        raise ValueError(f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1; got "
+                         f"{readers}, {nodes}, {requests}, {micro_batch}")
+    began = time.perf_counter()
+    base = Path(root) if root else Path(tempfile.mkdtemp(prefix="r3rdma-bench-scale-"))
+    base.mkdir(parents=True, exist_ok=True)
+    rollout_id = "scale-0"
+    token = new_token()
+    node_procs: list = []
+    workers: list[_Worker] = []
+    result: dict[str, Any] = {"bench": "scale", "quick": quick, "cpu_count": os.cpu_count()}
+    try:
+        _log(progress, f"starting {nodes} store nodes and {readers} reader processes")
+        node_procs = _spawn_nodes(base, token, nodes)
+        read_token = node_procs[0].read_token
+        urls = [n.http_url for n in node_procs]
+        ctx = _reader_context()
+        workers = [_Worker(ctx, r, urls, read_token) for r in range(readers)]  # they start while we generate
+        rollout = TiledRollout(requests, min_rows=min_rows, max_rows=max_rows, num_layers=layers, top_k=top_k,
+                               num_experts=experts, rollout_id=rollout_id, seed=seed)
+        total_bytes = rollout.total_bytes
+        for worker in workers:
+            assert worker.recv(timeout)["event"] == "ready"
+        phases_s = {"start": round(time.perf_counter() - began, 1)}
+        _log(progress, f"{requests} requests, {int(rollout.lengths.sum())} rows, {total_bytes / 1e9:.3f} GB decoded")
+
+        # 1. push through RoutingWriter -> StoreNodesClient -> nodes
+        ingest = _push(rollout, node_procs, token, replicas, batch_mb, progress)
+        node_s, node_n = ingest.pop("node_commit")
+        result.update(requests=requests, tokens=int(rollout.lengths.sum()), bytes=total_bytes,
+                      layers=layers, top_k=top_k, experts=experts, min_rows=min_rows, max_rows=max_rows,
+                      nodes=nodes, replicas=replicas, readers=readers, batch_mb=batch_mb, micro_batch=micro_batch)
+        timed: _TimedStore = ingest.pop("timed")
+        push = _growth(timed.log)
+        result.update(
+            commits=len(timed.log), ingest_seconds=round(ingest["seconds"], 3),
+            ingest_gbps=round(total_bytes / ingest["seconds"] / 1e9, 4),
+            push_ms_first=push["first"], push_ms_last=push["last"], push_growth=push["growth"],
+            push_growth_median=push["growth_median"],
+            push_ms_median=push["median"], node_ack_ms_mean=round(node_s / node_n * 1e3, 3) if node_n else None,
+        )
+        _log(progress, f"pushed in {ingest['seconds']:.1f} s ({result['ingest_gbps']} GB/s), {len(timed.log)} batches, "
+                       f"ack ms first {push['first']} last {push['last']}")
+
+        # 2. the same batches committed in-process, each commit timed
+        mark = time.perf_counter()
+        commit_log = _commit_inprocess(rollout, timed.batches, base / "inproc", progress)
+        commit = _growth(commit_log)
+        phases_s["commit"] = round(time.perf_counter() - mark, 1)
+        mark = time.perf_counter()
+        result.update(commit_ms_first=commit["first"], commit_ms_last=commit["last"], commit_growth=commit["growth"],
+                      commit_growth_median=commit["growth_median"], commit_ms_median=commit["median"])
+        _log(progress, f"in-process commits: first {commit['first']} ms, last {commit['last']} ms, growth {commit['growth']}")
+
+        # 3. a fresh reader opening the committed rollout
+        workers[0].send({"cmd": "open", "rollout": rollout_id, "repeat": 3})
+        opened = workers[0].recv(timeout)
+        assert opened["requests"] == requests, (opened["requests"], requests)
+        result["index_open_ms"] = round(statistics.median(opened["ms"]), 2)
+        result["index_open_ms_first"] = round(opened["ms"][0], 2)
+
+        # 4. reads: scattered DP shares vs contiguous, D processes, then one alone
+        order = [rid for batch in timed.batches for rid in batch]  # commit order
+        assert sorted(order) == [rollout.request_id(i) for i in range(requests)]
+        size = {rollout.request_id(i): rollout.nbytes(i) for i in range(requests)}
+        D = readers
+
+        def mbs(ids: list[str]) -> list[list[str]]:
+            return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
+
+        def read_cmd(ids: list[str]) -> dict[str, Any]:
+            return {"cmd": "read", "rollout": rollout_id, "batches": mbs(ids), "seconds": read_seconds, "verify": verify}
+
+        scattered = [order[r::D] for r in range(D)]
+        contiguous = [order[r * requests // D : (r + 1) * requests // D] for r in range(D)]
+        share0 = sum(size[rid] for rid in scattered[0])
+        prefix, acc = [], 0
+        for rid in order:  # the same bytes as rank 0's share, consecutive
+            if acc >= share0:
+                break
+            prefix.append(rid)
+            acc += size[rid]
+        phases = [("dp", workers, scattered), ("contiguous", workers, contiguous),
+                  ("single_scattered", workers[:1], [scattered[0]]), ("single_contiguous", workers[:1], [prefix])]
+        verified = mismatched = 0
+        for name, group, assignment in phases:
+            _log(progress, f"read phase {name}: {len(group)} process(es)")
+            answers = _run_phase(group, [read_cmd(ids) for ids in assignment], timeout)
+            gbps, span, moved = _span_rate(answers)
+            wanted = sum(size[rid] for ids in assignment for rid in ids)
+            result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
+            result[f"{name}_seconds"] = round(span, 3)
+            result[f"{name}_fraction"] = round(moved / wanted, 4)
+            result["reader_api"] = answers[0]["api"]
+            if name in ("dp", "contiguous"):
+                result[f"{name}_per_reader"] = [{"requests": a["requests"], "bytes": a["bytes"]} for a in answers]
+            for answer in answers:
+                for rid, crc in answer["crcs"].items():
+                    verified += 1
+                    mismatched += crc != rollout.record(int(rid[1:])).crc32c
+            _log(progress, f"  {gbps:.3f} GB/s over {span:.2f} s ({moved / wanted:.0%} of {wanted / 1e9:.3f} GB)")
+        result["dp_ratio"] = round(result["dp_read_gbps"] / result["contiguous_read_gbps"], 3)
+        result["single_ratio"] = round(result["single_scattered_gbps"] / result["single_contiguous_gbps"], 3)
+        result["single_bytes"] = share0
+        if verify:
+            result.update(verified_requests=verified, verify_mismatches=mismatched)
+
+        phases_s["reads"] = round(time.perf_counter() - mark, 1)
+        mark = time.perf_counter()
+
+        # 5. plain GETs of every file of the rollout, D processes
+        files: list[tuple[int, tuple[str, str]]] = []
+        warm: dict[str, str] = {}
+        for node in node_procs:
+            rollout_dir = node.root / rollout_id
+            for path in rollout_dir.rglob("*"):
+                if path.is_file() and not path.name.startswith("."):
+                    files.append((path.stat().st_size, (node.http_url, str(path.relative_to(node.root)))))
+            warm[node.http_url] = "zarr.json"  # the root's group document: connects without touching the rollout
+        stored = sum(s for s, _ in files)
+        _log(progress, f"raw GET: {len(files)} files, {stored / 1e9:.3f} GB")
+        shares = _balanced(files, D)
+        answers = _run_phase(workers, [{"cmd": "raw", "files": share, "warm": warm, "seconds": read_seconds}
+                                       for share in shares], timeout)
+        gbps, span, moved = _span_rate(answers)
+        result.update(raw_get_gbps=round(gbps, 4), raw_get_seconds=round(span, 3), raw_get_fraction=round(moved / stored, 4),
+                      raw_get_files=len(files), stored_bytes=stored,
+                      dp_vs_raw=round(result["dp_read_gbps"] * stored / total_bytes / gbps, 3))
+        phases_s["raw_get"] = round(time.perf_counter() - mark, 1)
+        phases_s["push"] = round(ingest["seconds"], 1)
+        result["phase_seconds"] = phases_s
+        result["commit_curve"] = _curve(commit_log)
+        result["push_curve"] = _curve(timed.log)
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        result["root"] = str(base) if root else None
+        result["seed"] = seed
+        return result
+    finally:
+        mark = time.perf_counter()
+        for worker in workers:
+            worker.request_stop()
+        for worker in workers:
+            worker.stop()
+        if node_procs:
+            with ThreadPoolExecutor(len(node_procs)) as pool:
+                list(pool.map(_stop_node, node_procs))
+        if root is None:
+            shutil.rmtree(base, ignore_errors=True)
+        _log(progress, f"stopped in {time.perf_counter() - mark:.1f} s")
+
+
+def _push(rollout, node_procs, token: str, replicas: int, batch_mb: float, progress: bool) -> dict[str, Any]:
+    from r3rdma.records import RequestRecord
+    from r3rdma.write import RoutingWriter, StoreNodesClient
+
+    client = StoreNodesClient([n.push_url for n in node_procs], secret=token, replicas=replicas)
+    try:
+        # Connections up before the clock: one record per node, in a rollout of its own.
+        covered: set[str] = set()
+        for j in range(1000):
+            if len(covered) == len(node_procs):
+                break
+            warm = RequestRecord("scale-warm", f"w{j}", rollout.ids(j % len(rollout)), rollout.layer_map, rollout.num_experts)
+            if client.owner(warm) not in covered:
+                client.commit([warm])
+                covered.update(client.replica_set(warm))
+        node_before = _node_commit_seconds(node_procs, node_procs[0].read_token)
+        timed = _TimedStore(client)
+        batch_bytes = max(1, int(batch_mb * (1 << 20)))
+        writer = RoutingWriter(timed, flush_bytes=batch_bytes, max_inflight_bytes=max(8 * batch_bytes, 512 << 20))
+        with _bar(progress, len(rollout), "push") as bar:
+            t0 = time.perf_counter()
+            for i in range(len(rollout)):
+                writer.submit(rollout.record(i))
+                if i % 256 == 255:
+                    bar.update(256)
+            writer.flush()
+            seconds = time.perf_counter() - t0
+        writer.close()
+        node_after = _node_commit_seconds(node_procs, node_procs[0].read_token)
+    finally:
+        client.close()
+    return {"timed": timed, "seconds": seconds,
+            "node_commit": (node_after[0] - node_before[0], node_after[1] - node_before[1])}
+
+
+def _commit_inprocess(rollout, batches: list[list[str]], path: Path, progress: bool) -> list[tuple[int, float]]:
+    from r3rdma.store.local_store import LocalRoutingStore
+
+    log: list[tuple[int, float]] = []
+    stored = 0
+    try:
+        with LocalRoutingStore(path) as store, _bar(progress, len(rollout), "commit") as bar:
+            for batch in batches:
+                records = [rollout.record(int(rid[1:])) for rid in batch]  # CRCs computed outside the clock
+                t0 = time.perf_counter()
+                store.commit(records)
+                log.append((stored, (time.perf_counter() - t0) * 1e3))
+                stored += len(records)
+                bar.update(len(records))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return log
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"2-core CPU machine, ~90 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} "
+                             f"rows, {QUICK['batch_mb']} MB batches, reads capped at {QUICK['read_seconds']} s a phase")
+    parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
+    parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
+    parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']} (~26 GB decoded at 16384 requests)")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=1, help="nodes holding each request (1: the nodes share the rollout)")
+    parser.add_argument("--readers", type=int, default=None, help=f"trainer (DP) reader processes, default {FULL['readers']}")
+    parser.add_argument("--batch-mb", type=float, default=None, help=f"writer batch size, default {FULL['batch_mb']}")
+    parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed (or prefetch step)")
+    parser.add_argument("--read-seconds", type=float, default=None,
+                        help=f"cap of each read phase, 0: none (default {FULL['read_seconds']}, --quick {QUICK['read_seconds']})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify", action="store_true", help="check every request read against what was pushed (slower reads)")
+    parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--png", default=None, help="plot commit ms vs rollout size and the read rates to this PNG")
+    parser.add_argument("--label", default=None, help="machine label of the plot")
+
+
+def main(args) -> int:
+    preset = QUICK if args.quick else FULL
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
+    result = run_scale_bench(
+        **pick, layers=args.layers, top_k=args.top_k, experts=args.experts, nodes=args.nodes, replicas=args.replicas,
+        micro_batch=args.micro_batch, root=args.root, seed=args.seed, verify=args.verify, quick=args.quick,
+    )
+    if args.png:
+        from r3rdma.bench.plots import plot_scale
+
+        label = args.label or f"{os.cpu_count()} cores, {'--quick' if args.quick else 'full'}"
+        result["png"] = plot_scale(result, Path(args.png), label)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
