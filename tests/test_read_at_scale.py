@@ -171,3 +171,15 @@ def test_two_writers_to_one_root_refuse_each_other(tmp_path):
     with LocalRoutingStore(tmp_path):
         with pytest.raises(StoreError, match="another writer"):
             LocalRoutingStore(tmp_path)
+
+
+@pytest.mark.gpu
+def test_prefetch_pins_memory_for_non_blocking_copies(tmp_path, make_record):
+    recs = _commit(tmp_path, make_record, 20, 5)
+    batches = [[r.request_id for r in recs[i : i + 4]] for i in range(0, 20, 4)]
+    with RoutingReader(tmp_path) as reader, reader.prefetch("roll-0", batches, pin_memory=True) as it:
+        for packed, batch in zip(it, batches):
+            assert packed.ids_TLK.is_pinned()
+            on_gpu = packed.ids_TLK.to("cuda", non_blocking=True)
+            want = np.concatenate([recs[int(rid[1:])].ids_TLK for rid in batch])
+            assert torch.equal(on_gpu.cpu(), torch.from_numpy(want))

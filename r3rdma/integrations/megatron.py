@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -422,19 +421,11 @@ class MegatronReplay:
         return get_replay_topk
 
 
-def prefetch_routing(reader: Any, rollout_id: str, batches: Iterable[MicroBatch]) -> Iterator[tuple[MicroBatch, Any]]:
-    """Yield ``(batch, reader.get_packed(rollout_id, batch.request_ids))`` in order, reading
-    micro-batch ``i + 1`` on one background thread while ``i`` trains. Read errors surface
-    when that micro-batch is reached."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rdma-megatron-prefetch")
-    try:
-        it = iter(batches)
-        nxt = next(it, None)
-        fut = pool.submit(reader.get_packed, rollout_id, nxt.request_ids) if nxt is not None else None
-        while nxt is not None:
-            cur, cur_fut = nxt, fut
-            nxt = next(it, None)
-            fut = pool.submit(reader.get_packed, rollout_id, nxt.request_ids) if nxt is not None else None
-            yield cur, cur_fut.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+def prefetch_routing(reader: Any, rollout_id: str, batches: Iterable[MicroBatch], *, depth: int = 2
+                     ) -> Iterator[tuple[MicroBatch, Any]]:
+    """Yield ``(batch, routing)`` in order, reading the next ``depth`` micro-batches in the
+    background while one trains (:meth:`RoutingReader.prefetch`: every batch's ids are checked
+    against the index before anything is read, so a bad id fails before the step starts)."""
+    batches = list(batches)
+    with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth) as routed:
+        yield from zip(batches, routed)
