@@ -183,3 +183,33 @@ def test_prefetch_pins_memory_for_non_blocking_copies(tmp_path, make_record):
             on_gpu = packed.ids_TLK.to("cuda", non_blocking=True)
             want = np.concatenate([recs[int(rid[1:])].ids_TLK for rid in batch])
             assert torch.equal(on_gpu.cpu(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("another_writer", [False, True])
+def test_a_rollout_deleted_and_created_again_is_read_afresh(tmp_path, make_record, another_writer):
+    """Same rollout id, same array names, new rows: a reader that cached the old index parts,
+    chunk places and shard indexes reads the new rollout, not a mix (the entry point's uid
+    changed). ``another_writer``: arrays without chunk places in the index (read via zarr.json
+    and the shard index, which the reader also caches)."""
+    old = [make_record(f"q{i}", rows=20 + i, seed=i) for i in range(4)]
+    new = [make_record(f"q{i}", rows=20 + i, seed=100 + i) for i in range(4)]
+
+    def commit(records):
+        with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
+            store.commit(records)
+        if another_writer:
+            path = tmp_path / "roll-0" / "i00000001" / "zarr.json"
+            doc = json.loads(path.read_text())
+            del doc["attributes"]["r3rdma"]["shards"]
+            path.write_text(json.dumps(doc))
+
+    commit(old)
+    with RoutingReader(tmp_path) as reader:
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["q1"])["q1"], old[1].ids_TLK)
+        with LocalRoutingStore(tmp_path) as store:
+            store.delete_rollout("roll-0")
+        commit(new)
+        reader.info("roll-0")  # refresh: the uid changed
+        got = reader.get_numpy("roll-0", ["q1", "q3"])
+        np.testing.assert_array_equal(got["q1"], new[1].ids_TLK)
+        np.testing.assert_array_equal(got["q3"], new[3].ids_TLK)

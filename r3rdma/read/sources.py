@@ -112,7 +112,10 @@ class Source:
         if entry.get("format_version", 1) == 1:
             return RolloutIndex.from_format_1(rollout_id, entry, self.name)
         cached = self._indexes.get(rollout_id)
-        if cached is None or cached.uid != entry["uid"] or cached.parts > entry["parts"]:
+        if cached is not None and (cached.uid != entry["uid"] or cached.parts > entry["parts"]):
+            self.forget(rollout_id)  # deleted and created again: its arrays are new ones
+            cached = None
+        if cached is None:
             cached = RolloutIndex(uid=entry["uid"], geometry={k: entry[k] for k in GEOMETRY_KEYS})
         if cached.parts == entry["parts"]:
             return cached
