@@ -455,10 +455,12 @@ class LocalRoutingStore:
         # every array (a data-parallel rank's share) then needs one ranged GET per request,
         # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
         chunks = shard // chunk
-        with open(rollout_path / name / "c" / "0" / "0" / "0", "rb") as f:
-            raw = f.read(16 * chunks)
-        return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0,
-                "chunks": np.frombuffer(raw, dtype="<u8").astype(np.int64).tolist()}
+        try:
+            with open(rollout_path / name / "c" / "0" / "0" / "0", "rb") as f:
+                places = np.frombuffer(f.read(16 * chunks), dtype="<u8").astype(np.int64).tolist()
+        except FileNotFoundError:  # every row the fill value (0): zarr writes no shard at all
+            places = [-1] * (2 * chunks)
+        return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0, "chunks": places}
 
 
 def check_rollout_dir_name(rollout_id: str) -> str:

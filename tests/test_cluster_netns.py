@@ -249,11 +249,14 @@ def _read_all(cluster: Cluster, store_env: dict[str, str], rollout_id: str, shad
 
 def _index_requests(node_root: Path, rollout_id: str) -> set[str]:
     """Requests the node has committed (its rollout index on disk; written before the ack)."""
+    from r3rdma.errors import R3Error
+    from r3rdma.store.rollout_index import load_index, read_file
+
     try:
-        attrs = json.loads((node_root / rollout_id / "zarr.json").read_text())
-    except (OSError, ValueError):
+        index = load_index(rollout_id, read_file(node_root / rollout_id), str(node_root))
+    except (OSError, R3Error):  # a part being replaced right now: look again
         return set()
-    return set(attrs.get("attributes", {}).get("r3rdma", {}).get("requests", {}))
+    return set(index.requests) if index is not None else set()
 
 
 @pytest.fixture

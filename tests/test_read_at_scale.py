@@ -213,3 +213,22 @@ def test_a_rollout_deleted_and_created_again_is_read_afresh(tmp_path, make_recor
         got = reader.get_numpy("roll-0", ["q1", "q3"])
         np.testing.assert_array_equal(got["q1"], new[1].ids_TLK)
         np.testing.assert_array_equal(got["q3"], new[3].ids_TLK)
+
+
+def test_all_zero_rows_read_back(tmp_path):
+    """zarr writes no shard file (and leaves chunks out of a shard) when every value is the
+    fill value 0: such batches commit and read back."""
+    from r3rdma.records import RequestRecord
+
+    zeros = RequestRecord("roll-0", "z", np.zeros((40, 3, 2), np.uint8), (0, 1, 2), 16)
+    part = np.zeros((40, 3, 2), np.uint8)
+    part[30:] = 5  # chunks of rows 0..23 all zero: left out of the shard
+    mixed = RequestRecord("roll-0", "m", part, (0, 1, 2), 16)
+    with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
+        store.commit([zeros])
+        store.commit([mixed])
+    assert not (tmp_path / "roll-0" / "b00000001" / "c").exists()
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy("roll-0", ["z", "m"])
+    np.testing.assert_array_equal(got["z"], zeros.ids_TLK)
+    np.testing.assert_array_equal(got["m"], part)
