@@ -28,7 +28,7 @@ from r3rdma.errors import (
 from r3rdma.store.local_store import LocalRoutingStore
 from r3rdma.read.reader import RoutingReader
 
-from .store_nodes import new_token, start_node
+from .store_nodes import new_token, serve_in_thread, start_node
 
 SHARD = ("c", "0", "0", "0")
 
@@ -205,25 +205,12 @@ def test_a_node_that_never_answers_is_a_timeout(tmp_path):
     assert isinstance(raised.value, TimeoutError) and url in str(raised.value)
 
 
-@contextlib.contextmanager
 def serving(handler):
     """An aiohttp server on 127.0.0.1 that answers ``GET /zarr/{path}`` with ``handler``, in a
     thread; yields its base URL."""
     app = web.Application()
     app.router.add_get("/zarr/{path:.*}", handler)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    return serve_in_thread(app)
 
 
 # -- every remote read path says what went wrong ----------------------------------------------

@@ -1,11 +1,8 @@
 """Issue 7: retention. Delete a rollout on every node, delete by age, readers get a clear error."""
 
-import asyncio
-import contextlib
 import json
 import os
 import socket
-import threading
 import time
 
 import pytest
@@ -27,6 +24,8 @@ from r3rdma.store.local_store import LocalRoutingStore
 from r3rdma.store.retention import delete_older_than, delete_rollout
 from r3rdma.write.push_client import StoreNodesClient
 from r3rdma.transport import TransportLimits
+
+from .store_nodes import serve_in_thread
 
 
 def test_local_delete_older_than(tmp_path):
@@ -118,7 +117,6 @@ def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
 # -- a node that fails the delete: each failure says what it was ------------------------------
 
 
-@contextlib.contextmanager
 def answering(status: int, text: str):
     """An HTTP server on 127.0.0.1 (aiohttp, in a thread) that answers every request with
     ``status`` and ``text``; yields its base URL."""
@@ -128,19 +126,7 @@ def answering(status: int, text: str):
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    return serve_in_thread(app)
 
 
 @pytest.mark.timeout(60)
