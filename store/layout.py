@@ -36,17 +36,28 @@ __all__ = [
 FORMAT_NAME = "r3rdma-routing"
 FORMAT_VERSION = 2  # 2: the rollout index is an entry point plus immutable parts (rollout_index.py)
 INDEX_KEY = "r3rdma"
-_ARRAY_PREFIX = "b"
+ARRAY_PREFIX = "b"  # batch arrays: b00000001, ...
+PART_PREFIX = "i"  # index parts: i00000001, ... (r3rdma.store.rollout_index)
+
+
+def numbered_name(prefix: str, seq: int) -> str:
+    """``prefix`` and commit number ``seq`` as 8 digits: the names of a commit's files."""
+    return f"{prefix}{seq:08d}"
+
+
+def parse_numbered_name(prefix: str, name: str) -> int | None:
+    """The commit number in ``name`` (see :func:`numbered_name`), or None if it is not one."""
+    if len(name) == 9 and name.startswith(prefix) and name[1:].isdigit():
+        return int(name[1:])
+    return None
 
 
 def array_name(seq: int) -> str:
-    return f"{_ARRAY_PREFIX}{seq:08d}"
+    return numbered_name(ARRAY_PREFIX, seq)
 
 
 def parse_array_name(name: str) -> int | None:
-    if len(name) == 9 and name.startswith(_ARRAY_PREFIX) and name[1:].isdigit():
-        return int(name[1:])
-    return None
+    return parse_numbered_name(ARRAY_PREFIX, name)
 
 
 def group_document(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from r3rdma.errors import CorruptDataError
-from r3rdma.store.layout import INDEX_KEY, parse_array_name
+from r3rdma.store.layout import INDEX_KEY, PART_PREFIX, numbered_name, parse_array_name, parse_numbered_name
 
 __all__ = [
     "INDEX_FORMAT_VERSION",
@@ -55,17 +55,14 @@ __all__ = [
 
 INDEX_FORMAT_VERSION = 2
 GEOMETRY_KEYS = ("num_layers", "top_k", "num_experts", "dtype", "layer_map")
-_PART_PREFIX = "i"
 
 
 def part_name(seq: int) -> str:
-    return f"{_PART_PREFIX}{seq:08d}"
+    return numbered_name(PART_PREFIX, seq)
 
 
 def parse_part_name(name: str) -> int | None:
-    if len(name) == 9 and name.startswith(_PART_PREFIX) and name[1:].isdigit():
-        return int(name[1:])
-    return None
+    return parse_numbered_name(PART_PREFIX, name)
 
 
 def new_uid() -> str:

@@ -121,14 +121,21 @@ async def _raw_batch(server, meta: RecordMeta, announced: int, sent: np.ndarray)
         await conn.close()
 
 
-def test_a_batch_without_a_sender_checksum_is_refused_not_stored_zero_filled():
-    """Issue 19: a request without the sender's CRC-32C used to be hashed by the receiver,
-    so a frame that arrived short was stored as zeros under a checksum the node made up."""
+def _storing():
+    """A handler that keeps a copy of every record it is given, and the dict it keeps them in."""
     stored: dict[str, np.ndarray] = {}
 
     async def handler(records):
         for r in records:
             stored[r.request_id] = r.ids_TLK.copy()
+
+    return stored, handler
+
+
+def test_a_batch_without_a_sender_checksum_is_refused_not_stored_zero_filled():
+    """Issue 19: a request without the sender's CRC-32C used to be hashed by the receiver,
+    so a frame that arrived short was stored as zeros under a checksum the node made up."""
+    stored, handler = _storing()
 
     async def main():
         server = _server(handler)
@@ -149,11 +156,7 @@ def test_a_batch_without_a_sender_checksum_is_refused_not_stored_zero_filled():
 def test_a_short_frame_is_refused_never_zero_filled(reused):
     """A frame shorter than announced (UCX does not report it) fails the sender's checksum,
     whether the buffer is fresh or held another batch's bytes; nothing is stored."""
-    stored: dict[str, np.ndarray] = {}
-
-    async def handler(records):
-        for r in records:
-            stored[r.request_id] = r.ids_TLK.copy()
+    stored, handler = _storing()
 
     async def main():
         server = _server(handler)
