@@ -165,7 +165,7 @@ def _launch_rollout(cluster: Cluster, store_env: dict[str, str], rollout_id: str
     return procs
 
 
-def _wait_rollout(procs, timeout: float = 150) -> list[dict]:
+def _wait_rollout(procs, timeout: float = 270) -> list[dict]:
     deadline = time.monotonic() + timeout
     summaries = []
     for proc, out in procs:
@@ -268,7 +268,7 @@ def cluster():
         yield c
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(540)
 def test_cluster_recipe_two_rollout_hosts_store_host_trainer_host(cluster, tmp_path):
     nodes, shadow, rid, n = tmp_path / "nodes", tmp_path / "shadow", "netns-rollout", 10
     procs = []
@@ -289,7 +289,7 @@ def test_cluster_recipe_two_rollout_hosts_store_host_trainer_host(cluster, tmp_p
         _stop_store(nodes)
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(540)
 def test_cluster_store_node_killed_mid_rollout_replicas_keep_every_request(cluster, tmp_path):
     nodes, shadow, rid, n = tmp_path / "nodes", tmp_path / "shadow", "netns-kill", 24
     procs = []
