@@ -1,7 +1,7 @@
 """``r3rdma-store``: run one store node until SIGTERM/SIGINT (then drain and exit 0).
 
 When ready it prints one JSON line: {"event": "ready", "host", "ucx_port", "http_port", "root", "pid",
-"read_token_file"}.
+"read_token_file", "http_workers"}.
 
 At start it writes the HTTP read token (``derive_read_token(secret)``, docs/PROTOCOL.md) to
 ``--read-token-file`` (default: ``<--token-file>.read``, next to the secret), mode 0600, so
@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -26,7 +25,9 @@ from r3rdma.errors import ConfigError, R3Error
 from r3rdma.transport import TransportLimits, configure_ucx_env, derive_read_token, load_secret
 from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV
 
+from .http_app import install_log_hygiene
 from .node import StoreNode
+from .read_workers import default_http_workers
 
 __all__ = ["main"]
 
@@ -51,8 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of each network step; also how long a pushed batch's payload may stall, "
                         "and how long an HTTP connection may take to send a complete request")
     p.add_argument("--zstd-level", type=int, default=3)
+    p.add_argument("--http-workers", type=_workers, default="auto",
+                   help="processes serving the HTTP port (reads scale with them; this process then only ingests "
+                        "and commits); 0: this process serves HTTP itself; auto (default): a quarter of the "
+                        f"cores, at most 8 (here: {default_http_workers()})")
     p.add_argument("--ready-file", default=None, help="also write the ready JSON line to this file (atomically)")
     return p
+
+
+def _workers(text: str) -> int:
+    if text == "auto":
+        return default_http_workers()
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {text!r}")
+    return count
 
 
 def write_read_token(path: str, token: str) -> str:
@@ -91,7 +108,8 @@ async def _serve(args: argparse.Namespace) -> int:
         max_inflight_bytes=args.max_inflight_mb << 20,
     )
     node = StoreNode(args.root, secret=secret, host=args.host, ucx_port=args.ucx_port, http_port=args.http_port,
-                     public_read=args.public_read, limits=limits, zstd_level=args.zstd_level)
+                     public_read=args.public_read, limits=limits, zstd_level=args.zstd_level,
+                     http_workers=args.http_workers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,7 +117,7 @@ async def _serve(args: argparse.Namespace) -> int:
     address = await node.start()
     ready = json.dumps({"event": "ready", "host": address.host, "ucx_port": address.ucx_port,
                         "http_port": address.http_port, "root": os.path.abspath(args.root), "pid": os.getpid(),
-                        "read_token_file": read_token_file})
+                        "read_token_file": read_token_file, "http_workers": args.http_workers})
     print(ready, flush=True)
     if args.ready_file:
         tmp = args.ready_file + ".tmp"
@@ -113,36 +131,10 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class _LogHygiene(logging.Filter):
-    """Keeps secrets and client garbage out of the node's log.
-
-    aiohttp logs a malformed HTTP request (a client's fault) at ERROR with a traceback and
-    the first 100 bytes of the offending line, which can be an ``Authorization`` header:
-    such records become one INFO line naming the error type only. Any ``Bearer <value>``
-    left in a message is redacted.
-    """
-
-    _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        if isinstance(exc, HttpProcessingError) and (getattr(exc, "code", 500) or 500) < 500:
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
-            record.exc_info = record.exc_text = None
-        message = record.getMessage()
-        if "earer" in message:
-            record.msg, record.args = self._BEARER.sub(r"\1<redacted>", message), ()
-        return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s r3rdma-store %(levelname)s %(message)s", stream=sys.stderr)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_LogHygiene())
+    install_log_hygiene()
     try:
         configure_ucx_env(STORE_NODE_UCX_ENV)  # before anything imports ucxx
         return asyncio.run(_serve(args))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import os
 import re
@@ -34,20 +35,21 @@ import shutil
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from r3rdma.errors import ConfigError, CorruptDataError, InvalidIdError, R3Error, UnknownRolloutError
 from r3rdma.store.local_store import LocalRoutingStore, check_rollout_dir_name
 from r3rdma.store.rollout_index import load_index, read_file
 
-from .metrics import NodeMetrics
+from .metrics import HttpMetrics, NodeMetrics
 
-__all__ = ["make_http_app"]
+__all__ = ["make_http_app", "install_log_hygiene"]
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,199}")  # no leading dot: hides .lock/.tmp
 _MAX_DEPTH = 8
 _SMALL_FILE = 256 << 10  # files up to this size are sent from memory (see zarr_file)
+_CONTROL_SESSION = web.AppKey("control_session", ClientSession)
 _CONDITIONAL = ("Range", "If-Range", "If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since")
 
 
@@ -57,10 +59,14 @@ def make_http_app(
     read_token: str | None,
     admin_token: str | None,
     public_read: bool,
-    metrics: NodeMetrics,
+    metrics: NodeMetrics | HttpMetrics,
     store: LocalRoutingStore | None = None,
+    control: str | None = None,
 ) -> web.Application:
     """The read service of ``root``; with ``store`` (the node's writer) it also serves DELETEs.
+
+    ``control``: a read worker's app (store/read_workers.py) passes on DELETE and /metrics to
+    the node process listening on this Unix socket, which owns the writer and the metrics.
 
     ``read_token`` is accepted for GET/HEAD, ``admin_token`` for DELETE (derive both from the
     push secret with ``derive_read_token`` / ``derive_admin_token``); ``None`` accepts no token
@@ -195,12 +201,67 @@ def make_http_app(
             raise web.HTTPInternalServerError(text=f"{type(e).__name__}: {e}\n") from e
         return web.json_response({"deleted": deleted})
 
+    async def to_node(request: web.Request) -> web.Response:
+        """Pass the request on to the node process (the bearer header too: it checks it again)."""
+        session: ClientSession = request.app[_CONTROL_SESSION]
+        headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Accept")}
+        try:
+            async with session.request(request.method, f"http://node{request.path_qs}", headers=headers) as answer:
+                body = await answer.read()
+                kind = answer.headers.get("Content-Type")
+                return web.Response(status=answer.status, body=body, headers={"Content-Type": kind} if kind else None)
+        except ClientError as e:
+            raise web.HTTPServiceUnavailable(text=f"the store node process does not answer: {type(e).__name__}: {e}\n") from e
+
+    async def control_session(app: web.Application):
+        # The node's deletes can take a while on a large rollout: no total timeout here.
+        app[_CONTROL_SESSION] = ClientSession(connector=UnixConnector(path=control), timeout=ClientTimeout(total=None))
+        yield
+        await app[_CONTROL_SESSION].close()
+
     app = web.Application(middlewares=[guard], client_max_size=1024)
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/v1/rollouts", rollouts)
     app.router.add_get("/v1/rollouts/{rollout_id}", rollout_index)
-    app.router.add_delete("/v1/rollouts", delete_old)
-    app.router.add_delete("/v1/rollouts/{rollout_id}", delete_rollout)
+    if control is None:
+        app.router.add_get("/metrics", metrics_view)
+        app.router.add_delete("/v1/rollouts", delete_old)
+        app.router.add_delete("/v1/rollouts/{rollout_id}", delete_rollout)
+    else:
+        app.cleanup_ctx.append(control_session)
+        app.router.add_get("/metrics", to_node)
+        app.router.add_delete("/v1/rollouts", to_node)
+        app.router.add_delete("/v1/rollouts/{rollout_id}", to_node)
     app.router.add_get("/zarr/{path:.*}", zarr_file)  # add_get also answers HEAD
     return app
+
+
+class _LogHygiene(logging.Filter):
+    """Keeps secrets and client garbage out of the node's log.
+
+    aiohttp logs a malformed HTTP request (a client's fault) at ERROR with a traceback and
+    the first 100 bytes of the offending line, which can be an ``Authorization`` header:
+    such records become one INFO line naming the error type only. Any ``Bearer <value>``
+    left in a message is redacted.
+    """
+
+    _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc, HttpProcessingError) and (getattr(exc, "code", 500) or 500) < 500:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
+            record.exc_info = record.exc_text = None
+        message = record.getMessage()
+        if "earer" in message:
+            record.msg, record.args = self._BEARER.sub(r"\1<redacted>", message), ()
+        return True
+
+
+def install_log_hygiene() -> None:
+    """Filter every handler of the root logger through :class:`_LogHygiene` (call after logging is set up)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_LogHygiene())

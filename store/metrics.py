@@ -1,4 +1,9 @@
-"""Prometheus metrics of one store node (own registry: several nodes may share a process in tests)."""
+"""Prometheus metrics of one store node (own registry: several nodes may share a process in tests).
+
+HTTP traffic is counted where it is served: by the node process itself, or by its read
+workers (store/read_workers.py), which keep their counters in prometheus-client's
+multiprocess files; the node's registry then adds those up (``workers_dir``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,30 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["NodeMetrics"]
+__all__ = ["NodeMetrics", "HttpMetrics"]
+
+
+def _http_counters(owner, registry: CollectorRegistry | None) -> None:
+    owner.http_requests = Counter("r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"],
+                                  registry=registry)
+    owner.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=registry)
+
+
+@dataclass
+class HttpMetrics:
+    """A read worker's counters (its process runs with ``PROMETHEUS_MULTIPROC_DIR`` set, so
+    they live in files that the node process adds up)."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        _http_counters(self, self.registry)
 
 
 @dataclass
 class NodeMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    workers_dir: str | None = None  # read workers serve HTTP and count it in files here
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -24,8 +47,15 @@ class NodeMetrics:
             "r3rdma_store_commit_seconds", "Time from a batch's arrival to its durable commit", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.http_requests = Counter("r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"], registry=r)
-        self.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=r)
+        if self.workers_dir is None:
+            _http_counters(self, r)
+        else:
+            # The workers' files hold the HTTP counts; the node's own HTTP (its control socket,
+            # reached only through a worker, which counted the request) goes unexported.
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            _http_counters(self, CollectorRegistry())
+            MultiProcessCollector(r, path=self.workers_dir)
         self.disk_used = Gauge("r3rdma_store_disk_used_bytes", "Bytes used by the filesystem holding the root", registry=r)
         self.disk_free = Gauge("r3rdma_store_disk_free_bytes", "Bytes free on the filesystem holding the root", registry=r)
         self.connected_clients = Gauge("r3rdma_store_connected_clients", "Pushing clients connected now", registry=r)

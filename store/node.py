@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from r3rdma.transport.auth import derive_admin_token, derive_read_token
 from .address import NodeAddress
 from .http_app import make_http_app
 from .metrics import NodeMetrics, bind_node_gauges
+from .read_workers import ReadWorkers, WorkerSettings
 
 __all__ = ["StoreNode", "NodeAddress"]
 
@@ -33,6 +37,10 @@ class StoreNode:
 
     Each received batch is committed (written, fsynced, indexed) in a worker thread before the
     transport acks it, so an ack always means durable.
+
+    ``http_workers``: with 0 this process serves HTTP itself; with N > 0, N read-worker
+    processes serve the HTTP port (store/read_workers.py) and this process only ingests,
+    commits and answers the DELETE and /metrics requests they pass on.
     """
 
     def __init__(
@@ -47,18 +55,28 @@ class StoreNode:
         limits: TransportLimits | None = None,
         zstd_level: int = 3,
         chunk_rows: int = 1024,
+        http_workers: int = 0,
     ) -> None:
+        if not isinstance(http_workers, int) or http_workers < 0:
+            raise ValueError(f"http_workers: expected an int >= 0, got {http_workers!r}")
         self.root = Path(root)
         self.host = host
-        self.metrics = NodeMetrics()
+        self.http_workers = http_workers
+        # Read workers' HTTP counters and the node's control socket live here (removed at stop).
+        self._run_dir = tempfile.mkdtemp(prefix="r3rdma-node-") if http_workers else None
+        self.metrics = NodeMetrics(workers_dir=self._run_dir)
         self.store = LocalRoutingStore(self.root, zstd_level=zstd_level, chunk_rows=chunk_rows)
         # HTTP never takes the secret: reads take a token derived from it, deletes another
         # (transport/auth.py), so a sniffed read can neither push nor delete.
         self.read_token = derive_read_token(secret)
+        self._admin_token = derive_admin_token(secret)
+        self._public_read = public_read
         self._http_app = make_http_app(
-            self.root, read_token=self.read_token, admin_token=derive_admin_token(secret), public_read=public_read,
+            self.root, read_token=self.read_token, admin_token=self._admin_token, public_read=public_read,
             metrics=self.metrics, store=self.store,
         )
+        self._workers: ReadWorkers | None = None
+        self._listener: socket.socket | None = None
         self._http_port = http_port
         self._runner: web.AppRunner | None = None
         self._server = UcxxServer(self._ingest, secret=secret, host=host, port=ucx_port, limits=limits)
@@ -136,18 +154,50 @@ class StoreNode:
         timeout = self._server.limits.timeout_s
         self._runner = web.AppRunner(self._http_app, access_log=None, keepalive_timeout=timeout)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._http_port)
-        await site.start()
-        http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self._run_dir is None:
+            site = web.TCPSite(self._runner, self.host, self._http_port)
+            await site.start()
+            http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        else:
+            http_port = await self._start_workers(timeout)
         self.address = NodeAddress(self.host, ucx.port, http_port)
         return self.address
+
+    async def _start_workers(self, keepalive_timeout_s: float) -> int:
+        """Listen on the HTTP port here, hand the socket to the read workers; serve the control socket."""
+        assert self._run_dir is not None and self._runner is not None
+        family, kind, proto, _, where = socket.getaddrinfo(
+            self.host, self._http_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        self._listener = socket.socket(family, kind, proto)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(where)
+        self._listener.listen(1024)
+        self._listener.set_inheritable(True)
+        control = f"{self._run_dir}/control.sock"
+        await web.UnixSite(self._runner, control).start()
+        settings = WorkerSettings(
+            root=str(self.root.resolve()), read_token=self.read_token, admin_token=self._admin_token,
+            public_read=self._public_read, control=control, keepalive_timeout_s=keepalive_timeout_s,
+            fd=self._listener.fileno(),
+        )
+        self._workers = ReadWorkers(self.http_workers, self._listener, settings, self._run_dir)
+        await self._workers.start()
+        return self._listener.getsockname()[1]
 
     async def stop(self, drain: bool = True) -> None:
         """Stop ingesting (finishing and acking batches in flight when ``drain``), then serving."""
         try:
             await self._server.stop(drain=drain)
         finally:
+            if self._workers is not None:
+                await self._workers.stop()
+                self._workers = None
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             if self._runner is not None:
                 await self._runner.cleanup()
                 self._runner = None
+            if self._run_dir is not None:
+                shutil.rmtree(self._run_dir, ignore_errors=True)
             self.store.close()

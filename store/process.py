@@ -34,6 +34,7 @@ class NodeProcess:
     token: str  # the push secret (UCX); HTTP takes read_token / admin_token, never this
     log: Path
     read_token_file: Path | None = None  # where the node wrote its read token (ready line)
+    http_workers: int = 0  # processes serving its HTTP port (ready line; 0: the node itself)
 
     @property
     def read_token(self) -> str:
@@ -141,4 +142,4 @@ def spawn_node(
         if isinstance(info, dict) and info.get("event") == "ready":
             read_file = info.get("read_token_file")
             return NodeProcess(proc, root, NodeAddress(info["host"], info["ucx_port"], info["http_port"]), token, log,
-                               Path(read_file) if read_file else None)
+                               Path(read_file) if read_file else None, info.get("http_workers", 0))

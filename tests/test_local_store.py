@@ -132,3 +132,33 @@ def test_disk_error_leaves_no_partial_data(tmp_path, make_record, monkeypatch):
     assert reader.info("roll-0").request_ids == ("a", "c")
     with pytest.raises(UnknownRequestError, match="'b'"):
         reader.get("roll-0", ["b"])
+
+
+def test_a_request_that_would_straddle_a_chunk_starts_at_its_boundary(tmp_path, make_record):
+    """A data-parallel rank reads requests whose neighbours belong to other ranks, and readers
+    fetch whole chunks: a request packed across a chunk it shares would drag its neighbours' rows
+    along. Requests that fit in a chunk's remainder still share it (no padding for short ones)."""
+    rows = [30, 150, 50, 60, 20, 100, 1]
+    recs = [make_record(f"r{i}", rows=n) for i, n in enumerate(rows)]
+    with LocalRoutingStore(tmp_path, chunk_rows=100) as store:
+        store.commit(recs)
+    part = json.loads((tmp_path / "roll-0" / "i00000001" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    offsets = [part["requests"][r.request_id]["segments"][0]["offset"] for r in recs]
+    # 30 @0 | 150 does not fit the 70 left: @100 | 50 fits the 50 left: @250 | 60 @300 | 20 fits: @360
+    # | 100 does not fit the 20 left: @400 | 1 @500
+    assert offsets == [0, 100, 250, 300, 360, 400, 500]
+    array = zarr.open_array(str(tmp_path / "roll-0" / "b00000001"), mode="r")
+    assert array.shape[0] == 501 and part["shards"]["b00000001"]["rows"] == 501
+    assert not array[30:100].any() and not array[380:400].any()  # the skipped rows hold the fill value
+    got = RoutingReader(tmp_path).get_numpy("roll-0", [r.request_id for r in recs])
+    for r in recs:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
+def test_requests_that_fit_one_chunk_are_packed_without_gaps(tmp_path, make_record):
+    recs = [make_record(f"s{i}", rows=7) for i in range(40)]  # 280 rows: a single chunk
+    with LocalRoutingStore(tmp_path, chunk_rows=1024) as store:
+        result = store.commit(recs)
+    assert result.bytes_written == sum(r.nbytes for r in recs)
+    part = json.loads((tmp_path / "roll-0" / "i00000001" / "zarr.json").read_text())["attributes"]["r3rdma"]
+    assert [part["requests"][r.request_id]["segments"][0]["offset"] for r in recs] == [7 * i for i in range(40)]

@@ -69,9 +69,15 @@ def test_arrays_read_back_bit_exact(tmp_path, make_record, node_root, level):
     node = node_root(root)
     assert_reads_back(node, records)
     with RoutingReader(node.http_url, token=node.read_token) as reader:  # whole arrays and single requests
-        want = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
+        array = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
         whole = reader.get_packed("roll-0", ["r0", "r1", "r2", "r3"]).ids_TLK.numpy()
-        assert np.array_equal(whole, want)
+        assert np.array_equal(whole, np.concatenate([r.ids_TLK for r in records[:4]]))
+        # Each request starts on a chunk boundary (it would straddle one otherwise): the rows
+        # between them hold the fill value.
+        offsets = [0, 32, 64, 112]
+        for r, at in zip(records[:4], offsets):
+            assert np.array_equal(array[at : at + r.num_rows], r.ids_TLK)
+        assert array.shape[0] == offsets[-1] + records[3].num_rows and not array[17:32].any()
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r2"])["r2"], records[2].ids_TLK)
 
 
@@ -153,9 +159,9 @@ def test_rows_that_differ_from_the_index_are_refused(tmp_path, make_record, node
     root = tmp_path / "node"
     records = populate(root, make_record, level=level)
     data = zarr.open_array(LocalStore(root), path="roll-0/b00000001", mode="r")[:]
-    data[20, 1, 1] ^= 1  # a row of r1
+    data[40, 1, 1] ^= 1  # a row of r1 (rows 32-57)
     zarr.create_array(LocalStore(root / "roll-0"), name="b00000001", data=data, chunks=(16, 4, 3),
-                      shards=(128, 4, 3), fill_value=0, overwrite=True)
+                      shards=(160, 4, 3), fill_value=0, overwrite=True)
     written_by_another_writer(root)
     node = node_root(root)
     with RoutingReader(node.http_url, token=node.read_token) as reader:

@@ -342,11 +342,29 @@ def _curve(log: list[tuple[int, float]]) -> list[list[float]]:
     return [[log[i][0], round(statistics.fmean(m for _, m in log[i : i + size]), 3)] for i in range(0, len(log), size)]
 
 
-def _spawn_nodes(base: Path, token: str, count: int):
+def _spawn_nodes(base: Path, token: str, count: int, http_workers: str):
     from r3rdma.store.process import spawn_node
 
     with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(lambda i: spawn_node(base / f"node{i}", token), range(count)))
+        return list(pool.map(lambda i: spawn_node(base / f"node{i}", token, "--http-workers", http_workers), range(count)))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live children (a node and its read workers; Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or no /proc here
+    return total
 
 
 def _stop_node(node) -> None:
@@ -387,13 +405,15 @@ def run_scale_bench(
     quick: bool = False,
     progress: bool = True,
     timeout: float = 900.0,
+    http_workers: str = "auto",
 ) -> dict[str, Any]:
     """Run every phase (module docstring); return the result dict (the JSON line).
 
     ``root`` keeps the nodes' data there (``<root>/node<i>``); by default a temporary
     directory is removed at the end. ``verify``: each reader returns the CRC-32C of every
     request it read, checked here against what was pushed (costs read time; for tests).
-    ``read_seconds`` caps each read phase (0: no cap)."""
+    ``read_seconds`` caps each read phase (0: no cap). ``http_workers``: the nodes'
+    ``--http-workers`` (processes serving each node's HTTP port)."""
     from r3rdma.bench.synthetic import TiledRollout
     from r3rdma.store.process import new_token
 
@@ -410,7 +430,7 @@ def run_scale_bench(
     result: dict[str, Any] = {"bench": "scale", "quick": quick, "cpu_count": os.cpu_count()}
     try:
         _log(progress, f"starting {nodes} store nodes and {readers} reader processes")
-        node_procs = _spawn_nodes(base, token, nodes)
+        node_procs = _spawn_nodes(base, token, nodes, str(http_workers))
         read_token = node_procs[0].read_token
         urls = [n.http_url for n in node_procs]
         ctx = _reader_context()
@@ -426,6 +446,7 @@ def run_scale_bench(
         # 1. push through RoutingWriter -> StoreNodesClient -> nodes
         ingest = _push(rollout, node_procs, token, replicas, batch_mb, progress)
         node_s, node_n = ingest.pop("node_commit")
+        result["http_workers"] = node_procs[0].http_workers
         result.update(requests=requests, tokens=int(rollout.lengths.sum()), bytes=total_bytes,
                       layers=layers, top_k=top_k, experts=experts, min_rows=min_rows, max_rows=max_rows,
                       nodes=nodes, replicas=replicas, readers=readers, batch_mb=batch_mb, micro_batch=micro_batch)
@@ -484,7 +505,11 @@ def run_scale_bench(
         verified = mismatched = 0
         for name, group, assignment in phases:
             _log(progress, f"read phase {name}: {len(group)} process(es)")
+            cpu0, wall0 = sum(_cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
             answers = _run_phase(group, [read_cmd(ids) for ids in assignment], timeout)
+            # Cores the nodes kept busy over the phase (their processes and read workers).
+            cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
+            result[f"{name}_node_cores"] = round(cpu / (time.perf_counter() - wall0), 2)
             gbps, span, moved = _span_rate(answers)
             wanted = sum(size[rid] for ids in assignment for rid in ids)
             result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
@@ -623,6 +648,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--read-seconds", type=float, default=None,
                         help=f"cap of each read phase, 0: none (default {FULL['read_seconds']}, --quick {QUICK['read_seconds']})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--http-workers", default="auto",
+                        help="each node's --http-workers (processes serving its HTTP port; auto: a quarter of the cores)")
     parser.add_argument("--verify", action="store_true", help="check every request read against what was pushed (slower reads)")
     parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
@@ -636,6 +663,7 @@ def main(args) -> int:
     result = run_scale_bench(
         **pick, layers=args.layers, top_k=args.top_k, experts=args.experts, nodes=args.nodes, replicas=args.replicas,
         micro_batch=args.micro_batch, root=args.root, seed=args.seed, verify=args.verify, quick=args.quick,
+        http_workers=args.http_workers,
     )
     if args.png:
         from r3rdma.bench.plots import plot_scale
