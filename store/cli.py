@@ -23,7 +23,7 @@ import tempfile
 
 from r3rdma.errors import ConfigError, R3Error
 from r3rdma.transport import TransportLimits, configure_ucx_env, derive_read_token, load_secret
-from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV
+from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV, stop_ucxx
 
 from .http_app import install_log_hygiene
 from .node import StoreNode
@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     except R3Error as e:
         print(f"r3rdma-store: {e}", file=sys.stderr)
         return 2
+    finally:
+        stop_ucxx()  # its notifier thread would keep the process from exiting
 
 
 if __name__ == "__main__":

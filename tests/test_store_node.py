@@ -1,7 +1,9 @@
 """Store nodes in separate processes: UCX ingest over TCP loopback, HTTP reads, failover, drain."""
 
 import json
+import os
 import signal
+import time
 
 import aiohttp
 import numpy as np
@@ -238,3 +240,28 @@ def test_transfer_probe_is_acked_not_stored_and_ids_are_not_special(two_nodes, m
     assert reader.info("r3rdma-transfer-probe").request_ids == ("p0",)
     np.testing.assert_array_equal(reader.get_numpy("r3rdma-transfer-probe", ["p0"])["p0"], rec.ids_TLK)
     assert [p.name for p in node.root.iterdir() if p.is_dir()] == ["r3rdma-transfer-probe"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_goes_idle_once_its_clients_disconnect(tmp_path, make_record):
+    """ucxx's blocking progress mode never re-armed the UCX worker after its first event, so a
+    node's event loop spun a whole core from its first push until it exited (ucx_env's fix
+    re-arms it). Not a timing target: an idle process uses next to no CPU, a busy loop all of a
+    core. (While a client stays connected a node still keeps ~1 core busy: docs/PROTOCOL.md.)"""
+    node = start_node(tmp_path / "n", new_token())
+    try:
+        with StoreNodesClient([node.push_url], secret=node.token) as client:
+            client.commit([make_record("idle")])
+        time.sleep(1.0)
+        used, started = _cpu_seconds(node.proc.pid), time.monotonic()
+        time.sleep(3)
+        after = (_cpu_seconds(node.proc.pid) - used) / (time.monotonic() - started)
+        assert after < 0.3, f"node busy while idle: {after:.2f} cores after its client disconnected"
+    finally:
+        assert node.stop(signal.SIGTERM) == 0

@@ -20,7 +20,7 @@ from types import MappingProxyType, ModuleType
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["UCX_ENV_DEFAULTS", "STORE_NODE_UCX_ENV", "configure_ucx_env", "import_ucxx"]
+__all__ = ["UCX_ENV_DEFAULTS", "STORE_NODE_UCX_ENV", "configure_ucx_env", "import_ucxx", "stop_ucxx"]
 
 #: Defaults applied with ``setdefault`` semantics (the user's environment wins).
 UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
@@ -41,11 +41,17 @@ UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
 #: What a store node process (and the transport bench's server) passes as ``overrides``.
 #: "blocking": the event loop itself progresses UCX when the worker's epoll fd fires; no
 #: progress thread, no thread hand-offs. Measured on the 2-core VM (ucxx 0.52, TCP loopback,
-#: ping-pong of 1 MiB / 8 MiB): thread 1.5-2.1 / 8.3-9.5 ms, blocking 0.65-0.82 / 4.6-6.3 ms,
-#: with less CPU. A node's every batch costs two server-side wake-ups (header, then payload),
-#: so it gains most. Safe there because a node runs one event loop and nothing else touches
-#: UCX; engine processes keep "thread", where pushes run on their own loop thread beside the
-#: engine's and a worker must not be progressed from two threads.
+#: ping-pong of 1 MiB / 8 MiB): thread 1.5-2.1 / 8.3-9.5 ms, blocking 0.65-0.82 / 4.6-6.3 ms.
+#: Safe there because a node runs one event loop and nothing else touches UCX; engine
+#: processes keep "thread", where pushes run on their own loop thread beside the engine's and
+#: a worker must not be progressed from two threads. ucxx's blocking mode never re-armed the
+#: worker after its first event (a core spun from the first push until exit):
+#: :func:`import_ucxx` installs a fix. Known cost left (measured, 2026-11-23): ucxx awaits a
+#: request without Python futures by yielding to the loop in a loop, and a node always has a
+#: receive pending per connected client, so a node keeps ~1 core busy while any client stays
+#: connected, 0 otherwise. Python futures (``UCXPY_ENABLE_PYTHON_FUTURE=1``, thread mode only)
+#: remove that spin but kept the buffer of every batch a vanished client left half-sent
+#: (+24 MB per abandoned 48 MB batch, never released; blocking mode releases them), so not used.
 #:
 #: ``UCX_TCP_CM_REUSEADDR=y``: the listener (UCX's TCP connection manager) binds with
 #: SO_REUSEADDR. Nodes run on fixed ports on a cluster; after a SIGKILL or a stop, the node's
@@ -114,4 +120,61 @@ def import_ucxx() -> ModuleType:
         raise ConfigError(
             "the UCXX transport needs the `ucxx` package (pip install ucxx-cu13)"
         ) from e
+    _rearming_blocking_mode()
     return ucxx
+
+
+def _rearming_blocking_mode() -> None:
+    """Make ucxx's "blocking" progress mode re-arm the worker after every event.
+
+    ucxx 0.52's ``BlockingMode`` arms the UCX worker once, at start. Its epoll-fd callback
+    progresses the worker but never arms it again (its predecessor ucx-py did), so after the
+    first event the fd stays readable and asyncio calls the callback in a busy loop: a store
+    node burned a whole core from its first push until it exited (measured: 1.0 core idle,
+    before and after the client closed; 0.0 before any push). Its timeout task also cancels the
+    arm task without starting a new one. This subclass starts a new arm task after each
+    progress from either path; ``_arm_worker`` itself (progress, wait until asyncio's next step is
+    epoll, ``ucp_worker_arm``, retry while busy) is ucxx's own. Installed where ucxx looks the
+    class up when it starts progress for an event loop.
+    """
+    from ucxx._lib_async import application_context
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    if getattr(application_context.BlockingMode, "_r3rdma_rearms", False):
+        return
+
+    class RearmingBlockingMode(BlockingMode):
+        _r3rdma_rearms = True
+
+        def _rearm(self) -> None:
+            if self.arm_task is None or self.arm_task.done():
+                self.arm_task = self.event_loop.create_task(self._arm_worker())
+
+        def _fd_reader_callback(self) -> None:
+            self.worker.progress()
+            self._rearm()
+
+        async def _progress_with_timeout(self) -> None:
+            import asyncio
+            import time
+
+            while True:
+                worker = self.worker
+                if worker is None:
+                    return
+                if time.monotonic() > self.last_progress_time + self._progress_timeout:
+                    self.last_progress_time = time.monotonic()
+                    worker.progress()
+                    self._rearm()
+                await asyncio.sleep(self._progress_timeout)
+
+    application_context.BlockingMode = RearmingBlockingMode
+
+
+def stop_ucxx() -> None:
+    """Stop ucxx's notifier thread if ucxx was imported and runs one (it does when the
+    environment asks for Python futures: a non-daemon thread that Python would wait for
+    forever at exit); call once the process is done with UCX."""
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None:
+        ucxx.stop_notifier_thread()

@@ -151,4 +151,9 @@ def main(args) -> int:
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":
-    asyncio.run(_serve(sys.argv[2]))
+    from r3rdma.transport.ucx_env import stop_ucxx
+
+    try:
+        asyncio.run(_serve(sys.argv[2]))
+    finally:
+        stop_ucxx()
