@@ -25,7 +25,10 @@ Phases, in one program (progress on stderr, the last stdout line is JSON):
    reader has it), spread over nearly every batch array. Contiguous yardstick: D processes
    each read a contiguous 1/D of the same requests, same micro-batch shape.
    ``dp_read_gbps`` / ``contiguous_read_gbps``: decoded routing bytes of all shares over the
-   span from the first start to the last finish; ``dp_ratio`` = scattered / contiguous. Then
+   span from the first start to the last finish; ``dp_ratio`` = scattered / contiguous.
+   ``<phase>_node_cores`` / ``<phase>_reader_cores``: CPU cores the store nodes (their read
+   workers included) and the readers kept busy over the phase; with the host's ``cpu_count``
+   they say which side ran out. Then
    one process alone reads rank 0's share (``single_scattered_gbps``) and the same bytes
    contiguous (``single_contiguous_gbps``).
 5. **Raw GET.** ``raw_get_gbps``: plain ``http.client`` GETs of every file of the rollout on
@@ -184,6 +187,7 @@ def _worker_read(reader, cmd: dict[str, Any], conn) -> None:
     limit = cmd["seconds"] or float("inf")
     crcs: dict[str, int] = {}
     requests = rows = nbytes = 0
+    cpu0 = time.process_time()  # every thread of this reader: decode pool and HTTP client included
     start = time.time()
     if use_prefetch:
         stream = reader.prefetch(rollout, batches, depth=2)
@@ -208,7 +212,7 @@ def _worker_read(reader, cmd: dict[str, Any], conn) -> None:
             close()
     end = time.time()
     conn.send({"event": "done", "start": start, "end": end, "requests": requests, "rows": rows, "bytes": nbytes,
-          "api": "prefetch" if use_prefetch else "get_packed", "crcs": crcs})
+               "cpu_s": time.process_time() - cpu0, "api": "prefetch" if use_prefetch else "get_packed", "crcs": crcs})
 
 
 class _RawGetter:
@@ -511,6 +515,10 @@ def run_scale_bench(
             cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
             result[f"{name}_node_cores"] = round(cpu / (time.perf_counter() - wall0), 2)
             gbps, span, moved = _span_rate(answers)
+            # Cores the readers used while reading, and their CPU seconds per decoded GB.
+            reader_cpu = sum(a["cpu_s"] for a in answers)
+            result[f"{name}_reader_cores"] = round(reader_cpu / max(span, 1e-9), 2)
+            result[f"{name}_reader_cpu_s_per_gb"] = round(reader_cpu / max(moved / 1e9, 1e-9), 3)
             wanted = sum(size[rid] for ids in assignment for rid in ids)
             result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
             result[f"{name}_seconds"] = round(span, 3)
