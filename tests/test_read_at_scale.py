@@ -103,6 +103,30 @@ def test_prefetch_yields_micro_batches_in_order(tmp_path, make_record):
             reader.prefetch("roll-0", batches, depth=0)
 
 
+def test_prefetch_loads_depth_batches_at_once_and_still_yields_in_order(tmp_path, make_record, monkeypatch):
+    """A scattered micro-batch waits on its slowest GET: one load at a time left the readers
+    idle. Each load here waits until ``depth`` loads are under way (a barrier): loads one after
+    another would break it. Batches still come out in the asked order."""
+    recs = _commit(tmp_path, make_record, 40, 5)
+    batches = [[recs[i].request_id for i in range(j, 40, 8)] for j in range(8)]
+    reader = RoutingReader(tmp_path)
+    together = threading.Barrier(2, timeout=20)
+    plain = reader.get_packed
+    calls = []
+
+    def meet_first_two(rollout_id, ids):
+        calls.append(ids)
+        if len(calls) <= 2:
+            together.wait()  # both of the first two loads are running
+        return plain(rollout_id, ids)
+
+    monkeypatch.setattr(reader, "get_packed", meet_first_two)
+    with reader.prefetch("roll-0", batches, depth=2) as it:
+        got = [p.request_ids for p in it]
+    assert got == [tuple(b) for b in batches]
+    reader.close()
+
+
 def test_bad_id_lists_fail_clearly_with_no_partial_result(tmp_path, make_record):
     recs = _commit(tmp_path, make_record, 50, 10)
     ids = [r.request_id for r in recs]

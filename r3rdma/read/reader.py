@@ -439,8 +439,11 @@ class RoutingReader:
 
 class Prefetcher:
     """Yields :class:`PackedRouting` of each batch in order while the next ones load
-    (:meth:`RoutingReader.prefetch`). One background thread reads the batches one after another
-    (each read is itself concurrent), at most ``depth`` ahead of the consumer."""
+    (:meth:`RoutingReader.prefetch`): up to ``depth`` batches ahead of the consumer, all of them
+    loading at once (each load is itself concurrent). Why at once: one load at a time left a
+    data-parallel rank's scattered micro-batches (a ranged GET per request, on every node)
+    waiting on their slowest GET before the next batch's GETs started; on the H100 host its
+    8 readers kept 8 of 16 cores busy at 0.61 of the contiguous rate."""
 
     def __init__(self, reader: RoutingReader, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int,
                  pin_memory: bool) -> None:
@@ -452,7 +455,9 @@ class Prefetcher:
         every = [rid for batch in self._batches for rid in batch]
         reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
         self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3rdma-prefetch")
+        # get_packed may run in several threads: each call's reads run as one coroutine on the
+        # reader's event loop, where its caches live.
+        self._thread = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="r3rdma-prefetch")
         self._queue: collections.deque[Future] = collections.deque()
         self._next = 0
 
@@ -484,7 +489,7 @@ class Prefetcher:
         return packed
 
     def close(self) -> None:
-        """Stop loading: batches not started are dropped, the one in progress finishes."""
+        """Stop loading: batches not started are dropped, those in progress finish."""
         for future in self._queue:
             future.cancel()
         self._queue.clear()
