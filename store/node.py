@@ -21,7 +21,7 @@ from r3rdma.transport.auth import derive_admin_token, derive_read_token
 from .address import NodeAddress
 from .http_app import make_http_app
 from .metrics import NodeMetrics, bind_node_gauges
-from .read_workers import ReadWorkers, WorkerSettings
+from .read_workers import ReadWorkers, WorkerSettings, reuse_port_socket
 
 __all__ = ["StoreNode", "NodeAddress"]
 
@@ -166,23 +166,19 @@ class StoreNode:
     async def _start_workers(self, keepalive_timeout_s: float) -> int:
         """Listen on the HTTP port here, hand the socket to the read workers; serve the control socket."""
         assert self._run_dir is not None and self._runner is not None
-        family, kind, proto, _, where = socket.getaddrinfo(
-            self.host, self._http_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        self._listener = socket.socket(family, kind, proto)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(where)
-        self._listener.listen(1024)
-        self._listener.set_inheritable(True)
+        # Bound, never listening: it reserves the port (port 0: picks it) for the workers.
+        self._listener = reuse_port_socket(self.host, self._http_port, listen=False)
+        port = self._listener.getsockname()[1]
         control = f"{self._run_dir}/control.sock"
         await web.UnixSite(self._runner, control).start()
         settings = WorkerSettings(
             root=str(self.root.resolve()), read_token=self.read_token, admin_token=self._admin_token,
             public_read=self._public_read, control=control, keepalive_timeout_s=keepalive_timeout_s,
-            fd=self._listener.fileno(),
+            host=self.host, port=port,
         )
-        self._workers = ReadWorkers(self.http_workers, self._listener, settings, self._run_dir)
+        self._workers = ReadWorkers(self.http_workers, settings, self._run_dir)
         await self._workers.start()
-        return self._listener.getsockname()[1]
+        return port
 
     async def stop(self, drain: bool = True) -> None:
         """Stop ingesting (finishing and acking batches in flight when ``drain``), then serving."""

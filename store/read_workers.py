@@ -3,10 +3,14 @@
 Why. One Python process serves about a thousand ranged GETs a second (aiohttp's per-request
 work, not the bytes: ~0.5 ms of CPU per 0.6 MB range on the CPU VM, 1.4 ms per 8 MB one), and a
 trainer rank's scattered share is thousands of sub-MB ranges (BENCHMARKS.md "A whole RL step").
-So the node's HTTP port is served by ``http_workers`` processes, the pre-fork model of
-gunicorn: the node creates the listening socket, each worker inherits it and accepts on it
-(the kernel hands each connection to one idle worker), and the node process itself only
-ingests (UCX) and commits.
+So the node's HTTP port is served by ``http_workers`` processes, each listening on it with
+``SO_REUSEPORT``: the kernel spreads connections over the workers by a hash of each
+connection's addresses. (A single listening socket shared by all workers, gunicorn's pre-fork
+model, was tried first: whichever worker woke first accepted most of a reader's pooled
+connections, and on the H100 host one run's scattered reads reached 0.80 of contiguous and the
+next 0.56, with workers idle beside a busy one.) The node process binds the port with
+``SO_REUSEPORT`` too, without listening, so that it stays reserved while a worker restarts;
+it only ingests (UCX) and commits.
 
 What a worker does. It runs the node's HTTP app (store/http_app.py) on the shared socket with
 the same tokens, answering every read itself from the files (committed files are immutable,
@@ -37,11 +41,29 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ReadWorkers", "WorkerSettings", "default_http_workers"]
+from r3rdma.errors import StoreError
+
+__all__ = ["ReadWorkers", "WorkerSettings", "default_http_workers", "reuse_port_socket"]
 
 log = logging.getLogger("r3rdma.store")
 
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # a worker that keeps dying is restarted ever more slowly
+
+
+def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (listening if ``listen``)."""
+    family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(where)
+        if listen:
+            sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def default_http_workers() -> int:
@@ -60,17 +82,17 @@ class WorkerSettings:
     public_read: bool
     control: str  # the node process's Unix socket, for DELETE and /metrics
     keepalive_timeout_s: float
-    fd: int  # the inherited listening socket
+    host: str  # the address and port to listen on (SO_REUSEPORT)
+    port: int
 
 
 class ReadWorkers:
-    """Starts, watches and stops ``count`` worker processes on one listening socket."""
+    """Starts, watches and stops ``count`` worker processes listening on one port."""
 
-    def __init__(self, count: int, sock: socket.socket, settings: WorkerSettings, metrics_dir: str) -> None:
+    def __init__(self, count: int, settings: WorkerSettings, metrics_dir: str) -> None:
         if count < 1:
             raise ValueError(f"ReadWorkers needs at least 1 worker, got {count}")
         self.count = count
-        self._sock = sock
         self._settings = settings
         self._metrics_dir = metrics_dir
         self._procs: list[subprocess.Popen | None] = [None] * count
@@ -86,7 +108,7 @@ class ReadWorkers:
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self._metrics_dir, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             [sys.executable, "-m", "r3rdma.store.read_workers"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, pass_fds=(self._sock.fileno(),),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         assert proc.stdin is not None
         proc.stdin.write((json.dumps(asdict(self._settings)) + "\n").encode())
@@ -94,9 +116,19 @@ class ReadWorkers:
         self._procs[slot] = proc
         return proc
 
-    async def start(self) -> None:
-        for slot in range(self.count):
-            self._spawn(slot)
+    async def start(self, timeout: float = 60.0) -> None:
+        """Start the workers; return once each listens (it prints ``ready``), so the node's
+        ready line never announces a port nobody accepts on."""
+        procs = [self._spawn(slot) for slot in range(self.count)]
+        for proc in procs:
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout)  # type: ignore[union-attr]
+            except TimeoutError:
+                line = b""
+            if line.strip() != b"ready":
+                await self.stop()
+                raise StoreError(f"HTTP read worker pid {proc.pid} did not start listening on port "
+                                 f"{self._settings.port} (exit status {proc.poll()}); its error is in the node's log")
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -155,8 +187,8 @@ async def _serve(settings: WorkerSettings) -> None:
     )
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=settings.keepalive_timeout_s)
     await runner.setup()
-    sock = socket.socket(fileno=settings.fd)
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, reuse_port_socket(settings.host, settings.port, listen=True)).start()
+    print("ready", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
