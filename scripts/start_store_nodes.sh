@@ -16,16 +16,17 @@
 # on other machines connect to (default: --host; with --host 0.0.0.0, `hostname -f` if it
 # resolves to a non-loopback address, else the script refuses and asks for --advertise-host,
 # since a URL naming 127.0.0.1, 0.0.0.0 or a name that resolves to loopback reaches no other machine).
-# --max-inflight-mb and --timeout-s go to every node's r3rdma-store as they are (memory budget
+# --max-inflight-mb, --timeout-s and --http-workers go to every node's r3rdma-store as they are (memory budget
 # of batches in flight; deadline of each network step, which also bounds stalled senders and
-# HTTP clients that never finish a request): see r3rdma-store --help and docs/OPERATIONS.md.
+# HTTP clients that never finish a request; processes serving the HTTP port): see r3rdma-store
+# --help and docs/OPERATIONS.md.
 # Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env
 # (R3_STORE_URLS, R3_STORE_HTTP_URLS, R3_STORE_TOKEN_FILE: the push secret, and
 # R3_STORE_READ_TOKEN_FILE: the read token, which r3rdma check / inspect use by default).
 # Stop them with scripts/stop_store_nodes.sh DIR.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]}"
+n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S] [--http-workers N|auto]}"
 shift
 dir="./r3rdma_nodes"; host="127.0.0.1"; advertise=""; ucx_base=0; http_base=0; extra=()
 while [ $# -gt 0 ]; do
@@ -36,7 +37,7 @@ while [ $# -gt 0 ]; do
     --ucx-port) ucx_base="$2"; shift 2;;
     --http-port) http_base="$2"; shift 2;;
     --public-read) extra+=(--public-read); shift;;
-    --max-inflight-mb|--timeout-s)
+    --max-inflight-mb|--timeout-s|--http-workers)
       [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
       extra+=("$1" "$2"); shift 2;;
     *) echo "unknown option $1" >&2; exit 2;;
