@@ -164,7 +164,7 @@ class StoreNode:
         return self.address
 
     async def _start_workers(self, keepalive_timeout_s: float) -> int:
-        """Listen on the HTTP port here, hand the socket to the read workers; serve the control socket."""
+        """Reserve the HTTP port, start the read workers on it; serve the control socket."""
         assert self._run_dir is not None and self._runner is not None
         # Bound, never listening: it reserves the port (port 0: picks it) for the workers.
         self._listener = reuse_port_socket(self.host, self._http_port, listen=False)

@@ -6,14 +6,15 @@ trainer rank's scattered share is thousands of sub-MB ranges (BENCHMARKS.md "A w
 So the node's HTTP port is served by ``http_workers`` processes, each listening on it with
 ``SO_REUSEPORT``: the kernel spreads connections over the workers by a hash of each
 connection's addresses. (A single listening socket shared by all workers, gunicorn's pre-fork
-model, was tried first: whichever worker woke first accepted most of a reader's pooled
-connections, and on the H100 host one run's scattered reads reached 0.80 of contiguous and the
-next 0.56, with workers idle beside a busy one.) The node process binds the port with
+model, came first; it leaves the balance to whichever worker wakes first, which can hand most
+of a reader's pooled connections to one worker. That this caused the run-to-run spread seen on
+the H100 host is not shown: with SO_REUSEPORT the spread stayed, 0.84 and 0.60 of contiguous.)
+The node process binds the port with
 ``SO_REUSEPORT`` too, without listening, so that it stays reserved while a worker restarts;
 it only ingests (UCX) and commits.
 
-What a worker does. It runs the node's HTTP app (store/http_app.py) on the shared socket with
-the same tokens, answering every read itself from the files (committed files are immutable,
+What a worker does. It runs the node's HTTP app (store/http_app.py) on its socket with the
+same tokens, answering every read itself from the files (committed files are immutable,
 index entry points are replaced atomically, so any process may read them). Requests that need
 the node's writer or its in-memory state, DELETE and /metrics, go on to the node process over a
 private Unix socket (``control``), bearer header and all, so the node checks the token again.
