@@ -36,7 +36,7 @@ def test_scale_bench_tiny(tmp_path):
 
     requests, readers = 200, 2
     result = run_scale_bench(requests=requests, min_rows=4, max_rows=16, readers=readers, nodes=2, batch_mb=0.1,
-                             micro_batch=8, read_seconds=0, root=str(tmp_path), verify=True, progress=False)
+                             micro_batch=8, read_seconds=0, root=str(tmp_path), verify=True, progress=False, rounds=2)
     json.dumps(result)  # the JSON line
     for name in FIELDS:
         assert name in result, name
@@ -52,7 +52,8 @@ def test_scale_bench_tiny(tmp_path):
     assert [p["requests"] for p in result["dp_per_reader"]] == [requests // readers] * readers
     assert result["single_scattered_fraction"] == result["single_contiguous_fraction"] == result["raw_get_fraction"] == 1.0
     # What the readers got is what was pushed, bit for bit (their CRCs of every request read).
-    assert result["verify_mismatches"] == 0 and result["verified_requests"] >= 2 * requests
+    assert result["verify_mismatches"] == 0 and result["verified_requests"] >= 2 * 2 * requests  # 2 rounds of both
+    assert result["read_rounds"] == 2 and len(result["dp_ratio_per_round"]) == 2
     assert result["dp_ratio"] > 0 and result["raw_get_gbps"] > 0 and result["stored_bytes"] > 0
     # The nodes' data, read again from their roots on disk: a sample equals the pushed rows.
     sample = [rollout.request_id(i) for i in range(0, requests, 37)]

@@ -24,8 +24,11 @@ Phases, in one program (progress on stderr, the last stdout line is JSON):
    ``i % D == r``, in ``--micro-batch`` requests per ``get_packed`` (or ``prefetch`` where the
    reader has it), spread over nearly every batch array. Contiguous yardstick: D processes
    each read a contiguous 1/D of the same requests, same micro-batch shape.
-   ``dp_read_gbps`` / ``contiguous_read_gbps``: decoded routing bytes of all shares over the
-   span from the first start to the last finish; ``dp_ratio`` = scattered / contiguous.
+   The two alternate ``--rounds`` times (a phase lasts seconds on a GPU host; one slow second
+   of a shared host moved a lone pair's ratio by 0.2). ``dp_read_gbps`` /
+   ``contiguous_read_gbps``: decoded routing bytes of all shares over the span from the first
+   start to the last finish, summed over rounds; ``dp_ratio`` = scattered / contiguous
+   (``dp_ratio_per_round`` for the spread).
    ``<phase>_node_cores`` / ``<phase>_reader_cores``: CPU cores the store nodes (their read
    workers included) and the readers kept busy over the phase; with the host's ``cpu_count``
    they say which side ran out. Then
@@ -58,8 +61,9 @@ from typing import Any
 __all__ = ["run_scale_bench", "add_arguments", "main", "QUICK", "FULL"]
 
 #: ``--quick``: the 2-core CPU machine, about 90 s. ``FULL``: a 16-core GPU host (~26 GB decoded).
-QUICK = {"requests": 16384, "min_rows": 8, "max_rows": 64, "batch_mb": 2.0, "readers": 8, "read_seconds": 5.0}
-FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0}
+QUICK = {"requests": 16384, "min_rows": 8, "max_rows": 64, "batch_mb": 2.0, "readers": 8, "read_seconds": 5.0, "rounds": 2}
+FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0,
+        "rounds": 3}
 
 _CURVE_POINTS = 128  # commit-time curves are binned to at most this many points in the JSON
 
@@ -410,6 +414,7 @@ def run_scale_bench(
     progress: bool = True,
     timeout: float = 900.0,
     http_workers: str = "auto",
+    rounds: int = FULL["rounds"],
 ) -> dict[str, Any]:
     """Run every phase (module docstring); return the result dict (the JSON line).
 
@@ -417,13 +422,14 @@ def run_scale_bench(
     directory is removed at the end. ``verify``: each reader returns the CRC-32C of every
     request it read, checked here against what was pushed (costs read time; for tests).
     ``read_seconds`` caps each read phase (0: no cap). ``http_workers``: the nodes'
-    ``--http-workers`` (processes serving each node's HTTP port)."""
+    ``--http-workers`` (processes serving each node's HTTP port). ``rounds``: scattered and
+    contiguous reads alternate this many times; rates are over all rounds."""
     from r3rdma.bench.synthetic import TiledRollout
     from r3rdma.store.process import new_token
 
-    if readers < 1 or nodes < 1 or requests < readers or micro_batch < 1:
-        raise ValueError(f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1; got "
-                         f"{readers}, {nodes}, {requests}, {micro_batch}")
+    if readers < 1 or nodes < 1 or requests < readers or micro_batch < 1 or rounds < 1:
+        raise ValueError(f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1, rounds >= 1; got "
+                         f"{readers}, {nodes}, {requests}, {micro_batch}, {rounds}")
     began = time.perf_counter()
     base = Path(root) if root else Path(tempfile.mkdtemp(prefix="r3rdma-bench-scale-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -504,25 +510,28 @@ def run_scale_bench(
                 break
             prefix.append(rid)
             acc += size[rid]
-        phases = [("dp", workers, scattered), ("contiguous", workers, contiguous),
-                  ("single_scattered", workers[:1], [scattered[0]]), ("single_contiguous", workers[:1], [prefix])]
+        # Scattered and contiguous alternate, round after round: a phase lasts a few seconds on a
+        # GPU host, and one slow second of a shared host moved a single pair's ratio by 0.2.
+        phases = [phase for _ in range(rounds) for phase in (("dp", workers, scattered), ("contiguous", workers, contiguous))]
+        phases += [("single_scattered", workers[:1], [scattered[0]]), ("single_contiguous", workers[:1], [prefix])]
         verified = mismatched = 0
+        totals: dict[str, dict[str, float]] = {}
         for name, group, assignment in phases:
             _log(progress, f"read phase {name}: {len(group)} process(es)")
             cpu0, wall0 = sum(_cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
             answers = _run_phase(group, [read_cmd(ids) for ids in assignment], timeout)
-            # Cores the nodes kept busy over the phase (their processes and read workers).
-            cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
-            result[f"{name}_node_cores"] = round(cpu / (time.perf_counter() - wall0), 2)
+            node_cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
             gbps, span, moved = _span_rate(answers)
-            # Cores the readers used while reading, and their CPU seconds per decoded GB.
-            reader_cpu = sum(a["cpu_s"] for a in answers)
-            result[f"{name}_reader_cores"] = round(reader_cpu / max(span, 1e-9), 2)
-            result[f"{name}_reader_cpu_s_per_gb"] = round(reader_cpu / max(moved / 1e9, 1e-9), 3)
             wanted = sum(size[rid] for ids in assignment for rid in ids)
-            result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
-            result[f"{name}_seconds"] = round(span, 3)
-            result[f"{name}_fraction"] = round(moved / wanted, 4)
+            t = totals.setdefault(name, {"node_cpu": 0.0, "wall": 0.0, "reader_cpu": 0.0, "span": 0.0, "moved": 0,
+                                         "wanted": 0, "rates": []})
+            t["node_cpu"] += node_cpu
+            t["wall"] += time.perf_counter() - wall0
+            t["reader_cpu"] += sum(a["cpu_s"] for a in answers)
+            t["span"] += span
+            t["moved"] += moved
+            t["wanted"] += wanted
+            t["rates"].append(gbps)
             result["reader_api"] = answers[0]["api"]
             if name in ("dp", "contiguous"):
                 result[f"{name}_per_reader"] = [{"requests": a["requests"], "bytes": a["bytes"]} for a in answers]
@@ -531,6 +540,18 @@ def run_scale_bench(
                     verified += 1
                     mismatched += crc != rollout.record(int(rid[1:])).crc32c
             _log(progress, f"  {gbps:.3f} GB/s over {span:.2f} s ({moved / wanted:.0%} of {wanted / 1e9:.3f} GB)")
+        for name, t in totals.items():
+            # Over all rounds of a phase: bytes over the summed spans, cores the nodes (their
+            # read workers included) and the readers kept busy, readers' CPU per decoded GB.
+            gbps = t["moved"] / max(t["span"], 1e-9) / 1e9
+            result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
+            result[f"{name}_seconds"] = round(t["span"], 3)
+            result[f"{name}_fraction"] = round(t["moved"] / t["wanted"], 4)
+            result[f"{name}_node_cores"] = round(t["node_cpu"] / max(t["wall"], 1e-9), 2)
+            result[f"{name}_reader_cores"] = round(t["reader_cpu"] / max(t["span"], 1e-9), 2)
+            result[f"{name}_reader_cpu_s_per_gb"] = round(t["reader_cpu"] / max(t["moved"] / 1e9, 1e-9), 3)
+        result["read_rounds"] = rounds
+        result["dp_ratio_per_round"] = [round(d / c, 3) for d, c in zip(totals["dp"]["rates"], totals["contiguous"]["rates"])]
         result["dp_ratio"] = round(result["dp_read_gbps"] / result["contiguous_read_gbps"], 3)
         result["single_ratio"] = round(result["single_scattered_gbps"] / result["single_contiguous_gbps"], 3)
         result["single_bytes"] = share0
@@ -655,6 +676,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed (or prefetch step)")
     parser.add_argument("--read-seconds", type=float, default=None,
                         help=f"cap of each read phase, 0: none (default {FULL['read_seconds']}, --quick {QUICK['read_seconds']})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"scattered and contiguous reads alternate this many times (default {FULL['rounds']}, "
+                             f"--quick {QUICK['rounds']})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-workers", default="auto",
                         help="each node's --http-workers (processes serving its HTTP port; auto: a quarter of the cores)")
