@@ -47,10 +47,11 @@ from r3rdma.store.layout import (
     INDEX_KEY,
     array_name,
     fsync_dir,
-    fsync_tree,
+    tree_paths,
     group_document,
     parse_array_name,
     read_group_attrs,
+    write_json,
     write_json_atomic,
 )
 from r3rdma.store.rollout_index import (
@@ -355,8 +356,14 @@ class LocalRoutingStore:
             if seq is not None and seq > parts:
                 shutil.rmtree(child, ignore_errors=True)
 
-    def _write_part(self, rollout_id: str, index: RolloutIndex, changes: dict[str, Any]) -> None:
+    def _write_part(self, rollout_id: str, index: RolloutIndex, changes: dict[str, Any],
+                    new_paths: Sequence[Path] = ()) -> None:
         """Commit ``changes`` as the next index part: part file, then the entry point (atomic).
+
+        ``new_paths``: what this commit wrote that the part names (a batch array's files and
+        directories), not yet durable. It, the part, and the entry point's temp file are fsynced
+        together (:func:`~r3rdma.store.layout.fsync_paths`), then the entry point is renamed
+        into place: once readers can see the part, everything it names is durable.
 
         On failure nothing changed for readers (the entry point still counts the old parts) and
         the part's directory is removed.
@@ -367,10 +374,16 @@ class LocalRoutingStore:
         part_dir = path / part_name(seq)
         try:
             part_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(part_dir / "zarr.json", group_document({INDEX_KEY: part}))
+            # No temp file: nothing names the part until the entry point counts it, and opening
+            # the root removes a part numbered past that count (a crash's, torn or not).
+            write_json(part_dir / "zarr.json", group_document({INDEX_KEY: part}))
             index.apply(part)
             try:
-                write_json_atomic(path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}))
+                # The rollout directory holds the new entries (array, part); the root holds the
+                # rollout directory's own entry, new with the rollout's first part.
+                durable = [*new_paths, part_dir / "zarr.json", part_dir, path] + ([self.root] if seq == 1 else [])
+                write_json_atomic(path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}),
+                                  sync_with=durable)
             except BaseException:
                 self._indexes.pop(rollout_id, None)  # applied in memory only: reload from disk
                 raise
@@ -417,7 +430,7 @@ class LocalRoutingStore:
                 data[offset : offset + r.num_rows] = r.ids_TLK
         rollout_path = self.root / rollout_id
         try:
-            shards = self._write_array(rollout_path, name, data)
+            shards, written = self._write_array(rollout_path, name, data)
         except R3Error:
             raise
         except OSError as e:
@@ -427,7 +440,7 @@ class LocalRoutingStore:
             index.geometry = geometry
         try:
             self._write_part(rollout_id, index, {"arrays": [name], "shards": {name: shards}, "requests": state.requests,
-                                                 "pending": state.pending})
+                                                 "pending": state.pending}, written)
         except StoreError:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
             if index.parts == 0:
@@ -451,8 +464,9 @@ class LocalRoutingStore:
         room = -end % self.chunk_rows
         return end + room if rows > room > 0 else end
 
-    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> dict[str, Any]:
-        """Write and fsync a batch array; return its shard layout for the index part."""
+    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> tuple[dict[str, Any], list[Path]]:
+        """Write a batch array; return its shard layout for the index part and the files and
+        directories written (fsynced with the part, :meth:`_write_part`)."""
         rows, layers, top_k = data.shape
         chunk = max(1, min(self.chunk_rows, rows))
         shard = -(-rows // chunk) * chunk  # one shard file per batch: few files, ranged reads
@@ -471,7 +485,6 @@ class LocalRoutingStore:
             dimension_names=("token", "layer", "k"),
             fill_value=0,
         )
-        fsync_tree(rollout_path / name)
         # The shard's chunk index, copied into the index part: a reader of a few requests from
         # every array (a data-parallel rank's share) then needs one ranged GET per request,
         # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
@@ -481,7 +494,7 @@ class LocalRoutingStore:
                 places = np.frombuffer(f.read(16 * chunks), dtype="<u8").astype(np.int64).tolist()
         except FileNotFoundError:  # every row the fill value (0): zarr writes no shard at all
             places = [-1] * (2 * chunks)
-        return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0, "chunks": places}
+        return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0, "chunks": places}, tree_paths(rollout_path / name)
 
 
 def check_rollout_dir_name(rollout_id: str) -> str:

@@ -118,12 +118,12 @@ def test_invalid_ids_touch_no_file(tmp_path, make_record):
 def test_disk_error_leaves_no_partial_data(tmp_path, make_record, monkeypatch):
     with LocalRoutingStore(tmp_path) as store:
         store.commit([make_record("a")])
-        import r3rdma.store.local_store as ls
+        import r3rdma.store.layout as layout
 
         def boom(*a, **k):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(ls, "fsync_tree", boom)
+        monkeypatch.setattr(layout, "fsync_paths", boom)
         with pytest.raises(StoreError, match="No space left"):
             store.commit([make_record("b")])
         monkeypatch.undo()

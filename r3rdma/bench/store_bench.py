@@ -3,7 +3,10 @@
 Ingest is the engine's path: records submitted to a :class:`RoutingWriter`, batched, written
 as Zarr, fsynced, indexed, until ``flush`` returns. The yardstick writes the same batches as
 Zarr arrays with the same codecs, chunks and shards via plain ``zarr.create_array`` (no index,
-no fsync). Rounds alternate between the two; the median of each is reported.
+no fsync: ``raw_zarr_gbps``, ``ratio``); a second yardstick also fsyncs each array's files and
+directories before writing the next (``raw_zarr_fsync_gbps``, ``ratio_vs_durable``): what
+durability alone costs on this disk, apart from r3rdma's own work (index, batching). Rounds
+alternate between the three; the median of each is reported.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
+from r3rdma.store.layout import fsync_paths, tree_paths
 from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.write.writer import RoutingWriter
 from r3rdma.records import batches_by_size
@@ -32,7 +37,7 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
     records = synthetic_records(requests, seed=seed)
     total = sum(r.nbytes for r in records)
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
-    ingest_s, raw_s = [], []
+    ingest_s, raw_s, raw_sync_s = [], [], []
     for rnd in _rounds(rounds, "store"):
         d = base / f"ingest-{rnd}"
         t0 = time.perf_counter()
@@ -44,25 +49,28 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
         ingest_s.append(time.perf_counter() - t0)
         shutil.rmtree(d)
 
-        d = base / f"raw-{rnd}"
-        t0 = time.perf_counter()
-        store = LocalStore(d)
-        for n, batch in enumerate(batches_by_size(records, flush_bytes)):
-            import numpy as np
-
-            data = np.concatenate([r.ids_TLK for r in batch])
-            rows, layers, k = data.shape
-            chunk = min(chunk_rows, rows)
-            zarr.create_array(store, name=f"bench/a{n}", data=data, chunks=(chunk, layers, k),
-                              shards=(-(-rows // chunk) * chunk, layers, k), compressors=zarr_codecs(zstd_level),
-                              fill_value=0)
-        raw_s.append(time.perf_counter() - t0)
-        shutil.rmtree(d)
+        for durable, times in ((False, raw_s), (True, raw_sync_s)):
+            d = base / f"raw-{rnd}"
+            t0 = time.perf_counter()
+            store = LocalStore(d)
+            for n, batch in enumerate(batches_by_size(records, flush_bytes)):
+                data = np.concatenate([r.ids_TLK for r in batch])
+                rows, layers, k = data.shape
+                chunk = min(chunk_rows, rows)
+                zarr.create_array(store, name=f"bench/a{n}", data=data, chunks=(chunk, layers, k),
+                                  shards=(-(-rows // chunk) * chunk, layers, k), compressors=zarr_codecs(zstd_level),
+                                  fill_value=0)
+                if durable:  # the same array, on disk before the next one: what an ack promises
+                    fsync_paths(tree_paths(d / "bench" / f"a{n}") + [d / "bench"])
+            times.append(time.perf_counter() - t0)
+            shutil.rmtree(d)
         if progress:
-            print(f"round {rnd + 1}/{rounds}: ingest {total / ingest_s[-1] / 1e9:.3f} GB/s, raw zarr {total / raw_s[-1] / 1e9:.3f} GB/s", flush=True)
+            print(f"round {rnd + 1}/{rounds}: ingest {total / ingest_s[-1] / 1e9:.3f} GB/s, raw zarr {total / raw_s[-1] / 1e9:.3f} "
+                  f"GB/s, raw zarr + fsync {total / raw_sync_s[-1] / 1e9:.3f} GB/s", flush=True)
     shutil.rmtree(base, ignore_errors=True)
     ingest = total / statistics.median(ingest_s) / 1e9
     raw = total / statistics.median(raw_s) / 1e9
+    raw_sync = total / statistics.median(raw_sync_s) / 1e9
     return {
         "bench": "store",
         "requests": requests,
@@ -71,6 +79,8 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
         "ingest_gbps": round(ingest, 4),
         "raw_zarr_gbps": round(raw, 4),
         "ratio": round(ingest / raw, 3),
+        "raw_zarr_fsync_gbps": round(raw_sync, 4),
+        "ratio_vs_durable": round(ingest / raw_sync, 3),
         "zstd_level": zstd_level,
         "flush_bytes": flush_bytes,
     }
