@@ -1,8 +1,9 @@
 """LocalRoutingStore: commit protocol, idempotence, conflicts, visibility, crash leftovers."""
 
 import json
-import shutil
 import os
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -162,3 +163,116 @@ def test_requests_that_fit_one_chunk_are_packed_without_gaps(tmp_path, make_reco
     assert result.bytes_written == sum(r.nbytes for r in recs)
     part = json.loads((tmp_path / "roll-0" / "i00000001" / "zarr.json").read_text())["attributes"]["r3rdma"]
     assert [part["requests"][r.request_id]["segments"][0]["offset"] for r in recs] == [7 * i for i in range(40)]
+
+
+# -- commits in flight: written now, made durable by the publisher thread, in order -----------------
+
+
+class _HeldFlush:
+    """Replaces the store's fsync: the first flush waits for ``release`` and then does what
+    ``outcome`` says (None: flush for real; an exception: raise it); later ones flush for real."""
+
+    def __init__(self, monkeypatch, outcome=None):
+        import threading
+
+        import r3rdma.store.layout as layout
+
+        self.entered, self.release, self.outcome, self.calls = threading.Event(), threading.Event(), outcome, 0
+        real = layout.fsync_paths
+
+        def fsync_paths(paths):
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                assert self.release.wait(30)
+                if self.outcome is not None:
+                    raise self.outcome
+            real(paths)
+
+        monkeypatch.setattr(layout, "fsync_paths", fsync_paths)
+
+
+def _listing(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_a_commit_in_flight_is_invisible_and_the_next_one_is_written_meanwhile(tmp_path, make_record, monkeypatch):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        held = _HeldFlush(monkeypatch)
+        first = store.commit_async([make_record("b")])
+        assert held.entered.wait(30)
+        second = store.commit_async([make_record("c")])  # written while "b" is being flushed
+        assert "b00000003" in _listing(tmp_path / "roll-0") and not first.done() and not second.done()
+        # Readers see neither: the entry point still counts one part.
+        assert RoutingReader(tmp_path).info("roll-0").request_ids == ("a",)
+        held.release.set()
+        assert first.result(30).committed == 1 and second.result(30).committed == 1
+    assert RoutingReader(tmp_path).info("roll-0").request_ids == ("a", "b", "c")
+
+
+def test_a_failed_flush_fails_the_commits_written_after_it_and_leaves_no_trace(tmp_path, make_record, monkeypatch):
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        held = _HeldFlush(monkeypatch, OSError(5, "Input/output error"))
+        first = store.commit_async([make_record("b")])
+        assert held.entered.wait(30)
+        second = store.commit_async([make_record("c")])  # planned on top of "b"
+        held.release.set()
+        with pytest.raises(StoreError, match="Input/output error"):
+            first.result(30)
+        with pytest.raises(StoreError, match="earlier commit"):
+            second.result(30)
+        assert RoutingReader(tmp_path).info("roll-0").request_ids == ("a",)
+        # The next commit starts again from the disk: "c" again, then "d", under the numbers
+        # the failed commits had used (their arrays and parts removed first).
+        assert store.commit([make_record("c"), make_record("d")]).committed == 2
+        assert _listing(tmp_path / "roll-0") == ["b00000001", "b00000002", "i00000001", "i00000002", "zarr.json"]
+    reader = RoutingReader(tmp_path)
+    assert reader.info("roll-0").request_ids == ("a", "c", "d")
+    np.testing.assert_array_equal(reader.get_numpy("roll-0", ["d"])["d"], make_record("d").ids_TLK)
+    with LocalRoutingStore(tmp_path) as store:  # reopening finds nothing to clean up
+        assert _listing(tmp_path / "roll-0") == ["b00000001", "b00000002", "i00000001", "i00000002", "zarr.json"]
+
+
+def test_a_delete_waits_for_commits_in_flight(tmp_path, make_record, monkeypatch):
+    import threading
+
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("a")])
+        held = _HeldFlush(monkeypatch)
+        pending = store.commit_async([make_record("b")])
+        assert held.entered.wait(30)
+        deleter = threading.Thread(target=store.delete_rollout, args=("roll-0",))
+        deleter.start()
+        deleter.join(0.3)
+        assert deleter.is_alive()  # waits for "b" to be durable before deleting under it
+        held.release.set()
+        deleter.join(30)
+        assert pending.result(30).committed == 1
+        assert store.rollouts() == {}
+
+
+def test_a_writer_writes_the_next_batch_while_the_store_flushes_one(tmp_path, make_record, monkeypatch):
+    from r3rdma.write.writer import RoutingWriter
+
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([make_record("warm")])
+        held = _HeldFlush(monkeypatch)
+        recs = [make_record(f"r{i}", rows=50) for i in range(6)]
+        with RoutingWriter(store, flush_bytes=recs[0].nbytes * 2, flush_interval_s=0) as writer:
+            for r in recs[:2]:
+                writer.submit(r)
+            assert held.entered.wait(30)
+            for r in recs[2:]:
+                writer.submit(r)
+            # The batches after the held one are written (not yet durable) while it waits.
+            deadline = time.monotonic() + 30
+            while "b00000003" not in _listing(tmp_path / "roll-0") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "b00000003" in _listing(tmp_path / "roll-0")
+            assert RoutingReader(tmp_path).info("roll-0").request_ids == ("warm",)
+            held.release.set()
+            writer.flush(30)
+        assert writer.requests_committed == 6 and writer.failed_requests() == []
+    assert RoutingReader(tmp_path).info("roll-0").request_ids == ("warm", *(r.request_id for r in recs))

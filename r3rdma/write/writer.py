@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
@@ -237,7 +239,16 @@ class RoutingWriter:
             raise error
 
     def _run(self) -> None:
+        publishing: _Job | None = None  # the previous batch, being made durable by the store
         while True:
+            if publishing is not None:
+                with self._cond:
+                    while not (self._queue or self._closing or publishing.settled()):
+                        self._cond.wait()  # its future's callback notifies
+                    write_next = bool(self._queue)
+                if not write_next:  # nothing to write meanwhile: count it (flush() may wait for it)
+                    self._finish(publishing)
+                    publishing = None
             with self._cond:
                 while not self._closing and not self._queue:
                     self._cond.wait()
@@ -259,7 +270,7 @@ class RoutingWriter:
                     size += record.nbytes
                 self._queued_bytes -= size
                 self._first_enqueued = time.monotonic()
-            failures: list[tuple[BaseException, list]] = []  # (error, the records it lost)
+            job = _Job(batch, size)
             host: list = []
             for r in batch:
                 if getattr(r, "on_device", False):
@@ -267,28 +278,56 @@ class RoutingWriter:
                 try:
                     host.append(r if isinstance(r, RequestRecord) else r.result())
                 except BaseException as e:  # this record's rows never arrived; the others go on
-                    failures.append((e, [r]))
+                    job.failures.append((e, [r]))
             device = [r for r in batch if getattr(r, "on_device", False)]
-            if host:
-                failures += self._commit(self.store.commit, host)
+            commit_async = getattr(self.store, "commit_async", None)
+            if host and commit_async is not None:
+                # The store writes this batch now and makes it durable on its own thread: the
+                # next batch is written while this one is flushed (LocalRoutingStore).
+                try:
+                    job.future, job.host = commit_async(host), host
+                    job.future.add_done_callback(self._wake)
+                except BaseException as e:
+                    if len(host) == 1 or not isinstance(e, ValueError):
+                        job.failures.append((e, host))
+                    else:
+                        job.failures += self._commit_each(self.store.commit, host)
+            elif host:
+                job.failures += self._commit(self.store.commit, host)
             if device:
-                failures += self._commit(self.store.commit_device, device)  # GPU-direct: UCX reads device memory
-            with self._cond:
-                self._inflight_bytes -= size
-                self._done += len(batch)
-                lost = sum(len(items) for _, items in failures)
-                self.requests_committed += len(batch) - lost
-                self.bytes_committed += size - sum(x.nbytes for _, items in failures for x in items)
-                for error, items in failures:  # handed to the engine thread at its next call
-                    self.commit_failures += 1
-                    ids = [_ids_of(x) for x in items]
-                    self.requests_failed += len(ids)
-                    self._failed += ids
-                    self._unreported += ids
-                    self._errors.append(error)
-                    if self._error is None:
-                        self._error = error
-                self._cond.notify_all()
+                job.failures += self._commit(self.store.commit_device, device)  # GPU-direct: UCX reads device memory
+            if publishing is not None:
+                self._finish(publishing)
+            publishing = job
+
+    def _wake(self, _future: Future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _finish(self, job: "_Job") -> None:
+        """Wait until ``job``'s batch is durable (or failed), then count it."""
+        if job.future is not None:
+            try:
+                job.future.result()
+            except BaseException as e:
+                job.failures.append((e, job.host))
+        failures = job.failures
+        with self._cond:
+            self._inflight_bytes -= job.size
+            self._done += len(job.batch)
+            lost = sum(len(items) for _, items in failures)
+            self.requests_committed += len(job.batch) - lost
+            self.bytes_committed += job.size - sum(x.nbytes for _, items in failures for x in items)
+            for error, items in failures:  # handed to the engine thread at its next call
+                self.commit_failures += 1
+                ids = [_ids_of(x) for x in items]
+                self.requests_failed += len(ids)
+                self._failed += ids
+                self._unreported += ids
+                self._errors.append(error)
+                if self._error is None:
+                    self._error = error
+            self._cond.notify_all()
 
     def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:
         """Commit ``items``; on a refusal of the data (a ValueError: a bad record, a segment
@@ -300,6 +339,10 @@ class RoutingWriter:
         except BaseException as e:
             if len(items) == 1 or not isinstance(e, ValueError):
                 return [(e, list(items))]
+        return self._commit_each(commit, items)
+
+    @staticmethod
+    def _commit_each(commit, items: list) -> list[tuple[BaseException, list]]:
         failures = []
         for item in items:
             try:
@@ -307,6 +350,20 @@ class RoutingWriter:
             except BaseException as e:
                 failures.append((e, [item]))
         return failures
+
+
+@dataclass(eq=False)
+class _Job:
+    """A batch the worker took: its commit (a future while the store publishes it) and what failed."""
+
+    batch: list
+    size: int
+    failures: list = field(default_factory=list)  # (error, the records it lost)
+    future: Future | None = None
+    host: list = field(default_factory=list)
+
+    def settled(self) -> bool:
+        return self.future is None or self.future.done()
 
 
 def _ids_of(item: object) -> tuple[str | None, str | None]:
