@@ -84,13 +84,15 @@ class StoreNode:
         self.address: NodeAddress | None = None
         self._waiting: list[tuple[list[RequestRecord], asyncio.Future]] = []
         self._committer: asyncio.Task | None = None
+        self._answering: set[asyncio.Task] = set()  # groups written, acked once durable
 
     async def _ingest(self, records: list[RequestRecord]) -> None:
         """Make one client batch durable (the transport acks when this returns).
 
-        Group commit: batches that arrive while a commit is running wait, then are committed
-        together in one write + fsync + index replace. Each commit costs a few fsyncs
-        (~40 ms here), so with many clients one-at-a-time commits queue up behind each other.
+        Group commit: batches that arrive while a commit is being written wait, then are
+        committed together in one write + fsync + index replace; a written group is flushed
+        by the store's publisher thread while the next one is written, and each batch is acked
+        only once its group is durable (``LocalRoutingStore.commit_async``).
         Transfer probes never get here: the transport acks them without calling the handler.
         """
         started = time.perf_counter()
@@ -115,7 +117,9 @@ class StoreNode:
             group, self._waiting = self._waiting, []
             merged = [r for records, _ in group for r in records]
             try:
-                result = await asyncio.to_thread(self.store.commit, merged)
+                # Written now; durable once the future resolves (the store's publisher thread
+                # flushes it while the next group is written here).
+                durable = await asyncio.to_thread(self.store.commit_async, merged)
             except R3Error:
                 # One batch may be refused (a conflicting duplicate, a geometry mismatch, a
                 # full disk): commit them one by one so that each client gets its own answer.
@@ -126,10 +130,27 @@ class StoreNode:
                     if not done.done():
                         done.set_exception(e)
                 continue
-            for i, (_, done) in enumerate(group):
+            task = asyncio.create_task(self._answer(group, asyncio.wrap_future(durable)))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, group, durable: asyncio.Future) -> None:
+        """Ack a group's batches once its commit is durable (or answer each on its own if the
+        flush failed: the store then starts again from the disk)."""
+        try:
+            result = await durable
+        except R3Error:
+            await self._commit_each(group)
+            return
+        except BaseException as e:
+            for _, done in group:
                 if not done.done():
-                    # Metrics count per batch: credit the group's totals to its first batch.
-                    done.set_result(result if i == 0 else CommitResult(0, 0, 0))
+                    done.set_exception(e)
+            return
+        for i, (_, done) in enumerate(group):
+            if not done.done():
+                # Metrics count per batch: credit the group's totals to its first batch.
+                done.set_result(result if i == 0 else CommitResult(0, 0, 0))
 
     async def _commit_each(self, group) -> None:
         for records, done in group:
