@@ -164,9 +164,10 @@ def make_http_app(
 
         Why not ``FileResponse``: it opens, stats and closes each file in the default thread
         pool (three hops, and a stat of ``.gz``/``.br`` siblings). A data-parallel reader's
-        scattered share is many ~0.6 MB ranged GETs; measured on a store node they cost ~0.55 ms
-        of CPU each through FileResponse and ~0.3 ms here (BENCHMARKS.md "A whole RL step"):
-        one open, one fstat, ``sendfile``. Opening a page-cached file does not hold the loop up.
+        scattered share is many ~0.6 MB ranged GETs; measured on the CPU VM, the node spent
+        0.62 ms of CPU on each through FileResponse and 0.38 ms here (BENCHMARKS.md "A whole RL
+        step"): one open, one fstat, ``sendfile``. Opening a page-cached file does not hold the
+        loop up.
         """
         try:
             file = open(real, "rb")

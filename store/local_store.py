@@ -206,7 +206,7 @@ class LocalRoutingStore:
         future of the :class:`CommitResult` that resolves once they are durable and visible.
 
         Why a future: a commit's flush to disk (its array, index part and entry point fsynced,
-        ~30% of a commit on the GPU hosts' disks) runs on a publisher thread while the caller
+        ~20-30% of a commit on the VM's and the GPU hosts' disks) runs on a publisher thread while the caller
         writes the next batch; batches are published in the order they were written. Refusals
         of the data (below) raise here, before anything is written. If a flush fails, that
         commit's future and those of every commit written after it (planned on top of it)
