@@ -196,12 +196,18 @@ def _listing(path):
     return sorted(p.name for p in path.iterdir())
 
 
+def _commit_held(store, make_record, monkeypatch, outcome=None):
+    """Commit "a", then start committing "b" and hold its flush: (the held flush, b's future)."""
+    store.commit([make_record("a")])
+    held = _HeldFlush(monkeypatch, outcome)
+    future = store.commit_async([make_record("b")])
+    assert held.entered.wait(30)
+    return held, future
+
+
 def test_a_commit_in_flight_is_invisible_and_the_next_one_is_written_meanwhile(tmp_path, make_record, monkeypatch):
     with LocalRoutingStore(tmp_path) as store:
-        store.commit([make_record("a")])
-        held = _HeldFlush(monkeypatch)
-        first = store.commit_async([make_record("b")])
-        assert held.entered.wait(30)
+        held, first = _commit_held(store, make_record, monkeypatch)
         second = store.commit_async([make_record("c")])  # written while "b" is being flushed
         assert "b00000003" in _listing(tmp_path / "roll-0") and not first.done() and not second.done()
         # Readers see neither: the entry point still counts one part.
@@ -213,10 +219,7 @@ def test_a_commit_in_flight_is_invisible_and_the_next_one_is_written_meanwhile(t
 
 def test_a_failed_flush_fails_the_commits_written_after_it_and_leaves_no_trace(tmp_path, make_record, monkeypatch):
     with LocalRoutingStore(tmp_path) as store:
-        store.commit([make_record("a")])
-        held = _HeldFlush(monkeypatch, OSError(5, "Input/output error"))
-        first = store.commit_async([make_record("b")])
-        assert held.entered.wait(30)
+        held, first = _commit_held(store, make_record, monkeypatch, OSError(5, "Input/output error"))
         second = store.commit_async([make_record("c")])  # planned on top of "b"
         held.release.set()
         with pytest.raises(StoreError, match="Input/output error"):
@@ -239,10 +242,7 @@ def test_a_delete_waits_for_commits_in_flight(tmp_path, make_record, monkeypatch
     import threading
 
     with LocalRoutingStore(tmp_path) as store:
-        store.commit([make_record("a")])
-        held = _HeldFlush(monkeypatch)
-        pending = store.commit_async([make_record("b")])
-        assert held.entered.wait(30)
+        held, pending = _commit_held(store, make_record, monkeypatch)
         deleter = threading.Thread(target=store.delete_rollout, args=("roll-0",))
         deleter.start()
         deleter.join(0.3)
