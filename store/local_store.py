@@ -570,16 +570,18 @@ class LocalRoutingStore:
             compressors=zarr_codecs(self.zstd_level),
             dimension_names=("token", "layer", "k"),
             fill_value=0,
+            # Placement (:meth:`_aligned`) leaves less than a chunk of fill rows between
+            # requests, so every inner chunk holds request rows and zarr's per-chunk "all fill
+            # value?" scan before encoding (np.array_equal over every byte) never skips one.
+            # Measured (bench store, VM): ingest 0.21 -> 0.29 GB/s.
+            config={"write_empty_chunks": True},
         )
         # The shard's chunk index, copied into the index part: a reader of a few requests from
         # every array (a data-parallel rank's share) then needs one ranged GET per request,
         # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
         chunks = shard // chunk
-        try:
-            with open(rollout_path / name / "c" / "0" / "0" / "0", "rb") as f:
-                places = np.frombuffer(f.read(16 * chunks), dtype="<u8").astype(np.int64).tolist()
-        except FileNotFoundError:  # every row the fill value (0): zarr writes no shard at all
-            places = [-1] * (2 * chunks)
+        with open(rollout_path / name / "c" / "0" / "0" / "0", "rb") as f:  # every chunk written: see above
+            places = np.frombuffer(f.read(16 * chunks), dtype="<u8").astype(np.int64).tolist()
         return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0, "chunks": places}, tree_paths(rollout_path / name)
 
 

@@ -239,20 +239,59 @@ def test_a_rollout_deleted_and_created_again_is_read_afresh(tmp_path, make_recor
         np.testing.assert_array_equal(got["q3"], new[3].ids_TLK)
 
 
-def test_all_zero_rows_read_back(tmp_path):
-    """zarr writes no shard file (and leaves chunks out of a shard) when every value is the
-    fill value 0: such batches commit and read back."""
+def _zero_records():
     from r3rdma.records import RequestRecord
 
     zeros = RequestRecord("roll-0", "z", np.zeros((40, 3, 2), np.uint8), (0, 1, 2), 16)
     part = np.zeros((40, 3, 2), np.uint8)
-    part[30:] = 5  # chunks of rows 0..23 all zero: left out of the shard
-    mixed = RequestRecord("roll-0", "m", part, (0, 1, 2), 16)
+    part[30:] = 5  # chunks of rows 0..23 all zero
+    return zeros, RequestRecord("roll-0", "m", part, (0, 1, 2), 16)
+
+
+def test_all_zero_rows_read_back(tmp_path):
+    """Every chunk is written, all-zero ones too (the store skips zarr's empty-chunk scan)."""
+    zeros, mixed = _zero_records()
     with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
         store.commit([zeros])
         store.commit([mixed])
-    assert not (tmp_path / "roll-0" / "b00000001" / "c").exists()
+    for name in ("b00000001", "b00000002"):
+        part = json.loads((tmp_path / "roll-0" / f"i0000000{name[-1]}" / "zarr.json").read_text())
+        assert -1 not in part["attributes"]["r3rdma"]["shards"][name]["chunks"]
     with RoutingReader(tmp_path) as reader:
         got = reader.get_numpy("roll-0", ["z", "m"])
     np.testing.assert_array_equal(got["z"], zeros.ids_TLK)
-    np.testing.assert_array_equal(got["m"], part)
+    np.testing.assert_array_equal(got["m"], mixed.ids_TLK)
+
+
+def test_chunks_left_out_by_earlier_stores_read_back(tmp_path):
+    """Stores written before 2026-11-24 let zarr leave all-zero chunks out of a shard (index
+    places -1, -1) and wrote no shard file when every row was 0: both still read back."""
+    import shutil
+
+    import zarr
+    from zarr.storage import LocalStore
+
+    from r3rdma.store.local_store import zarr_codecs
+
+    zeros, mixed = _zero_records()
+    with LocalRoutingStore(tmp_path, chunk_rows=8) as store:
+        store.commit([zeros])
+        store.commit([mixed])
+    # Rewrite both arrays as zarr's defaults write them, and their index parts' chunk places.
+    for seq, record in ((1, zeros), (2, mixed)):
+        name, part_path = f"b0000000{seq}", tmp_path / "roll-0" / f"i0000000{seq}" / "zarr.json"
+        shutil.rmtree(tmp_path / "roll-0" / name)
+        zarr.create_array(LocalStore(tmp_path / "roll-0" / name), data=record.ids_TLK, chunks=(8, 3, 2),
+                          shards={"shape": (40, 3, 2), "index_location": "start"}, fill_value=0,
+                          compressors=zarr_codecs(3), dimension_names=("token", "layer", "k"))
+        shard = tmp_path / "roll-0" / name / "c" / "0" / "0" / "0"
+        places = np.frombuffer(shard.read_bytes()[: 16 * 5], "<u8").astype(np.int64).tolist() if shard.exists() else [-1] * 10
+        doc = json.loads(part_path.read_text())
+        doc["attributes"]["r3rdma"]["shards"][name]["chunks"] = places
+        part_path.write_text(json.dumps(doc))
+    assert not (tmp_path / "roll-0" / "b00000001" / "c").exists()
+    assert doc["attributes"]["r3rdma"]["shards"]["b00000002"]["chunks"][:6] == [-1] * 6  # chunks 0..2 left out
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy("roll-0", ["z", "m"])
+    np.testing.assert_array_equal(got["z"], zeros.ids_TLK)
+    np.testing.assert_array_equal(got["m"], mixed.ids_TLK)
