@@ -264,7 +264,7 @@ def test_all_zero_rows_read_back(tmp_path):
 
 
 def test_chunks_left_out_by_earlier_stores_read_back(tmp_path):
-    """Stores written before 2026-11-24 let zarr leave all-zero chunks out of a shard (index
+    """Stores written before 18d897c (2026-11-23) let zarr leave all-zero chunks out of a shard (index
     places -1, -1) and wrote no shard file when every row was 0: both still read back."""
     import shutil
 
