@@ -250,7 +250,9 @@ def test_device_capabilities_are_protocols(tmp_path):
             writer.probe_transfer_mode()
     client = StoreNodesClient(["127.0.0.1:1"], secret=new_token())
     try:
-        assert isinstance(client, DeviceRecordStore) and RoutingWriter(client).accepts_device_rows
+        assert isinstance(client, DeviceRecordStore)
+        with RoutingWriter(client) as writer:  # closed: its thread would outlive the test
+            assert writer.accepts_device_rows
     finally:
         client.close()
 
