@@ -1,8 +1,12 @@
 """`r3rdma inspect`: summary and expert-load heatmap of a rollout, local root and store node URL."""
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +20,8 @@ from r3rdma.write.push_client import StoreNodesClient
 from r3rdma.transport import derive_read_token
 
 from .store_nodes import new_token, start_node
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _expected_load(records, layers, experts):
@@ -118,3 +124,36 @@ def test_inspect_missing_token_file_is_one_line(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path), "roll-0", "--token-file", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("r3rdma inspect: ConfigError: cannot read the secret file") and len(err.strip().splitlines()) == 1
+
+
+def test_png_without_matplotlib_prints_the_summary_then_names_the_extra(tmp_path, make_record, capsys, monkeypatch):
+    """Issue 30: no matplotlib -> the JSON summary first, then one line naming the plot extra, exit 2."""
+    with LocalRoutingStore(tmp_path / "root") as store:
+        store.commit([make_record(f"q{i}", rows=12) for i in range(3)])
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    png = tmp_path / "load.png"
+    assert cli_main(["inspect", str(tmp_path / "root"), "roll-0", "--png", str(png)]) == 2
+    out, err = capsys.readouterr()
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["requests"] == 3 and "png" not in last
+    assert err.strip() == 'r3rdma inspect: ConfigError: --png needs matplotlib, which is not installed: ' \
+                          'pip install "r3rdma[plot]"'
+    assert not png.exists()
+
+
+@pytest.mark.timeout(120)
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, make_record):
+    """Issue 30: `r3rdma inspect ... | head` -> no BrokenPipeError traceback. The pipe's read end is
+    closed before the command starts, so its first write fails (no race with the reader)."""
+    with LocalRoutingStore(tmp_path / "root") as store:
+        store.commit([make_record(f"q{i}", rows=12) for i in range(3)])
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "r3rdma.cli", "inspect", str(tmp_path / "root"), "roll-0"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=100, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

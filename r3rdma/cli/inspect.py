@@ -6,7 +6,9 @@ for a rollout spread over nodes). Over HTTP it sends the read token (from ``--re
 or derived here from the push secret file ``--token-file``; never the secret itself). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
 base64, layers, top-k, experts, per-layer expert load balance) and writes a heatmap of expert
 load per layer. The last line is JSON. A read that fails (token refused, node unreachable,
-damaged data) prints one line naming the error type to stderr and exits 2.
+damaged data) prints one line naming the error type to stderr and exits 2. ``--png`` needs
+matplotlib (``pip install "r3rdma[plot]"``): without it the summary and its JSON line are
+printed, then one line saying so, exit 2. Output into a closed pipe (``| head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
 
 def plot_expert_load(load: np.ndarray, path: str | os.PathLike[str], *, title: str = "",
                      layer_map: Sequence[int] | None = None) -> None:
-    """Heatmap of the share of each layer's routed tokens that went to each expert."""
+    """Heatmap of the share of each layer's routed tokens that went to each expert.
+
+    Needs matplotlib, the ``plot`` extra: :class:`ConfigError` naming it when absent.
+    """
+    _require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,6 +132,19 @@ def plot_expert_load(load: np.ndarray, path: str | os.PathLike[str], *, title: s
     plt.close(fig)
 
 
+PLOT_HINT = 'pip install "r3rdma[plot]"'
+
+
+def _require_matplotlib() -> None:
+    """Raise :class:`ConfigError` naming the ``plot`` extra when matplotlib cannot be imported."""
+    from r3rdma.errors import ConfigError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--png needs matplotlib, which is not installed: {PLOT_HINT}") from e
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -145,6 +164,18 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    try:
+        code = _main(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `r3rdma inspect ... | head`: the reader left; end quietly, as other CLIs do. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(args) -> int:
     from r3rdma.cli.credentials import read_token
     from r3rdma.errors import R3Error
 
@@ -169,6 +200,12 @@ def main(args) -> int:
               f"unused experts: {sum(s.unused_experts)} over all layers")
     result = s.to_json()
     if args.png:
+        try:
+            _require_matplotlib()
+        except R3Error as e:  # the summary is worth having without the picture: print it, then fail
+            print(json.dumps(result), flush=True)
+            print(f"r3rdma inspect: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         title = getattr(args, "title", None) or f"expert load, rollout {s.rollout_id} ({s.tokens} tokens)"
         plot_expert_load(load, args.png, title=title, layer_map=s.layer_map)
         print(f"  heatmap:   {args.png}")
