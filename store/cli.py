@@ -25,8 +25,8 @@ from r3rdma.errors import ConfigError, R3Error
 from r3rdma.transport import TransportLimits, configure_ucx_env, derive_read_token, load_secret
 from r3rdma.transport.ucx_env import STORE_NODE_UCX_ENV, stop_ucxx
 
-from .http_app import install_log_hygiene
 from .node import StoreNode
+from .node_logging import setup_node_logging
 from .read_workers import default_http_workers
 
 __all__ = ["main"]
@@ -133,8 +133,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s r3rdma-store %(levelname)s %(message)s", stream=sys.stderr)
-    install_log_hygiene()
+    setup_node_logging("r3rdma-store")
     try:
         configure_ucx_env(STORE_NODE_UCX_ENV)  # before anything imports ucxx
         return asyncio.run(_serve(args))

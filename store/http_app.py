@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import math
 import os
 import re
@@ -44,6 +43,7 @@ from r3rdma.store.local_store import LocalRoutingStore, check_rollout_dir_name
 from r3rdma.store.rollout_index import load_index, read_file
 
 from .metrics import HttpMetrics, NodeMetrics
+from .node_logging import install_log_hygiene  # re-exported: its earlier home
 
 __all__ = ["make_http_app", "install_log_hygiene"]
 
@@ -296,34 +296,3 @@ def make_http_app(
         app.router.add_delete("/v1/rollouts/{rollout_id}", to_node)
     app.router.add_get("/zarr/{path:.*}", zarr_file)  # add_get also answers HEAD
     return app
-
-
-class _LogHygiene(logging.Filter):
-    """Keeps secrets and client garbage out of the node's log.
-
-    aiohttp logs a malformed HTTP request (a client's fault) at ERROR with a traceback and
-    the first 100 bytes of the offending line, which can be an ``Authorization`` header:
-    such records become one INFO line naming the error type only. Any ``Bearer <value>``
-    left in a message is redacted.
-    """
-
-    _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        if isinstance(exc, HttpProcessingError) and (getattr(exc, "code", 500) or 500) < 500:
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
-            record.exc_info = record.exc_text = None
-        message = record.getMessage()
-        if "earer" in message:
-            record.msg, record.args = self._BEARER.sub(r"\1<redacted>", message), ()
-        return True
-
-
-def install_log_hygiene() -> None:
-    """Filter every handler of the root logger through :class:`_LogHygiene` (call after logging is set up)."""
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_LogHygiene())

@@ -202,15 +202,13 @@ async def _serve(settings: WorkerSettings) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s r3rdma-store[read worker] %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    from .node_logging import setup_node_logging
+
+    setup_node_logging("r3rdma-store[read worker]")
     line = sys.stdin.buffer.readline()
     if not line:
         return 0  # the node went away before sending settings
     settings = WorkerSettings(**json.loads(line))
-    from .cli import install_log_hygiene
-
-    install_log_hygiene()
     asyncio.run(_serve(settings))
     return 0
 
