@@ -34,6 +34,7 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
+from r3rdma.transport.auth import coerce_token
 
 __all__ = ["delete_rollout", "delete_older_than"]
 
@@ -76,6 +77,7 @@ def _run(nodes: Sequence[str], method: str, path: str, token: str, timeout_s: fl
     for node in nodes:
         if not node.startswith(("http://", "https://")):
             raise ConfigError(f"store node URL must be http(s)://host:port, got {node!r}")
+    token = coerce_token(token, "the admin token (token=)")  # stripped; refused if malformed
     return asyncio.run(_all(list(nodes), method, path, token, timeout_s, missing_ok))
 
 

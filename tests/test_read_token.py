@@ -159,7 +159,17 @@ def test_each_token_does_only_its_job(node, tmp_path, make_record, capsys):
     with StoreNodesClient([node.push_url], secret=secret, limits=limits) as client:
         client.commit([make_record("again", rollout_id="roll-1")])
     assert cli_main(["delete", "--nodes", base, "--rollout", "roll-1", "--token-file", str(node.read_token_file)]) == 2
-    assert "AuthenticationError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # Issue 30: it says what the docs say (a read token is refused with 403) and which file deletes.
+    assert err.startswith(f"r3rdma delete: AuthenticationError: {node.read_token_file} is a read token file")
+    assert "HTTP 403" in err and "nothing was sent" in err and "push secret file" in err and "DIR/token" in err
+    assert len(err.strip().splitlines()) == 1 and read not in err
+    wrong = tmp_path / "wrong-secret"
+    wrong.write_text(new_token() + "\n")  # a secret, but not the nodes': its admin token gets 401
+    assert cli_main(["delete", "--nodes", base, "--rollout", "roll-1", "--token-file", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("r3rdma delete: AuthenticationError: ") and "HTTP 401" in err
+    assert f"derived from {wrong} was refused" in err and "push secret file" in err
     with RoutingReader(node.http_url, token=read) as reader:
         assert reader.info("roll-1").request_ids == ("again",)
     assert delete_rollout([base], "roll-1", token=admin) == {base: True}
@@ -225,3 +235,28 @@ def test_start_store_nodes_writes_the_read_token_file_into_its_env(tmp_path):
         assert status("GET", f"{url}/v1/rollouts", secret_file.read_text().strip()) == 401
     finally:
         subprocess.run(["bash", "scripts/stop_store_nodes.sh", str(nodes)], cwd=ROOT, capture_output=True, timeout=120)
+
+
+@pytest.mark.timeout(180)
+def test_token_arguments_are_stripped_and_a_malformed_one_is_a_config_error(node, make_record):
+    """Issue 30: ``token=open(path).read()`` keeps the file's newline; it is stripped. A token with
+    whitespace or control characters inside is a ConfigError saying so (an R3Error, never the bare
+    ValueError of the HTTP client), and never echoes the token."""
+    with StoreNodesClient([node.push_url], secret=node.token, limits=TransportLimits(timeout_s=10)) as client:
+        client.commit([make_record("n0", rows=9)])
+    with open(node.read_token_file) as f:
+        as_read = f.read()
+    assert as_read.endswith("\n")
+    with RoutingReader(node.http_url, token=as_read) as reader:
+        assert reader.info("roll-0").request_ids == ("n0",)
+    with RoutingReader([node.http_url], token=f"  {node.read_token}\r\n".encode()) as reader:
+        assert reader.get_numpy("roll-0", ["n0"])["n0"].shape[0] == 9
+    half = node.read_token[:32]
+    for bad, says in ((f"{half} {half}", "' '"), (f"{half}\n{half}", "'\\n'"), (f"{half}\x00", "'\\x00'"),
+                      (f"{half}\u00e9", "'\u00e9'"), ("\n", "empty")):
+        with pytest.raises(ConfigError, match="the read token") as caught:
+            RoutingReader(node.http_url, token=bad)
+        assert says in str(caught.value) and half not in str(caught.value)
+    with pytest.raises(ConfigError, match="the admin token .* holds characters"):
+        delete_rollout([node.http_url], "roll-0", token="a b")
+    assert delete_rollout([node.http_url], "roll-0", token=node.admin_token + "\n") == {node.http_url: True}

@@ -37,6 +37,7 @@ __all__ = [
     "derive_read_token",
     "derive_admin_token",
     "load_token_file",
+    "coerce_token",
 ]
 
 SECRET_ENV = "R3_STORE_TOKEN"
@@ -117,6 +118,30 @@ def load_token_file(path: str | os.PathLike[str]) -> str:
     if not token or any(b < 0x21 or b > 0x7E for b in token):
         raise ConfigError(f"the token file {str(path)!r} is empty or holds other than printable ASCII")
     return token.decode("ascii")
+
+
+def coerce_token(token: str | bytes, what: str = "the token") -> str:
+    """A bearer token as given (``token=open(path).read()`` included): surrounding whitespace
+    (a file's trailing newline) is stripped. Raises :class:`ConfigError` saying what is wrong
+    (never echoing the token) if it is empty or holds anything but printable ASCII without
+    spaces, which an ``Authorization`` header could not carry.
+    """
+    if isinstance(token, (bytes, bytearray)):
+        try:
+            token = bytes(token).decode("ascii")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{what} must be printable ASCII; it holds non-ASCII bytes") from e
+    if not isinstance(token, str):
+        raise ConfigError(f"{what} must be a str, got {type(token).__name__}")
+    stripped = token.strip()
+    if not stripped:
+        raise ConfigError(f"{what} is empty (after stripping surrounding whitespace)")
+    bad = sorted({c for c in stripped if not 0x21 <= ord(c) <= 0x7E})
+    if bad:
+        names = ", ".join(repr(c) for c in bad[:5])
+        raise ConfigError(f"{what} holds characters a bearer token cannot carry ({names}) inside it: "
+                          "give the token alone, e.g. load_token_file(path) or open(path).read().strip()")
+    return stripped
 
 
 def new_nonce() -> bytes:

@@ -268,6 +268,10 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
     """
     from datetime import timedelta
 
+    from r3rdma.transport.auth import coerce_token
+
+    if token:  # e.g. open(path).read(): stripped, its trailing newline is no header value
+        token = coerce_token(token, "the read token (token=)")
     try:
         from obstore.store import HTTPStore
     except ImportError:  # a declared dependency; without it (no wheel for the platform): fsspec
