@@ -3,6 +3,10 @@
 #
 #   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT]
 #                                  [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]
+#                                  [--http-workers N|auto]
+#
+# Environment: R3_STORE_BIN, the r3rdma-store executable to run (default: .venv/bin/r3rdma-store
+# of this checkout, else r3rdma-store on PATH); R3_STORE_TOKEN_FILE, the push secret (below).
 #
 # Node i keeps its Zarr root in DIR/node<i> (default DIR: ./r3rdma_nodes) and listens on
 # UCX port PORT+i and HTTP port PORT+i (default 0: free ports picked by the OS). The shared
