@@ -17,7 +17,7 @@ Importing r3rdma touches no GPU, starts no thread and sets no environment variab
 on first use, so a store node or a transport-only process does not import torch.
 """
 
-import importlib
+import importlib as _importlib
 
 from r3rdma.errors import (
     AuthenticationError,
@@ -46,13 +46,14 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'r3rdma' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # The public API and the module's dunders; not helpers or submodules bound as a side effect.
+    return sorted(set(__all__) | {"__version__"} | {n for n in globals() if n.startswith("__") and n.endswith("__")})
 
 
 __version__ = "0.1.0"

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -27,6 +29,25 @@ from r3rdma.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("r3rdma")
+
+DEFAULT_ROLLOUT_ID = "default"
+_default_rollout_noted = False  # warned once per process (below), not per capturer
+_default_rollout_lock = threading.Lock()
+
+
+def _note_default_rollout(store: str) -> None:
+    """Say once per process that finished requests land in rollout "default": a trainer that
+    reads its own step id (e.g. "step-0042") would find nothing there."""
+    global _default_rollout_noted
+    with _default_rollout_lock:
+        if _default_rollout_noted:
+            return
+        _default_rollout_noted = True
+    logger.warning("r3rdma: the capturer stores finished requests under rollout id %r in %s (no rollout_id set): "
+                   "readers must ask for %r; set R3Config(rollout_id=...) or R3_ROLLOUT_ID to one id per RL step",
+                   DEFAULT_ROLLOUT_ID, store, DEFAULT_ROLLOUT_ID)
 
     from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.write.writer import RoutingWriter
@@ -71,7 +92,9 @@ class R3Config:
             False: a later turn finishes with ``start_row`` = rows stored so far and is appended
             as a segment. Store nodes append only, so True with ``store_nodes`` is refused.
         rollout_id: the capturer's rollout id for finished requests whose
-            ``finish_request`` names none.
+            ``finish_request`` names none. Left at ``"default"``, :meth:`build_capturer`
+            logs a warning (logger ``r3rdma``, once per process) naming it: readers must ask
+            for that id; set one id per RL step (``R3_ROLLOUT_ID``).
         store_urls: ``store_nodes`` only: push addresses ``host:ucx_port`` of the store nodes
             (the client places requests on them by rendezvous hashing). A comma-separated
             string is accepted (``R3_STORE_URLS``).
@@ -111,7 +134,7 @@ class R3Config:
     routing_store_type: str = "local"
     local_store_dir: str = "./r3rdma_data"
     only_last_turn: bool = False
-    rollout_id: str = "default"
+    rollout_id: str = DEFAULT_ROLLOUT_ID
     store_urls: tuple[str, ...] = ()
     store_token_file: str | None = None
     store_replicas: int = 0
@@ -291,7 +314,7 @@ class R3Config:
 
         writer = self.build_writer()
         try:
-            return RoutingCapturer(
+            capturer = RoutingCapturer(
                 layer_map=layer_map,
                 top_k=top_k,
                 num_experts=num_experts,
@@ -308,6 +331,10 @@ class R3Config:
         except BaseException:
             writer.close()
             raise
+        if self.rollout_id == DEFAULT_ROLLOUT_ID:
+            where = self.local_store_dir if self.routing_store_type == "local" else "the store nodes"
+            _note_default_rollout(str(where))
+        return capturer
 
     def _open_store(self):
         if self.routing_store_type == "local":

@@ -427,6 +427,9 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
 
     os.makedirs(out_dir, exist_ok=True)
     model.config.output_router_logits = False
+    from r3rdma.integrations.hf_models import progress_bars_on_terminal_only
+
+    progress_bars_on_terminal_only()  # "Writing model shards" only on a terminal
     model.save_pretrained(out_dir)
     s = asdict(settings)
     s.pop("extra")

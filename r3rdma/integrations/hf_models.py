@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_olmoe", "build_model"]
+__all__ = ["tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_olmoe", "build_model", "progress_bars_on_terminal_only"]
+
+
+def progress_bars_on_terminal_only() -> bool:
+    """Turn transformers' own progress bars ("Loading weights", "Writing model shards") off when
+    stderr is not a terminal, as r3rdma's bars are: in a log file they are noise. Called where
+    r3rdma loads or saves a model (not at import: importing r3rdma changes no library state).
+    Returns whether transformers' bars are on afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    return hf_logging.is_progress_bar_enabled()
 
 
 def tiny_qwen3_moe(**overrides):
@@ -50,6 +64,7 @@ def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) ->
     """A causal LM with random weights from ``config``, seeded, in eval mode, sdpa attention."""
     from transformers import AutoModelForCausalLM
 
+    progress_bars_on_terminal_only()
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

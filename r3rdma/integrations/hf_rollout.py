@@ -10,6 +10,7 @@ Why not ``model.generate_batch``: see docs/INTEGRATION.md (its per-step batch st
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -20,7 +21,27 @@ from r3rdma.capture.capturer import RoutingCapturer
 from r3rdma.errors import ConfigError
 from r3rdma.ids import validate_id
 
-__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver"]
+__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver",
+           "cache_argument"]
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword under which ``model.forward`` takes its KV cache object.
+
+    transformers 5.x names it ``past_key_values`` (annotated ``Cache | None``). Should a release
+    rename it, the renamed parameter (annotated ``Cache``, not ``past_key_values``) is taken, so
+    the deprecated name (and its ``FutureWarning``) is not used; ``past_key_values`` otherwise.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    for name, param in params.items():
+        annotation = param.annotation.__name__ if isinstance(param.annotation, type) else str(param.annotation)
+        if name != "past_key_values" and "Cache" in annotation and param.kind in (
+                param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            return name
+    return "past_key_values"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +145,7 @@ class HFRolloutDriver:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.step_listeners = list(step_listeners)
         self.sample_listeners = list(sample_listeners)
+        self._cache_arg = cache_argument(model)
 
     @torch.no_grad()
     def run(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
@@ -204,8 +226,8 @@ class HFRolloutDriver:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 position_ids=positions.to(self.device),
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_arg: cache},
             )
         except BaseException:
             if self.capturer is not None:

@@ -1,0 +1,147 @@
+"""Issue 30, "What a new user trips over": the README's snippets run, the package's surface and
+the scripts' headers say what they do, the default rollout id is named, rollouts are quiet."""
+
+import io
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import r3rdma
+from r3rdma import R3Config
+from r3rdma import config as config_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_hf_rollout_snippet_runs_as_written(tmp_path, capsys):
+    """The README's HFRolloutDriver snippet, with its imports, runs; only the root moves."""
+    [snippet] = [b for b in _python_blocks((ROOT / "README.md").read_text()) if "HFRolloutDriver" in b]
+    assert "from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest" in snippet
+    assert snippet.count('"/tmp/r3"') == 2
+    exec(compile(snippet.replace('"/tmp/r3"', repr(str(tmp_path / "r3"))), "README.md", "exec"), {})
+    shape = capsys.readouterr().out.strip().splitlines()[-1]
+    assert shape == "torch.Size([11, 3, 4])"  # 4 + 8 - 1 rows (no EOS given), 3 MoE layers, top-4
+
+
+def test_readme_examples_use_one_rollout_id():
+    """The store-nodes recipe sets the rollout id the read example reads."""
+    text = (ROOT / "README.md").read_text()
+    recipe = text.split("## Running across nodes", 1)[1].split("\n## ", 1)[0]
+    assert "export R3_ROLLOUT_ID=step-0042" in recipe
+    read_ids = set(re.findall(r'reader\.get(?:_packed)?\("([^"]+)"', text))
+    assert read_ids == {"step-0042"}
+
+
+def test_dir_lists_the_public_api_only():
+    names = [n for n in dir(r3rdma) if not n.startswith("_")]
+    assert sorted(names) == sorted(r3rdma.__all__)
+    assert "importlib" not in dir(r3rdma) and "__version__" in dir(r3rdma)
+    assert all(hasattr(r3rdma, n) for n in r3rdma.__all__)
+
+
+def test_default_rollout_id_is_logged_once_per_process(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(config_module, "_default_rollout_noted", False)
+    monkeypatch.delenv("R3_ROLLOUT_ID", raising=False)
+    geometry = dict(layer_map=[0, 1], top_k=2, num_experts=8, num_slots=16, device="cpu")
+    caplog.set_level(logging.WARNING, logger="r3rdma")
+    with R3Config(local_store_dir=str(tmp_path / "named"), rollout_id="step-0042").build_capturer(**geometry):
+        pass
+    assert not [r for r in caplog.records if r.name == "r3rdma"]  # a named rollout: nothing to say
+    for i in range(2):
+        with R3Config(local_store_dir=str(tmp_path / f"d{i}")).build_capturer(**geometry) as capturer:
+            assert capturer.rollout_id == "default"
+    said = [r.getMessage() for r in caplog.records if r.name == "r3rdma"]
+    assert len(said) == 1 and "'default'" in said[0] and "R3_ROLLOUT_ID" in said[0], said
+    assert str(tmp_path / "d0") in said[0]
+
+
+def test_start_store_nodes_header_names_every_option_and_variable():
+    """The header comment documents what the script reads: each option its case statement takes
+    (in the usage line) and each R3_* variable it reads."""
+    script = (ROOT / "scripts" / "start_store_nodes.sh").read_text()
+    header = "".join(line for line in script.splitlines(keepends=True) if line.startswith("#"))
+    usage = header.split("scripts/start_store_nodes.sh N", 1)[1].split("\n#\n", 1)[0]
+    options = set(re.findall(r"^\s+(--[a-z-]+(?:\|--[a-z-]+)*)\)", script, flags=re.M))
+    options = {o for group in options for o in group.split("|")}
+    assert {"--http-workers", "--dir", "--public-read"} <= options
+    assert sorted(o for o in options if o not in usage) == []
+    code = "".join(line for line in script.splitlines(keepends=True) if not line.startswith("#"))
+    variables = set(re.findall(r"\$\{(R3_[A-Z_]+)", code))
+    assert {"R3_STORE_BIN", "R3_STORE_TOKEN_FILE"} <= variables
+    assert sorted(v for v in variables if v not in header) == []
+
+
+def test_cache_argument_prefers_a_renamed_cache_parameter():
+    from transformers import Cache
+
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+    from r3rdma.integrations.hf_rollout import cache_argument
+
+    assert cache_argument(build_model(tiny_qwen3_moe())) == "past_key_values"
+
+    class Renamed(torch.nn.Module):  # a release that renamed the cache and deprecated the old name
+        def forward(self, input_ids=None, cache: Cache | None = None, cache_position=None, use_cache=None,
+                    **kwargs):
+            return None
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values: Cache | None = None, use_cache=None):
+            return None
+
+    assert cache_argument(Renamed()) == "cache"
+    assert cache_argument(Old()) == "past_key_values"
+
+
+def test_a_rollout_emits_no_deprecation_warning():
+    """Each rollout used to print transformers' FutureWarning about past_key_values: the driver
+    takes the model's current cache keyword; no Future/DeprecationWarning from a rollout."""
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver, RolloutRequest
+
+    model = build_model(tiny_qwen3_moe())
+    allocator = BlockAllocator(num_blocks=16, block_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        driver = HFRolloutDriver(model, None, allocator=allocator, batch_size=2)
+        outputs = driver.run([RolloutRequest("a", (1, 2, 3), 5), RolloutRequest("b", (4,), 3)])
+    assert [len(o.generated) for o in outputs] == [5, 3]
+    noisy = [f"{w.category.__name__}: {w.message}" for w in caught
+             if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert noisy == []
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_transformers_progress_bars_only_on_a_terminal(monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    from r3rdma.integrations import hf_models
+
+    was = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        monkeypatch.setattr("sys.stderr", _Stream(tty=True))
+        assert hf_models.progress_bars_on_terminal_only() is True
+        monkeypatch.setattr("sys.stderr", _Stream(tty=False))
+        assert hf_models.progress_bars_on_terminal_only() is False
+        assert not hf_logging.is_progress_bar_enabled()
+        hf_logging.enable_progress_bar()
+        hf_models.build_model(hf_models.tiny_olmoe(num_hidden_layers=1))  # where r3rdma builds a model
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
