@@ -1,8 +1,10 @@
 """The main job, as scripts/demo.sh runs it."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,26 @@ def test_demo_refuses_a_config_it_cannot_read_back(config, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         run_demo(config=R3Config.from_json(dict(config, local_store_dir=str(tmp_path / "r3"))))
     assert not (tmp_path / "r3").exists()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_demo_removes_its_temporary_root_unless_kept(tmp_path, keep):
+    """Issue 30: without --root the demo's $TMPDIR/r3rdma-demo-* is removed at the end, and the
+    output says so; --keep keeps it and says where."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.run([sys.executable, "-m", "r3rdma", "demo", "--requests", "3", "--batch-size", "3",
+                           *(["--keep"] if keep else [])], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["roundtrip_exact"] is True and result["root_kept"] is keep
+    root = Path(result["root"])
+    assert root.parent == tmp and root.name.startswith("r3rdma-demo-")
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("r3rdma-demo-")]
+    if keep:
+        assert left == [root.name] and (root / "demo-rollout-0" / "zarr.json").exists()
+        assert f"{root} (temporary, kept" in proc.stdout
+    else:
+        assert left == []
+        assert f"{root} (temporary, removed; --keep keeps it)" in proc.stdout

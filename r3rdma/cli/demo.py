@@ -1,10 +1,16 @@
-"""`r3rdma demo`: generate with a tiny Qwen3-MoE, capture, store, read back, check bit-exactly."""
+"""`r3rdma demo`: generate with a tiny Qwen3-MoE, capture, store, read back, check bit-exactly.
+
+Without ``--root`` (or a config naming its root) the store lives in a new temporary directory
+``$TMPDIR/r3rdma-demo-*``, removed when the command ends unless ``--keep`` (the output says
+which, and where).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -148,6 +154,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--routing-replay-config", metavar="JSON", default=None,
                         help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
                              "R3_* variables fill the keys it omits); routing_store_type must be 'local'")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary store root the demo makes without --root (default: removed at the end)")
 
 
 def main(args) -> int:
@@ -158,11 +166,26 @@ def main(args) -> int:
         if root is not None:  # the flag is an argument too: it beats the JSON's local_store_dir
             config = dataclasses.replace(config, local_store_dir=root)
             root = None
-    result = run_demo(root=root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed, config=config)
+    made = None  # the temporary root this command made (only that one is ever removed)
+    if root is None and config is None:
+        made = root = tempfile.mkdtemp(prefix="r3rdma-demo-")
+    keep = bool(getattr(args, "keep", False))
+    try:
+        result = run_demo(root=root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed,
+                          config=config)
+    finally:
+        if made is not None and not keep:
+            shutil.rmtree(made, ignore_errors=True)
+    if made is None:
+        where = result.root
+    elif keep:
+        where = f"{result.root} (temporary, kept: --keep; remove it when done)"
+    else:
+        where = f"{result.root} (temporary, removed; --keep keeps it)"
     print(f"r3rdma demo: tiny Qwen3-MoE, {result.requests} requests, {result.tokens} routing rows")
-    print(f"  store root:   {result.root}")
+    print(f"  store root:   {where}")
     print(f"  stored bytes: {result.stored_bytes} on disk (int32 raw would be {result.raw_int32_bytes})")
     print(f"  round trip:   {'bit-exact for every request' if result.roundtrip_exact else 'MISMATCH: ' + ', '.join(result.mismatched)}")
     print(f"  time:         {result.seconds:.2f} s")
-    print(json.dumps(result.summary()))
+    print(json.dumps({**result.summary(), "root_kept": made is None or keep}))
     return 0 if result.roundtrip_exact else 1
