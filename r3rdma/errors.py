@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "InvalidIdError",
     "ShapeMismatchError",
+    "OutOfRangeError",
     "MissingRowsError",
     "StaleSlotError",
     "CaptureStateError",
@@ -46,6 +47,13 @@ class InvalidIdError(R3Error, ValueError):
 
 class ShapeMismatchError(R3Error, ValueError):
     """A tensor's shape, dtype, layer count or top-k differs from what was declared."""
+
+
+class OutOfRangeError(ShapeMismatchError):
+    """A value lies outside the range that was declared: a router id past ``num_experts`` (or
+    the ``expert_map``), a layer not in the ``layer_map``, a KV slot past ``num_slots``, a
+    ``start_row`` past a request's rows. A :class:`ShapeMismatchError` subclass, so callers
+    that catch that keep catching these."""
 
 
 class MissingRowsError(R3Error, ValueError):

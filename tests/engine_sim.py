@@ -662,7 +662,7 @@ class Simulator:
             engine.step()  # flush deferred finishes
             assert engine.cap.active_requests == 0, f"{engine.name}: {engine.cap.active_requests} requests leaked"
             assert engine.cap.tracked_positions == 0
-            assert engine.cap._step is None
+            assert not engine.cap._steps.is_open
             if engine.draft_cap is not None:
                 assert engine.draft_cap.active_requests == 0
 

@@ -180,7 +180,7 @@ def test_tp_owner_of_a_turn_follows_the_stored_id(rank):
     _step(cap, t0, 0, [0, 1, 2, 3])
     _step(cap, t1, 0, [10, 11, 12, 13, 14, 15, 16])
     # A TP group of 2 (every rank sees every request finish): this capturer plays `rank`.
-    cap._tp_rank, cap._tp_size = rank, 2
+    cap._steps.tp_rank, cap._steps.tp_size = rank, 2
     owner = zlib.crc32(b"conv") % 2
     r0 = cap.finish_request(t0, prompt_len=3, generated_len=2, store_as="conv")  # rows 0..3
     r1 = cap.finish_request(t1, prompt_len=6, generated_len=2, start_row=4, store_as="conv")  # rows 4..6

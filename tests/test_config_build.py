@@ -324,7 +324,7 @@ def test_cuda_pipeline_from_config_pins_the_table_and_pushes_device_rows(node, t
                                          "transfer_mode": transfer_mode}))
     with cfg.build_capturer(**GEOMETRY, num_slots=64) as cap:
         assert cap.device.type == "cuda" and cap.table_SLK.device.type == "cuda"
-        assert cap._host_table is not None and cap._host_table.is_pinned()  # the table lives in pinned host memory
+        assert cap._table.host_table is not None and cap._table.host_table.is_pinned()  # the table lives in pinned host memory
         assert cap.sink.accepts_device_rows
         assert (cap.transfer_probe is not None) == (transfer_mode == "auto")
         assert cap.transfer_mode in ("gpu_direct", "staged")

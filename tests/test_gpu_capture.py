@@ -332,7 +332,7 @@ def test_pinned_host_slot_table_on_cuda():
         cap.close()
         rows[pin] = {r.request_id: r.ids_TLK for r in sink.records}
         if pin:
-            assert cap._host_table is not None and cap._host_table.is_pinned()
-            assert cap.table_SLK.data_ptr() == cap._host_table.data_ptr()
+            assert cap._table.host_table is not None and cap._table.host_table.is_pinned()
+            assert cap.table_SLK.data_ptr() == cap._table.host_table.data_ptr()
     for rid in ("a", "b"):
         np.testing.assert_array_equal(rows[True][rid], rows[False][rid])

@@ -1,0 +1,217 @@
+"""Finishing: how a resolved request's rows become a record at its sink.
+
+Given the slots of a finished request (from the request ledger), :class:`Finishing` gathers
+its rows from the :class:`~r3rdma.capture.slot_table.SlotTable` and dispatches them by where
+the table lives and what the sink declares it takes:
+
+- CPU table, or no sink: gather, copy to the host, build the :class:`RequestRecord` now, and
+  hand it to the sink (the record is also returned);
+- CUDA with a sink, ``gpu_direct`` (:class:`DeviceRowsSink`): the gathered device rows
+  themselves, with a CUDA event the pusher waits on in its own thread;
+- CUDA with a sink, staged: an asynchronous copy into pinned host memory
+  (:func:`~r3rdma.capture.transfer.stage_to_host`) wrapped as a deferred record; a
+  :class:`DeferredSink` (a :class:`~r3rdma.write.writer.RoutingWriter`) resolves it on its own
+  thread, any other sink gets it through a :class:`Finisher` thread started on first use.
+
+The sink protocols live here, next to :mod:`r3rdma.capture.transfer` (how the bytes move).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from r3rdma.capture.slot_table import SlotTable
+from r3rdma.records import RequestRecord
+
+__all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finisher", "StagedRecord", "make_record"]
+
+
+class RoutingSink(Protocol):
+    """Where finished requests go (a :class:`~r3rdma.write.writer.RoutingWriter`, a test list...)."""
+
+    def submit(self, record: RequestRecord) -> None: ...
+
+
+@runtime_checkable
+class DeviceRowsSink(Protocol):
+    """A sink that can take :class:`~r3rdma.capture.transfer.DeviceRows` (GPU-direct pushes) and
+    measure whether that beats staging: a :class:`~r3rdma.write.writer.RoutingWriter`.
+
+    ``accepts_device_rows`` says whether it can *now*: a writer over store nodes can, a writer
+    over the local store cannot (its store writes host bytes), so the attribute is a value, not
+    only a presence.
+    """
+
+    @property
+    def accepts_device_rows(self) -> bool: ...
+
+    def submit(self, record) -> None: ...
+
+    def probe_transfer_mode(self, device=None): ...
+
+
+@runtime_checkable
+class DeferredSink(Protocol):
+    """A sink whose ``submit`` also takes a :class:`~r3rdma.write.writer.DeferredRecord` (rows
+    still being copied off the GPU) and resolves it on its own thread, so its ``flush`` covers
+    records in flight too: a :class:`~r3rdma.write.writer.RoutingWriter`
+    (``accepts_deferred = True``). Other sinks get finished records from a :class:`Finisher`."""
+
+    accepts_deferred: bool
+
+    def submit(self, record) -> None: ...
+
+
+def takes_device_rows(sink: object) -> bool:
+    return isinstance(sink, DeviceRowsSink) and bool(sink.accepts_device_rows)
+
+
+def takes_deferred(sink: object) -> bool:
+    return isinstance(sink, DeferredSink) and bool(sink.accepts_deferred)
+
+
+def make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:
+    if storage_dtype == np.uint16:
+        ids = ids.view(np.uint16)  # the table holds uint16 bit patterns as int16
+    return RequestRecord(ids_TLK=ids, **meta)
+
+
+class StagedRecord:
+    """A finished request whose rows are still being copied to pinned host memory.
+
+    ``result()`` waits for the copy (its CUDA event, not the device) and builds the record.
+    """
+
+    __slots__ = ("_staged", "_dtype", "_meta", "nbytes")
+
+    def __init__(self, staged, storage_dtype: np.dtype, meta: dict, nbytes: int) -> None:
+        self._staged, self._dtype, self._meta, self.nbytes = staged, storage_dtype, meta, nbytes
+
+    @property
+    def rollout_id(self) -> str:
+        return self._meta["rollout_id"]
+
+    @property
+    def request_id(self) -> str:
+        return self._meta["request_id"]
+
+    def result(self) -> RequestRecord:
+        # The pinned block returns to torch's pool when `staged` is dropped; the record owns a
+        # copy-free numpy view of it until then.
+        return make_record(self._staged.wait(), self._dtype, self._meta)
+
+
+class Finisher:
+    """A thread that waits for finished requests' D2H copies and hands the records to the sink.
+
+    Started on the first CUDA finish (never at import or construction). The engine thread
+    only enqueues; the wait on the copy's event, the CRC of the record and the sink's
+    back-pressure all happen here.
+    """
+
+    def __init__(self, sink: RoutingSink) -> None:
+        self.sink = sink
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="r3rdma-finish", daemon=True)
+        self._thread.start()
+
+    def put(self, deferred: StagedRecord) -> None:
+        self._queue.put(deferred)
+
+    def flush(self, timeout: float | None = None) -> None:
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout):
+            from r3rdma.errors import R3TimeoutError
+
+            raise R3TimeoutError(f"finished requests not handed to the sink within {timeout} s")
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self.sink.submit(item.result())
+            except BaseException as e:  # raised to the engine at its next finish / flush
+                if self.error is None:
+                    self.error = e
+
+
+class Finishing:
+    """Gathers a finished request's rows and hands them to the sink (see the module docstring).
+
+    ``transfer_mode`` is ``staged`` or ``gpu_direct`` (already resolved and checked by the
+    capturer); errors of the finisher thread are raised at the next :meth:`finish` or
+    :meth:`flush`.
+    """
+
+    def __init__(self, *, table: SlotTable, sink: RoutingSink | None, transfer_mode: str, storage_dtype: np.dtype,
+                 row_bytes: int) -> None:
+        self.table = table
+        self.sink = sink
+        self.transfer_mode = transfer_mode
+        self.storage_dtype = storage_dtype
+        self.row_bytes = row_bytes  # one [L, K] row in the storage dtype
+        self._finisher: Finisher | None = None
+
+    def finish(self, slots: np.ndarray, meta: dict) -> RequestRecord | None:
+        """The record (CPU, or without a sink), or None once the rows are on their way (CUDA)."""
+        if self.table.cuda and self.sink is not None:
+            from r3rdma.capture.transfer import DeviceRows, stage_to_host
+
+            self.raise_error()
+            if self.transfer_mode == "gpu_direct":
+                # The gathered device rows are the payload; the pusher waits on `ready`
+                # (a CUDA event) in its own thread before UCX reads them.
+                rows = self.table.gather(slots)
+                ready = torch.cuda.Event()
+                ready.record()
+                self.sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **meta))
+                return None
+            # Gather on the GPU, copy to pinned host memory asynchronously, and let the
+            # finisher thread wait for the copy and hand the record over: no sync here.
+            staged = stage_to_host(self.table.gather(slots))
+            deferred = StagedRecord(staged, self.storage_dtype, meta, int(slots.size) * self.row_bytes)
+            if takes_deferred(self.sink):
+                # A RoutingWriter resolves it on its own thread, so its flush() also covers
+                # records whose copy is still in flight.
+                self.sink.submit(deferred)
+            else:
+                if self._finisher is None:
+                    self._finisher = Finisher(self.sink)
+                self._finisher.put(deferred)
+            return None
+        ids = self.table.gather(slots).cpu().numpy()
+        record = make_record(ids, self.storage_dtype, meta)
+        if self.sink is not None:
+            self.sink.submit(record)
+        return record
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._finisher is not None:
+            self._finisher.flush(timeout)
+        self.raise_error()
+
+    def stop(self) -> None:
+        if self._finisher is not None:
+            self._finisher.stop()
+            self._finisher = None
+
+    def raise_error(self) -> None:
+        if self._finisher is not None and self._finisher.error is not None:
+            error, self._finisher.error = self._finisher.error, None
+            raise error

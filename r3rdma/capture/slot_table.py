@@ -1,0 +1,206 @@
+"""The device slot table: routing rows indexed by KV slot, and the buffers the routers write.
+
+It owns every device tensor of capture and what the host knows about each slot:
+
+- ``table_SLK``: one ``[L, K]`` row per KV slot, in device memory, or in pinned host memory
+  mapped into the device (UVA) so the same kernels write it over PCIe;
+- the step buffer the routers write during a forward (:meth:`SlotTable.record`, one kernel per
+  layer), and the fixed router-rows buffer a CUDA graph reads, with the addresses each graph
+  was captured against (:meth:`SlotTable.graph_key`);
+- per slot, host-side: its write generation (writes so far) and whether it holds a valid row
+  (written and not released since); a slot rewritten after a request relied on it is then
+  detected, and a released slot is refused to a prefix hit;
+- the scatter of a step's rows into the table (:meth:`SlotTable.write_step`), the gather of a
+  request's rows (:meth:`SlotTable.gather`), copy-on-write of forked slots
+  (:meth:`SlotTable.copy_rows`), release, and the one slot-range check every call that takes
+  slots goes through (:meth:`SlotTable.check_slots`).
+
+It knows nothing of requests or steps: callers pass slot arrays and get generations back. On a
+CUDA device nothing here synchronises the host: indices travel through pinned staging memory.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from r3rdma.errors import ConfigError, OutOfRangeError, ShapeMismatchError, StaleSlotError
+from r3rdma.kernels import gather_rows, record_layer, table_dtype, write_step_rows
+
+__all__ = ["SlotTable", "host_int64"]
+
+
+class SlotTable:
+    """KV-slot-indexed routing rows on ``device``, the step buffer, and per-slot generations.
+
+    Args:
+        num_slots: KV slots of the engine's cache (table rows).
+        num_layers, top_k: the ``[L, K]`` shape of one row.
+        num_experts: picks the table dtype (:func:`r3rdma.kernels.table_dtype`).
+        device: where the table and the step buffer live (validated by the caller).
+        pin_memory: keep the table in pinned host memory (on CUDA mapped into the device).
+    """
+
+    def __init__(self, *, num_slots: int, num_layers: int, top_k: int, num_experts: int, device: torch.device,
+                 pin_memory: bool) -> None:
+        self.num_slots = num_slots
+        self.device = device
+        self.cuda = device.type == "cuda"
+        dtype = table_dtype(num_experts)
+        shape = (num_slots, num_layers, top_k)
+        self.host_table: torch.Tensor | None = None
+        if pin_memory and device.type == "cpu":
+            self.table_SLK = torch.zeros(shape, dtype=dtype).pin_memory()
+        elif pin_memory:
+            # Pinned memory from cudaHostAlloc is mapped, and with unified addressing its host
+            # pointer is valid on the device: a CUDA tensor over the same bytes lets the usual
+            # kernels (torch and Triton) write it. host_table keeps the allocation alive.
+            self.host_table = torch.zeros(shape, dtype=dtype).pin_memory()
+            self.table_SLK = _device_view_of_pinned(self.host_table, device)
+        else:
+            self.table_SLK = torch.zeros(shape, dtype=dtype, device=device)
+        self.step_buf = torch.zeros((0, num_layers, top_k), dtype=dtype, device=device)
+        self.rows_buf = torch.zeros(0, dtype=torch.int64, device=device)  # graphed router_rows
+        self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
+        self.gen = np.zeros(num_slots, dtype=np.int64)  # writes so far, per slot
+        self.valid = np.zeros(num_slots, dtype=bool)  # written and not released since
+
+    # -- indices ------------------------------------------------------------------------------
+
+    def check_slots(self, slots: np.ndarray) -> None:
+        """Raise :class:`OutOfRangeError` unless every slot is in ``0 .. num_slots - 1``."""
+        if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+            raise OutOfRangeError(f"slots must be in 0..{self.num_slots - 1}, got {slots.min()}..{slots.max()}")
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        """Host int64 indices on the table's device without a host sync.
+
+        Through pinned memory from torch's caching host allocator: it reuses a staging block
+        only once the copy recorded on it has completed, so the next step cannot overwrite
+        indices still in flight (the race of a shared pinned buffer, vLLM #39568).
+        """
+        host = torch.from_numpy(values)
+        if not self.cuda:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    # -- the step buffer and graphs -------------------------------------------------------------
+
+    def reserve_step(self, rows: int) -> None:
+        """Grow the step buffer to hold at least ``rows`` rows (a graph keeps its old address)."""
+        if self.step_buf.shape[0] < rows:
+            _, num_layers, top_k = self.step_buf.shape
+            self.step_buf = torch.zeros(
+                (max(rows, 2 * self.step_buf.shape[0]), num_layers, top_k),
+                dtype=self.step_buf.dtype,
+                device=self.device,
+            )
+
+    def router_rows_view(self, n: int) -> torch.Tensor:
+        """The first ``n`` entries of the fixed router-rows buffer a graph reads (grown if needed)."""
+        if self.rows_buf.shape[0] < n:
+            self.rows_buf = torch.zeros(max(n, 2 * self.rows_buf.shape[0]), dtype=torch.int64, device=self.device)
+        return self.rows_buf[:n]
+
+    def graph_key(self, with_rows: bool) -> tuple[int, int, bool]:
+        """The buffer addresses a graph captured now would read and write."""
+        return (self.step_buf.data_ptr(), self.rows_buf.data_ptr() if with_rows else 0, with_rows)
+
+    def remember_graph(self, num_tokens: int, with_rows: bool) -> None:
+        self._graph_tokens[num_tokens] = self.graph_key(with_rows)
+
+    def graph_for(self, num_tokens: int) -> tuple[int, int, bool] | None:
+        """The key a graph of ``num_tokens`` tokens was captured with, or None."""
+        return self._graph_tokens.get(num_tokens)
+
+    def graph_token_counts(self) -> list[int]:
+        return sorted(self._graph_tokens)
+
+    def record(self, begin: int, n: int, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None,
+               expert_map: torch.Tensor | None) -> None:
+        """One kernel: select the router rows, map EPLB replicas to logical ids, narrow, and store
+        them as rows ``begin .. begin + n - 1`` of the step buffer, MoE layer ``moe``."""
+        record_layer(self.step_buf[begin : begin + n], moe, topk_ids_TK, router_rows, expert_map)
+
+    # -- the table ------------------------------------------------------------------------------
+
+    def write_step(self, slots: np.ndarray, total: int, token_idx: np.ndarray | None = None) -> np.ndarray:
+        """Scatter step-buffer rows into ``slots`` and return each slot's new generation.
+
+        Rows ``0 .. total - 1`` of the step buffer, or with ``token_idx`` only those tokens
+        (speculative decoding: accepted tokens), one slot each.
+        """
+        rows = self.step_buf[:total]
+        if token_idx is None:
+            write_step_rows(self.table_SLK, self.to_device(slots), rows)
+        else:  # one transfer for both index arrays
+            both = self.to_device(np.concatenate([slots, token_idx]))
+            write_step_rows(self.table_SLK, both[: slots.size], rows, both[slots.size :])
+        self.gen[slots] += 1
+        self.valid[slots] = True
+        return self.gen[slots]
+
+    def gather(self, slots: np.ndarray) -> torch.Tensor:
+        """The rows of ``slots``, packed ``[len(slots), L, K]`` on the device (one kernel)."""
+        return gather_rows(self.table_SLK, self.to_device(slots))
+
+    def stale(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Indices ``i`` where ``slots[i]`` was written again since generation ``gens[i]``."""
+        return np.flatnonzero(self.gen[slots] != gens)
+
+    def copy_rows(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Copy-on-write: rows of ``src`` into ``dst`` on the device; the new generations of ``dst``."""
+        if np.unique(dst).size != dst.size:
+            raise ShapeMismatchError("fork_request: a copy-on-write slot appears twice")
+        rows = self.gather(src)
+        write_step_rows(self.table_SLK, self.to_device(dst), rows)
+        self.gen[dst] += 1
+        self.valid[dst] = True
+        return self.gen[dst]
+
+    def release(self, slots: np.ndarray) -> None:
+        """The slots' rows stop being valid (evicted or reassigned KV blocks)."""
+        self.check_slots(slots)
+        self.gen[slots] += 1
+        self.valid[slots] = False
+
+    def check_attachable(self, request_id: str, slots: np.ndarray) -> None:
+        """Raise :class:`StaleSlotError` unless every slot holds a valid row (a prefix-cache hit)."""
+        never = slots[self.gen[slots] == 0]
+        if never.size:
+            raise StaleSlotError(f"request {request_id!r} attaches to slots never written: {never[:8].tolist()}")
+        released = slots[~self.valid[slots]]
+        if released.size:
+            raise StaleSlotError(
+                f"request {request_id!r} attaches to slots released (evicted) and not rewritten since: "
+                f"{released[:8].tolist()} (a prefix-cache hit on a block that no longer holds its prefix?)"
+            )
+
+
+class _PinnedOnDevice:
+    """``__cuda_array_interface__`` of pinned host memory, for torch.as_tensor(device="cuda")."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4"}[host.dtype]
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": typestr, "data": (host.data_ptr(), False),
+            "version": 3, "strides": None, "stream": None,
+        }
+
+
+def _device_view_of_pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    view = torch.as_tensor(_PinnedOnDevice(host), device=device)
+    if view.data_ptr() != host.data_ptr() or view.device.type != "cuda":
+        raise ConfigError("pinned host slot table: this CUDA setup does not map pinned memory into the device (no UVA)")
+    return view
+
+
+def host_int64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """Slots or positions the engine passes, as a flat host int64 array (never a device read)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ShapeMismatchError("slot and position arrays must be host values (the engine's own mapping), got a device tensor")
+        values = values.numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
