@@ -17,6 +17,9 @@ ray/omegaconf/megatron, slime needs megatron), so the references below transcrib
   args.moe_router_topk)`` (THUDM/slime ``slime/rollout/sglang_rollout.py``) and
   ``fill_routing_replay`` (``slime/backends/megatron_utils/actor.py``, commit 028e290), which asserts
   ``rows == len(tokens) - 1`` and reads ``rollout_routed_experts[:, layer_id]`` for MoE layers only.
+- slime's replay validator, restated from two pinned commits (see the helpers' docstrings):
+  ``validate_rollout_routed_experts_for_replay`` at 8e3769f (every layer's column checked when
+  ``moe_layer_freq`` is an int) and ``validate_routed_experts_tensor`` at 6857224.
 """
 
 from __future__ import annotations
@@ -180,8 +183,22 @@ def test_verl_multi_turn(tmp_path):
             reader, "mt", ["tool-tail"], prompt_lens=[p1], response_lens=[g1 + tool], prompt_length=6,
             response_length=10, allow_unrouted_tail=True,
         )
-        assert torch.equal(got, verl_reference([("tool-tail", p1, g1 + tool)], {"tool-tail": trailing}, 6, 10))
-        assert not got[0, 2 + p1 + g1 - 1 :].any()
+        unpadded = verl_routed_experts_unpadded(
+            reader, "mt", ["tool-tail"], prompt_lens=[p1], response_lens=[g1 + tool], response_length=10,
+            allow_unrouted_tail=True,
+        )[0]
+    # The tool tokens (positions n .. want - 1) have no rows. verl 0.9.1 replays every row but the
+    # last (no replay mask), so they get the spread fill, never K copies of expert 0.
+    n, want, start = p1 + g1 - 1, p1 + g1 + tool - 1, 6 - p1
+    spread = (np.arange(n, want)[:, None] * K + np.arange(K)[None, :]) % 64
+    extended = np.concatenate([trailing.astype(np.int64), np.repeat(spread[:, None, :], len(LAYER_MAP), axis=1)])
+    assert torch.equal(got, verl_reference([("tool-tail", p1, g1 + tool)], {"tool-tail": extended}, 6, 10))
+    tail = got[0, start + n : start + want]
+    assert tail.shape[0] == tool
+    assert all(len(set(row)) == K for row in tail.reshape(-1, K).tolist())  # duplicate-free
+    assert not (tail == 0).all(dim=-1).any()  # no token-layer sent wholly to expert 0
+    assert not got[0, start + want :].any()  # the last token and the right pad stay 0, as in verl
+    assert torch.equal(unpadded[:want], torch.from_numpy(extended).to(torch.int16)) and not unpadded[want:].any()
 
 
 def test_verl_truncated_response_keeps_verl_slice(tmp_path):
@@ -207,7 +224,9 @@ def test_slime_all_layers_with_dense(rollout):
     for arr, rid, n_tokens in zip(got, ["short-prompt", "full"], [9, 14]):
         assert isinstance(arr, np.ndarray) and arr.dtype == np.int32
         assert arr.shape == (n_tokens - 1, NUM_DECODER_LAYERS, K)  # slime's reshape(len(tokens) - 1, L, K)
-        want = np.zeros((n_tokens - 1, NUM_DECODER_LAYERS, K), dtype=np.int32)
+        # dense layers (0 and 2): the spread fill (p * K + j) % E, which slime never replays
+        spread = (np.arange(n_tokens - 1)[:, None] * K + np.arange(K)[None, :]) % 64
+        want = np.repeat(spread[:, None, :], NUM_DECODER_LAYERS, axis=1).astype(np.int32)
         for moe_ordinal, layer in enumerate(LAYER_MAP):
             want[:, layer] = rows[rid][:, moe_ordinal]
         np.testing.assert_array_equal(arr, want)
@@ -331,3 +350,81 @@ def test_verl_refuses_ids_beyond_int16(tmp_path):
             verl_routed_experts(reader, "huge", ["h"], prompt_lens=[3], response_lens=[3], prompt_length=3, response_length=3)
         (slime,) = slime_rollout_routed_experts(reader, "huge", ["h"], token_lens=[6], num_layers=5)
     assert int(slime.max()) == 39999  # slime's int32 holds them
+
+
+def _slime_validator_8e3769f(routed_experts, num_layers, topk, moe_layer_freq):
+    """The rule of slime's ``validate_rollout_routed_experts_for_replay`` at THUDM/slime commit
+    8e3769fc45fea5951b4854ad460bcb371ffa7c09 (``slime/observability/rollout_data_utils.py``),
+    restated here because slime does not import on CPU (megatron, sglang, ray): shape must be
+    ``(rows > 0, num_layers, topk)``; the layers checked are those whose ``moe_layer_freq`` list
+    entry is non-zero, or *every* layer when ``moe_layer_freq`` is an int (or None); with
+    ``topk > 1`` a checked layer whose column holds only zeros over the whole sample is refused
+    ("capture is all zero for MoE layers ...")."""
+    if isinstance(moe_layer_freq, (list, tuple)):
+        checked = [layer for layer, freq in enumerate(moe_layer_freq[:num_layers]) if int(freq) != 0]
+    else:
+        checked = list(range(num_layers))
+    for experts in routed_experts:
+        experts = torch.as_tensor(experts)
+        if experts.ndim != 3 or tuple(experts.shape[1:]) != (num_layers, topk) or experts.shape[0] == 0:
+            raise ValueError(f"shape {tuple(experts.shape)}")
+        if topk > 1:
+            zero = [layer for layer in checked if not torch.count_nonzero(experts[:, layer, :])]
+            if zero:
+                raise ValueError(f"R3 routed-experts capture is all zero for MoE layers {zero}")
+
+
+def _slime_validator_6857224(experts, num_layers, topk, moe_layer_freq, num_experts):
+    """The per-sample rule of slime's ``validate_routed_experts_tensor`` at THUDM/slime commit
+    68572249359201b42bd2020a584c370bc8b403e1 (``slime/utils/routed_experts.py``), restated: an int
+    ``moe_layer_freq`` checks layers ``layer % freq == 0``; with ``topk > 1`` no checked layer may
+    be all zero, no (token, layer) pair may be all zero unless the token's whole row is (holes
+    of whole rows are tolerated up to max(64, rows // 100)); checked ids must lie in [0, E)."""
+    if isinstance(moe_layer_freq, (list, tuple)):
+        checked = [layer for layer, freq in enumerate(moe_layer_freq[:num_layers]) if int(freq) != 0]
+    elif isinstance(moe_layer_freq, int) and moe_layer_freq > 0:
+        checked = [layer for layer in range(num_layers) if layer % moe_layer_freq == 0]
+    else:
+        checked = list(range(num_layers))
+    experts = torch.as_tensor(experts)
+    assert experts.ndim == 3 and tuple(experts.shape[1:]) == (num_layers, topk) and experts.shape[0] > 0
+    routes = experts[:, checked, :].to(torch.int64)
+    if topk > 1:
+        present = (routes != 0).any(dim=-1)  # [rows, checked layers]
+        if not present.any(dim=0).all():
+            raise ValueError("all zero for MoE layers")
+        whole_row_missing = (~present).all(dim=1, keepdim=True)
+        if ((~present) & ~whole_row_missing).any():
+            raise ValueError("all zero for token/layer pairs")
+        if int(whole_row_missing.sum()) > max(64, experts.shape[0] // 100):
+            raise ValueError("too many rows without routing")
+    if ((routes < 0) | (routes >= num_experts)).any():
+        raise ValueError("ids out of range")
+
+
+def test_slime_layout_passes_slimes_replay_validator(tmp_path):
+    """Issue 30: with ``moe_layer_freq`` an int > 1 and top-k > 1, slime's validator (8e3769f)
+    checks every layer's column; r3rdma's dense columns used to be all 0 and were refused. The
+    default spread fill passes both pinned rules; an explicit ``dense_fill=0`` still fails the
+    first, which shows the check bites."""
+    layer_map, num_layers, freq, experts = (0, 2, 4), 5, 2, 16
+    rng = np.random.default_rng(11)
+    token_lens = [9, 30]
+    # what a router records: K distinct experts per token and layer (expert 0 included at times)
+    rows = {f"s{i}": np.stack([np.stack([rng.permutation(experts)[:K] for _ in layer_map]) for _ in range(n - 1)])
+            .astype(np.uint8) for i, n in enumerate(token_lens)}
+    _write(tmp_path, [RequestRecord("sl", rid, a, layer_map, experts) for rid, a in rows.items()])
+    with RoutingReader(tmp_path) as reader:
+        got = slime_rollout_routed_experts(reader, "sl", list(rows), token_lens=token_lens, num_layers=num_layers,
+                                           top_k=K, moe_layer_freq=freq)
+        zero_filled = slime_rollout_routed_experts(reader, "sl", list(rows), token_lens=token_lens,
+                                                   num_layers=num_layers, top_k=K, moe_layer_freq=freq, dense_fill=0)
+    _slime_validator_8e3769f(got, num_layers, K, freq)
+    for arr in got:
+        _slime_validator_6857224(arr, num_layers, K, freq, experts)
+    with pytest.raises(ValueError, match=r"all zero for MoE layers \[1, 3\]"):
+        _slime_validator_8e3769f(zero_filled, num_layers, K, freq)
+    for arr, zeros, (rid, a) in zip(got, zero_filled, rows.items()):
+        np.testing.assert_array_equal(arr[:, list(layer_map)], a)  # the replayed layers are the routing
+        np.testing.assert_array_equal(zeros[:, list(layer_map)], a)
+        assert all(len(set(r)) == K for r in arr[:, [1, 3]].reshape(-1, K).tolist())  # dense: duplicate-free

@@ -10,7 +10,10 @@ so a stack swaps its transport without touching its trainer:
   (``verl/experimental/agent_loop/agent_loop.py`` 0.9.1, ``_agent_loop_postprocess``, lines
   785-809): the prompt is left-padded to ``prompt_length``, the response right-padded to
   ``response_length``, and a sample's rows start at ``start_pos = prompt_length - prompt_len``
-  (where its first prompt token sits); pads and positions without a row hold 0.
+  (where its first prompt token sits); pads and the last token hold 0, as in verl. verl replays
+  every row but the last one, pads included (their outputs reach no loss); positions of a
+  response with no rows (``allow_unrouted_tail=True``: tool output after the last generation)
+  get the spread fill below, not 0, so that replaying them cannot pile their tokens on expert 0.
 - :func:`verl_routed_experts_unpadded`: the per-sample form of ``AgentLoopOutput.as_dict``
   (same file, lines 129-141): int16 ``[prompt_len + response_len, L, K]``, rows from position
   0, trailing positions 0.
@@ -18,10 +21,18 @@ so a stack swaps its transport without touching its trainer:
   ``[len(tokens) - 1, num_layers, top_k]`` over *all* decoder layers, as slime decodes the
   engine's answer (``slime/rollout/sglang_rollout.py``, ``np.frombuffer(..., dtype=np.int32)
   .reshape(len(sample.tokens) - 1, args.num_layers, args.moe_router_topk)``). r3rdma stores
-  MoE layers only, with their decoder-layer indices (``layer_map``); dense layers are filled
-  with ``dense_fill`` (0): slime's ``fill_routing_replay`` skips them
+  MoE layers only, with their decoder-layer indices (``layer_map``); dense layers get the spread
+  fill below by default (``dense_fill``): slime's ``fill_routing_replay`` skips them
   (``slime/backends/megatron_utils/actor.py``: ``layer_id % moe_layer_freq != 0`` /
-  ``moe_layer_freq[layer_id] == 0`` -> ``continue``), so their content is never replayed.
+  ``moe_layer_freq[layer_id] == 0`` -> ``continue``), so their content is never replayed, but
+  slime's ``validate_rollout_routed_experts_for_replay`` (THUDM/slime 8e3769f,
+  ``slime/observability/rollout_data_utils.py``) checks *every* layer's column when
+  ``moe_layer_freq`` is an int and top-k > 1, and refuses a column that is all zero.
+
+Positions that have no routing but are replayed anyway get the *spread fill*: position ``p``
+(within its sample) holds experts ``(p * K + j) % E`` for ``j < K`` in every layer: duplicate-free
+within a row, spread over all experts, never all zero when ``K > 1`` (docs/REPLAY.md, "Rows never
+computed": a zero fill sends every such token to expert 0).
 
 Each call reads only the requests it is given (one rank's share), never the whole rollout.
 Checks, each with a message that says what was expected and what arrived:
@@ -79,7 +90,7 @@ def slime_rollout_routed_experts(
     num_layers: int,
     top_k: int | None = None,
     moe_layer_freq: int | Sequence[int] | None = None,
-    dense_fill: int = 0,
+    dense_fill: int | None = None,
 ) -> list[np.ndarray]:
     """slime's ``Sample.rollout_routed_experts`` for each of ``request_ids``, in order.
 
@@ -92,7 +103,9 @@ def slime_rollout_routed_experts(
         top_k: ``args.moe_router_topk``, checked against the stored top-k when given.
         moe_layer_freq: the model's ``moe_layer_freq``; when given, the stored layer map must
             list exactly the layers slime replays.
-        dense_fill: value of the dense layers' columns (slime never reads them).
+        dense_fill: the dense layers' columns (slime never replays them). None (default): the
+            spread fill, which slime's replay validator accepts; an int: that value everywhere
+            (0 fails the validator when ``moe_layer_freq`` is an int and top-k > 1).
 
     Returns:
         int32 numpy arrays ``[token_len - 1, num_layers, top_k]`` (slime keeps numpy on the sample
@@ -119,7 +132,10 @@ def slime_rollout_routed_experts(
                 f"len(tokens) - 1 = {want} (one per token that was a forward input: every token but the "
                 f"last sampled one). Wrong token_lens, or the sample was truncated/extended after routing was stored"
             )
-        full = np.full((want, num_layers, stored_k), dense_fill, dtype=np.int32)
+        if dense_fill is None:
+            full = np.repeat(_spread(0, want, stored_k, num_experts)[:, None, :], num_layers, axis=1).astype(np.int32)
+        else:
+            full = np.full((want, num_layers, stored_k), dense_fill, dtype=np.int32)
         full[:, columns] = rows.numpy()  # widens uint8 (or the reader's int32) without wrapping
         out.append(full)
     return out
@@ -155,8 +171,12 @@ def verl_routed_experts(
             layout SGLang returns: ``reshape(-1, num_hidden_layers, topk)``).
         top_k: checked against the stored top-k when given.
         allow_unrouted_tail: a multi-turn sample whose response ends with tool output has no rows
-            for those tokens (verl leaves them 0, agent_loop.py 132-137); True accepts fewer rows
-            than ``prompt_len + response_len - 1``, else that is a :class:`ShapeMismatchError`.
+            for those tokens; True accepts fewer rows than ``prompt_len + response_len - 1`` and
+            gives those positions the spread fill (module docstring), else that is a
+            :class:`ShapeMismatchError`. verl leaves them 0 (agent_loop.py 132-137) and its
+            replay has no mask: it replays every row but the last, so zeros there would send
+            each of those tokens to expert 0 K times; their outputs reach no loss (tool
+            output is masked out of it), the spread keeps them from skewing expert load.
 
     A request with more rows than ``prompt_len + response_len - 1`` is refused, except when the
     response was cut at ``response_length``: verl then keeps the first
@@ -173,7 +193,8 @@ def verl_routed_experts(
                 f"prompt_length {prompt_length} / response_length {response_length} (verl truncates the "
                 f"response to response_length and refuses a prompt longer than prompt_length)"
             )
-        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
+        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length,
+                          allow_unrouted_tail, share.num_experts)
         start_pos = prompt_length - prompt_lens[i]
         _place(out[i, start_pos : start_pos + rows.shape[0]], rows, share.columns)
     return out
@@ -192,7 +213,8 @@ def verl_routed_experts_unpadded(
     allow_unrouted_tail: bool = False,
 ) -> list[torch.Tensor]:
     """Per-sample int16 ``[prompt_len + response_len, L, K]``, as ``AgentLoopOutput.as_dict``
-    aligns ``routed_experts`` (agent_loop.py 129-141): rows from position 0, the rest 0.
+    aligns ``routed_experts`` (agent_loop.py 129-141): rows from position 0, the last token 0
+    (an unrouted tail, with ``allow_unrouted_tail``: the spread fill).
 
     Arguments and checks as in :func:`verl_routed_experts` (no prompt padding here).
     """
@@ -205,7 +227,8 @@ def verl_routed_experts_unpadded(
             raise ShapeMismatchError(
                 f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
             )
-        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail)
+        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length,
+                          allow_unrouted_tail, share.num_experts)
         aligned = torch.zeros((prompt_lens[i] + response_lens[i], share.width, share.top_k), dtype=torch.int16)
         _place(aligned[: rows.shape[0]], rows, share.columns)
         out.append(aligned)
@@ -223,6 +246,7 @@ class _VerlShare(NamedTuple):
     columns: list[int] | None  # decoder-layer column of each stored MoE layer, or None: stored order
     width: int  # layers in the output
     top_k: int
+    num_experts: int
 
 
 def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
@@ -243,7 +267,15 @@ def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num
         raise ShapeMismatchError(
             f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
         )
-    return _VerlShare(request_ids, prompt_lens, response_lens, packed, columns, width, stored_k)
+    return _VerlShare(request_ids, prompt_lens, response_lens, packed, columns, width, stored_k, num_experts)
+
+
+def _spread(first: int, count: int, top_k: int, num_experts: int) -> np.ndarray:
+    """``[count, top_k]`` int64: position ``first + r`` holds experts ``((first + r) * K + j) % E``:
+    K distinct ids per row (K <= E), every expert used as evenly as the rows allow, and a row is
+    never all zero when K > 1."""
+    positions = np.arange(first, first + count, dtype=np.int64)[:, None]
+    return (positions * top_k + np.arange(top_k, dtype=np.int64)[None, :]) % max(1, num_experts)
 
 
 def _place(target: torch.Tensor, rows: torch.Tensor, columns: list[int] | None) -> None:
@@ -324,6 +356,7 @@ def _verl_rows(
     response_len: int,
     response_length: int,
     allow_unrouted_tail: bool,
+    num_experts: int,
 ) -> torch.Tensor:
     rows = _rows(packed, i, rollout_id)
     want = prompt_len + response_len - 1
@@ -342,6 +375,9 @@ def _verl_rows(
             f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows; prompt {prompt_len} + response "
             f"{response_len} tokens need {want} (every token but the last sampled one is a forward input). "
             f"A multi-turn response ending with tool output has no rows for it: pass allow_unrouted_tail=True "
-            f"to leave those positions 0, as verl does"
+            f"to give those positions a spread, duplicate-free fill (verl replays them)"
         )
+    if n < want:  # the unrouted tail: positions n .. want - 1, the spread fill in every stored layer
+        tail = torch.from_numpy(_spread(n, want - n, rows.shape[2], num_experts))
+        rows = torch.cat([rows.to(torch.int64), tail[:, None, :].expand(-1, rows.shape[1], -1)])
     return rows
