@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 __all__ = ["CaptureMetrics", "capture_registry", "serve_capture_metrics"]
 
-# (attribute, metric name, help) read from each object when present.
+# (attribute, metric name, help) read from each object; an object given without one is refused.
 _CAPTURER_COUNTERS = [
     ("rows_captured", "r3rdma_capture_rows", "Routing rows captured (token positions x steps)"),
     ("requests_finished", "r3rdma_capture_requests_finished", "Requests finished and handed to the sink"),
@@ -54,7 +54,11 @@ _CLIENT_COUNTERS = [
 class CaptureMetrics(Collector):
     """Collector reading the counters of a capturer, a :class:`RoutingWriter` and a
     :class:`StoreNodesClient` (each optional; the client defaults to ``writer.store`` when
-    that is a store-node client). Attributes an object lacks are skipped."""
+    that is a store-node client).
+
+    Each object given must have every counter and gauge of its kind: one that lacks any (a
+    renamed counter, the wrong object) is a :class:`~r3rdma.errors.ConfigError` naming them,
+    here and at scrape time, never a metric silently missing from the dashboards."""
 
     def __init__(self, capturer: Any = None, writer: Any = None, client: Any = None) -> None:
         self.capturer = capturer
@@ -62,20 +66,22 @@ class CaptureMetrics(Collector):
         if client is None and writer is not None and hasattr(getattr(writer, "store", None), "bytes_pushed"):
             client = writer.store
         self.client = client
+        for obj, counters, gauges, kind in self._tables():
+            _require_attributes(obj, counters + gauges, kind)
+
+    def _tables(self):
+        return [(obj, counters, gauges, kind) for obj, counters, gauges, kind in (
+            (self.capturer, _CAPTURER_COUNTERS, _CAPTURER_GAUGES, "capturer"),
+            (self.writer, _WRITER_COUNTERS, _WRITER_GAUGES, "writer"),
+            (self.client, _CLIENT_COUNTERS, [], "client"),
+        ) if obj is not None]
 
     def collect(self) -> Iterator[Metric]:
-        for obj, counters, gauges in (
-            (self.capturer, _CAPTURER_COUNTERS, _CAPTURER_GAUGES),
-            (self.writer, _WRITER_COUNTERS, _WRITER_GAUGES),
-            (self.client, _CLIENT_COUNTERS, []),
-        ):
-            if obj is None:
-                continue
+        for obj, counters, gauges, kind in self._tables():
+            _require_attributes(obj, counters + gauges, kind)
             for family, table in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
                 for attr, name, doc in table:
-                    value = getattr(obj, attr, None)
-                    if value is not None:
-                        yield family(name, doc, value=float(value))
+                    yield family(name, doc, value=float(getattr(obj, attr)))
         if self.client is not None and hasattr(self.client, "nodes_down"):
             yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(self.client.nodes)))
             if getattr(self.client, "replicas", None) is not None:
@@ -83,6 +89,15 @@ class CaptureMetrics(Collector):
                                         value=float(self.client.replicas))
             yield GaugeMetricFamily("r3rdma_push_nodes_down", "Store nodes in failover cool-down now",
                                     value=float(len(self.client.nodes_down())))
+
+
+def _require_attributes(obj: Any, table: list[tuple[str, str, str]], kind: str) -> None:
+    from r3rdma.errors import ConfigError
+
+    missing = [attr for attr, _, _ in table if getattr(obj, attr, None) is None]
+    if missing:
+        raise ConfigError(f"the {kind} given to the capture metrics ({type(obj).__name__}) has no counter "
+                          f"{', '.join(missing)}: expected every one of {[attr for attr, _, _ in table]}")
 
 
 def capture_registry(capturer: Any = None, writer: Any = None, client: Any = None) -> CollectorRegistry:

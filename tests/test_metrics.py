@@ -4,10 +4,11 @@ import signal
 import urllib.request
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3rdma import RoutingWriter
-from r3rdma.errors import StoreError
+from r3rdma import R3Config, RoutingWriter
+from r3rdma.errors import ConfigError, StoreError
 from r3rdma.metrics import capture_registry, serve_capture_metrics
 from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient
@@ -22,37 +23,74 @@ def _scrape(url, headers=None):
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-class _FakeCapturer:
-    rows_captured = 123
-    requests_finished = 4
-    requests_aborted = 1
-    requests_preempted = 0
-    active_requests = 2
-    tracked_positions = 57
-
-
 class _FailingStore:
     def commit(self, records):
         raise OSError("disk on fire")
 
 
-def test_capture_metrics_read_the_objects_counters(make_record):
+def _step(capturer, request_ids, starts, counts, slots):
+    capturer.begin_step(request_ids, starts, counts, slots)
+    n = sum(counts)
+    for layer in capturer.layer_map:
+        capturer.record(layer, torch.stack([torch.randperm(8)[:2] for _ in range(n)]))
+    capturer.end_step()
+
+
+def test_capture_metrics_of_a_real_capturer_and_writer(tmp_path):
+    """A RoutingCapturer (CPU) built by R3Config, over a real writer and local store, driven through
+    prefill, decode, finish, abort and preempt: every counter scraped over HTTP is the count that
+    happened, not a fake's attribute."""
+    config = R3Config(local_store_dir=str(tmp_path / "root"), rollout_id="metrics", flush_interval_s=0)
+    capturer = config.build_capturer(layer_map=[0, 2], top_k=2, num_experts=8, num_slots=64, device="cpu")
+    server, _ = serve_capture_metrics(0, capturer=capturer, writer=capturer.sink)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        _step(capturer, ["a", "b", "c"], [0, 0, 0], [3, 2, 2], list(range(7)))  # prefill: 7 positions
+        _step(capturer, ["a", "b", "c"], [3, 2, 2], [1, 1, 1], [7, 8, 9])  # one decode step each
+        live = _scrape(url)
+        capturer.finish_request("a", prompt_len=3, generated_len=2)  # 3 + 2 - 1 = 4 rows
+        capturer.abort_request("b")
+        capturer.preempt_request("c")
+        capturer.flush(timeout=60)  # handed to the writer ...
+        capturer.sink.flush(timeout=60)  # ... and committed durably
+        done = _scrape(url)
+        record_bytes = sum(f.stat().st_size for f in (tmp_path / "root").rglob("*") if f.is_file())
+    finally:
+        server.shutdown()
+        capturer.close()
+    assert live["r3rdma_capture_rows_total"] == 10
+    assert live["r3rdma_capture_active_requests"] == 3 and live["r3rdma_capture_tracked_positions"] >= 10
+    assert live["r3rdma_capture_requests_finished_total"] == 0
+    assert done["r3rdma_capture_rows_total"] == 10
+    assert done["r3rdma_capture_requests_finished_total"] == 1
+    assert done["r3rdma_capture_requests_aborted_total"] == 1
+    assert done["r3rdma_capture_requests_preempted_total"] == 1
+    assert done["r3rdma_capture_active_requests"] == 0 and done["r3rdma_capture_tracked_positions"] == 0
+    assert done["r3rdma_writer_requests_committed_total"] == 1
+    assert done["r3rdma_writer_bytes_committed_total"] == 4 * 2 * 2  # rows x layers x top-k, uint8
+    assert done["r3rdma_writer_queue_requests"] == 0 and done["r3rdma_writer_inflight_bytes"] == 0
+    assert done["r3rdma_writer_commit_failures_total"] == 0 and record_bytes > 0
+
+
+def test_capture_metrics_refuse_an_object_without_a_counter(make_record):
+    """A capturer or writer lacking a counter (renamed, or the wrong object) is an error naming
+    it, not a metric silently missing."""
+
+    class Renamed:
+        rows_captured = requests_aborted = requests_preempted = active_requests = tracked_positions = 0
+        finished = 4  # not requests_finished
+
+    with pytest.raises(ConfigError, match="capturer given to the capture metrics .* has no counter requests_finished"):
+        capture_registry(capturer=Renamed())
+    with pytest.raises(ConfigError, match="writer .* has no counter requests_committed, bytes_committed"):
+        capture_registry(writer=Renamed())
     with RoutingWriter(_FailingStore(), flush_bytes=1) as writer:
         writer.submit(make_record("a"))
         with pytest.raises(StoreError):
             writer.flush(timeout=30)
-        server, thread = serve_capture_metrics(0, capturer=_FakeCapturer(), writer=writer)
-        try:
-            values = _scrape(f"http://127.0.0.1:{server.server_port}/metrics")
-        finally:
-            server.shutdown()
-    assert values["r3rdma_capture_rows_total"] == 123
-    assert values["r3rdma_capture_requests_finished_total"] == 4
-    assert values["r3rdma_capture_requests_aborted_total"] == 1
-    assert values["r3rdma_capture_active_requests"] == 2
+        values = {s.name: s.value for f in capture_registry(writer=writer).collect() for s in f.samples}
     assert values["r3rdma_writer_commit_failures_total"] == 1
     assert values["r3rdma_writer_requests_committed_total"] == 0
-    assert values["r3rdma_writer_queue_requests"] == 0
 
 
 def test_push_client_and_store_node_metrics(tmp_path, make_record):
