@@ -135,6 +135,45 @@ class StoreNodesClient:
 
         return self._wait(run(), f"probing the transfer mode against {self.nodes[0]}")
 
+    def check(self, timeout_s: float = 10.0) -> list[str]:
+        """Connect to every node and authenticate (the push handshake); return the nodes that
+        answered. For engines to fail at start-up, not at the end of a rollout.
+
+        Raises :class:`AuthenticationError` when a node refuses the secret (the same secret
+        goes to every node, so one refusal is a configuration error), and
+        :class:`TransportError` when fewer than ``replicas`` nodes answer within
+        ``timeout_s``, naming each node's error. The connections stay open for the pushes."""
+        from r3rdma.transport import UcxxClient
+
+        async def one(node: str) -> None:
+            client = self._clients.get(node)
+            if client is None:
+                host, port = parse_node_url(node)
+                client = UcxxClient(host, port, secret=self._secret, limits=self._limits)
+            try:
+                await asyncio.wait_for(client.connect(), timeout_s)
+            except BaseException:
+                await client.close()
+                raise
+            self._clients[node] = client
+
+        async def run() -> list[object]:
+            return await asyncio.gather(*(one(n) for n in self.nodes), return_exceptions=True)
+
+        results = self._wait(run(), f"connecting to the store nodes {self.nodes}")
+        for node, result in zip(self.nodes, results):
+            if isinstance(result, AuthenticationError):
+                raise AuthenticationError(f"store node {node} refused the push secret: {result}") from result
+        errors = {n: r for n, r in zip(self.nodes, results) if isinstance(r, BaseException)}
+        live = [n for n in self.nodes if n not in errors]
+        if len(live) < self.replicas:
+            detail = "; ".join(f"{n}: {type(e).__name__}: {e or 'no answer in %.0f s' % timeout_s}" for n, e in errors.items())
+            raise TransportError(
+                f"{len(live)} of {len(self.nodes)} store nodes answered within {timeout_s:.0f} s, but each request "
+                f"needs {self.replicas} (replicas); {detail}"
+            )
+        return live
+
     def nodes_down(self) -> list[str]:
         """The nodes in failover cool-down now (a push to them failed in the last
         ``down_cooldown_s``; new requests go to their next choice meanwhile)."""

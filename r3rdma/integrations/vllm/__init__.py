@@ -1,0 +1,62 @@
+"""r3rdma inside vLLM: a plug-in that records every MoE layer's top-k experts for every token
+vLLM computes and stores each finished request in r3rdma, no vLLM source change.
+
+Installed with r3rdma (entry point ``vllm.general_plugins``: ``r3rdma``), switched on per
+engine by one config (:mod:`.settings`)::
+
+    llm = LLM(model=..., additional_config={"routing_replay": {"local_store_dir": "/data/r3",
+                                                                "rollout_id": "step-0042"}})
+    outs = llm.generate(prompts, SamplingParams(max_tokens=256, extra_args={"r3_request_id": "s17"}))
+    flush_routing(llm)                       # every finished request durable in the store
+    routing_location(outs[0])                # [("step-0042", "s17")]
+
+The modules, by the vLLM process they act in: :mod:`.frontend` (stored ids, stop strings),
+:mod:`.scheduler` (how each request left the engine), :mod:`.worker` (the capture itself);
+:mod:`.plugin` installs them. docs/INTEGRATION.md ("vLLM") has the details.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3rdma.integrations.vllm.plugin import SUPPORTED_VLLM, register
+from r3rdma.integrations.vllm.settings import CONFIG_KEY, LOCATION_KEY, REQUEST_ARG, ROLLOUT_ARG
+
+__all__ = ["SUPPORTED_VLLM", "CONFIG_KEY", "REQUEST_ARG", "ROLLOUT_ARG", "register", "flush_routing", "routing_location"]
+
+
+def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, int]:
+    """Wait until the routing of every request ``llm`` finished is durable (committed and
+    visible to readers); return the recording worker's counters (``stored``, ``aborted``,
+    ``failed``). ``llm``: a ``vllm.LLM`` with routing replay on."""
+    core = llm.llm_engine.engine_core
+    if hasattr(core, "call_utility"):  # the engine core in its own process (vLLM's default)
+        results = core.call_utility("r3_flush", timeout)
+    else:  # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core in this process
+        results = core.engine_core.r3_flush(timeout)
+    results = [r for r in results if r is not None]
+    if not results:
+        from r3rdma.errors import ConfigError
+
+        raise ConfigError("no vLLM worker records routing: routing replay is off for this engine "
+                          f"(additional_config[{CONFIG_KEY!r}] or R3_* variables; see r3rdma.integrations.vllm)")
+    return results[0]
+
+
+def routing_location(output: Any) -> list[tuple[str, str]]:
+    """``(rollout_id, request_id)`` under which each completion of a finished
+    ``RequestOutput`` was stored, in ``output.outputs`` order; read them with
+    ``RoutingReader.get(rollout_id, [request_id])``.
+
+    From the location the engine returned in ``kv_transfer_params["r3_routing"]``: with
+    ``n > 1`` it names one sample and the key the others share (sample ``i`` is stored as
+    ``<key>.<i>``). Empty when nothing was stored (routing replay off, request aborted).
+    """
+    params = getattr(output, "kv_transfer_params", None) or {}
+    location = params.get(LOCATION_KEY)
+    if location is None:
+        return []
+    rollout = location["rollout_id"]
+    if "index" not in location:
+        return [(rollout, location["request_id"])]
+    return [(rollout, f"{location['key']}.{c.index}") for c in output.outputs]

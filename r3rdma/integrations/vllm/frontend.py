@@ -1,0 +1,110 @@
+"""The front-end side of the vLLM plug-in (the ``LLM`` / API-server process).
+
+Two jobs the engine processes cannot do, because only the front end knows:
+
+- **The stored id.** vLLM replaces a request's id by an internal one with a random suffix
+  before the engine sees it, and fans ``n > 1`` out into child requests. When a request is
+  assigned its internal id, the plug-in writes the id it will be stored under (the client's
+  ``r3_request_id``, else vLLM's external request id) into the request's own copy of its
+  sampling parameters' ``extra_args`` (``r3_key``), and each child's sample index
+  (``r3_sample_index``). Ids are validated here, so a bad ``r3_request_id`` or
+  ``r3_rollout_id`` is refused with the request (HTTP 400 on the server), not after the rollout.
+- **Stop strings.** The front end matches them, trims the output, and aborts the request in
+  the engine. Just before that abort goes out, the plug-in sends the engine the number of
+  tokens the client received inside that abort (:func:`with_stop_lengths`), so the engine
+  stores rows for exactly those tokens (:mod:`.scheduler`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3rdma.integrations.vllm.settings import INDEX_ARG, KEY_ARG, LOCATION_KEY, REQUEST_ARG, ROLLOUT_ARG, routing_config
+
+__all__ = ["key_request", "mark", "child_params", "note_stop_length", "stop_location", "with_stop_lengths", "forget"]
+
+# Internal id -> extra_args of requests this front end marked for routing replay, and the final
+# token counts of those a stop string ended (sent to the engine with their abort). Per process.
+_MARKED: dict[str, dict] = {}
+_STOP_LENGTHS: dict[str, int] = {}
+_ENABLED: dict[int, Any] = {}  # id(vllm_config) -> its R3Config, None when routing replay is off
+
+
+def _enabled(vllm_config: Any) -> bool:
+    key = id(vllm_config)
+    if key not in _ENABLED:
+        _ENABLED[key] = routing_config(vllm_config)
+    return _ENABLED[key] is not None
+
+
+def key_request(input_processor: Any, request: Any) -> None:
+    """Before vLLM assigns ``request`` its internal id: record the stored id in its params."""
+    params = getattr(request, "sampling_params", None)
+    if params is None or not _enabled(input_processor.vllm_config):
+        return
+    from r3rdma.ids import validate_id
+
+    extra = dict(params.extra_args or {})
+    key = str(extra.get(REQUEST_ARG, request.request_id))
+    validate_id(key, f"{REQUEST_ARG} (the id the request's routing is stored under)")
+    rollout = str(extra.get(ROLLOUT_ARG, _ENABLED[id(input_processor.vllm_config)].rollout_id))
+    validate_id(rollout, ROLLOUT_ARG)
+    extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
+    params.extra_args = extra  # this request's own clone of the caller's SamplingParams
+
+
+def mark(request: Any) -> None:
+    """After vLLM assigned the internal id: remember the request as recorded (stop strings)."""
+    params = getattr(request, "sampling_params", None)
+    if params is not None and KEY_ARG in (params.extra_args or {}):
+        _MARKED[request.request_id] = params.extra_args
+
+
+def child_params(child_id: str, params: Any, index: int) -> Any:
+    """n > 1: the child's sampling parameters, carrying its sample index."""
+    extra = getattr(params, "extra_args", None) or {}
+    if KEY_ARG not in extra:
+        return params
+    from copy import copy
+
+    params = copy(params)  # vLLM shares one child params object between children without a seed
+    params.extra_args = {**extra, INDEX_ARG: int(index)}
+    _MARKED[child_id] = params.extra_args
+    return params
+
+
+def note_stop_length(req_state: Any) -> None:
+    """A stop string ended ``req_state``: remember how many tokens the client got."""
+    rid = req_state.request_id
+    if rid in _MARKED and req_state.detokenizer is not None:
+        prompt = req_state.prompt_len or 0
+        _STOP_LENGTHS[rid] = int(prompt + req_state.detokenizer.num_output_tokens())
+
+
+def stop_location(request_id: str, kv_transfer_params: Any) -> Any:
+    """The final output's ``kv_transfer_params`` for a request a stop string just ended: the
+    engine learns of the stop only after this output is made, so the front end names the
+    location (the same one the engine stores it under)."""
+    n = _STOP_LENGTHS.get(request_id)
+    extra = _MARKED.get(request_id)
+    if n is None or extra is None:
+        return kv_transfer_params
+    from r3rdma.integrations.vllm.scheduler import location
+
+    return {**(kv_transfer_params or {}), LOCATION_KEY: location(extra, request_id, n - 1)}
+
+
+def with_stop_lengths(request_ids: Any) -> Any:
+    """An ABORT payload in which each request a stop string ended travels as ``[id, tokens]``.
+
+    The engine core handles aborts ahead of everything else it queued (an eager abort queue),
+    so the length must travel in the abort itself; the plug-in's ``EngineCore.abort_requests``
+    unpacks it (:mod:`.scheduler`)."""
+    if not _STOP_LENGTHS or not isinstance(request_ids, list):
+        return request_ids
+    return [[rid, _STOP_LENGTHS.pop(rid)] if isinstance(rid, str) and rid in _STOP_LENGTHS else rid
+            for rid in request_ids]
+
+
+def forget(request_id: str) -> None:
+    _MARKED.pop(request_id, None)

