@@ -14,8 +14,7 @@ rows into the :class:`~r3rdma.capture.slot_table.SlotTable`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -28,14 +27,14 @@ from r3rdma.kernels import graph_regime
 __all__ = ["EndedStep", "StepRecorder"]
 
 
-@dataclass(frozen=True, slots=True)
-class EndedStep:
+class EndedStep(NamedTuple):
     """What an ended step wrote: enough for the ledger to map each request's positions to slots.
 
     ``token_idx`` lists the kept tokens (speculative decoding), None when every token was kept;
     ``slots`` and ``gens`` are the kept tokens' slots and those slots' generations after this
     step's write; ``retired`` are requests that finished, aborted or were preempted while the
-    step was open (their tokens keep no state).
+    step was open (their tokens keep no state). A tuple: immutable, and cheap to make on the
+    decode hot path.
     """
 
     request_ids: tuple[str, ...]
@@ -50,6 +49,9 @@ class EndedStep:
     @property
     def rows(self) -> int:
         return int(self.slots.size)
+
+
+_NONE_RETIRED: frozenset[str] = frozenset()
 
 
 class _OpenStep:
@@ -131,7 +133,7 @@ class StepRecorder:
             if captured != self.table.graph_key(router_rows is not None):
                 raise CaptureStateError("begin_step(graphed=True): the step buffers moved or router_rows use differs since "
                                         "graph_capture(); capture the graph again")
-        step = self._open_step(list(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, graphed)
+        step = self._open_step(tuple(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, graphed)
         if graphed:
             step.recorded = [True] * self.num_layers  # the replay writes every layer
             step.covered = [step.local] * self.num_layers
@@ -167,7 +169,7 @@ class StepRecorder:
         rows = None
         if router_rows:
             rows = torch.arange(num_tokens, device=self.table.device)
-        step = self._open_step([], np.zeros(0, np.int64), np.zeros(0, np.int64), slots, rows, graphed=router_rows)
+        step = self._open_step((), np.zeros(0, np.int64), np.zeros(0, np.int64), slots, rows, graphed=router_rows)
         self.open = step
         try:
             with graph_regime():
@@ -258,9 +260,8 @@ class StepRecorder:
             return None
         slots = step.slots[token_idx]
         gens = self.table.write_step(slots, step.total, None if keep is None else token_idx)
-        return EndedStep(request_ids=tuple(step.request_ids), starts=step.starts, counts=step.counts, total=step.total,
-                         token_idx=None if keep is None else token_idx, slots=slots, gens=gens,
-                         retired=frozenset(step.retired))
+        return EndedStep(step.request_ids, step.starts, step.counts, step.total, None if keep is None else token_idx,
+                         slots, gens, frozenset(step.retired) if step.retired else _NONE_RETIRED)
 
     def _gather(self, step: _OpenStep) -> None:
         """One all-gather per step: every rank's share of every layer's rows, as raw bytes.
