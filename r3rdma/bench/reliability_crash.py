@@ -1,0 +1,301 @@
+"""Reliability scenarios that kill or starve a node: :func:`crash_cycles` (SIGKILL while clients
+push: every acknowledged request survives, nothing partial is visible), :func:`disk_full`
+(``RLIMIT_FSIZE``: a typed refusal, recovery after restart) and :func:`load` (N clients for T
+seconds: zero loss, ack latency, node RSS against its in-flight budget)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from r3rdma.bench.reliability_harness import LAYERS, TOP_K, make_record, _orphans, _owner, _verify, _visible
+from r3rdma.store.process import NodeProcess, new_token, spawn_node
+
+
+# -- crash cycles ------------------------------------------------------------------------------
+
+
+async def _crash_cycles(work: Path, cycles: int, clients: int, seed: int, timeout_s: float,
+                        log: Callable[[str], None]) -> dict[str, Any]:
+    from r3rdma.errors import DuplicateRequestError, R3Error
+    from r3rdma.transport import TransportLimits, UcxxClient
+
+    rng = random.Random(seed)
+    token = new_token()
+    roots = [work / "crash-a", work / "crash-b"]
+    nodes = [spawn_node(r, token) for r in roots]
+    limits = TransportLimits(timeout_s=timeout_s, ack_timeout_s=4 * timeout_s)
+    acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c
+    where: dict[tuple[str, str], int] = {}  # node that acked it
+    pushed: set[tuple[str, str]] = set()
+    stats = {"kill_cycles": 0, "acked_before_kill": 0, "unacked_retried": 0, "retried_same_node": 0,
+             "retried_other_node": 0, "idempotent_repushes": 0, "different_bytes_refused": 0,
+             "orphan_arrays_after_kill": 0, "acked_lost": 0, "phantom": 0, "corrupt": 0, "errors": []}
+
+    def client(i: int) -> Any:
+        return UcxxClient(nodes[i].host, nodes[i].ucx_port, secret=token, limits=limits)
+
+    try:
+        for cycle in range(cycles):
+            victim = rng.randrange(2)
+            kill_after = rng.randint(1, 4 * clients)
+            jitter = rng.uniform(0, 0.03)
+            acks = 0
+            killed = asyncio.Event()
+            unacked: list[tuple[list[Any], int]] = []
+            loop = asyncio.get_running_loop()
+
+            def kill() -> None:
+                os.kill(nodes[victim].proc.pid, signal.SIGKILL)
+                killed.set()
+
+            async def pusher(p: int) -> None:
+                nonlocal acks
+                conns = {0: client(0), 1: client(1)}
+                n = 0
+                try:
+                    while not killed.is_set():
+                        rollout = f"crash-{p % 3}"
+                        batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
+                        n += len(batch)
+                        groups: dict[int, list[Any]] = {}
+                        for r in batch:
+                            pushed.add((r.rollout_id, r.request_id))
+                            groups.setdefault(_owner(f"{r.rollout_id}/{r.request_id}", 2), []).append(r)
+                        for i, group in groups.items():
+                            if killed.is_set() and i == victim:
+                                unacked.append((group, i))  # never sent: the node is gone
+                                continue
+                            try:
+                                await conns[i].push(group)
+                            except R3Error as e:
+                                if i != victim:
+                                    stats["errors"].append(f"survivor refused a push: {type(e).__name__}: {e}")
+                                unacked.append((group, i))
+                                continue
+                            for r in group:
+                                acked[(r.rollout_id, r.request_id)] = r.crc32c
+                                where[(r.rollout_id, r.request_id)] = i
+                            acks += 1
+                            if acks == kill_after:
+                                loop.call_later(jitter, kill)
+                finally:
+                    for c in conns.values():
+                        await c.close()
+
+            await asyncio.gather(*(pusher(p) for p in range(clients)))
+            await asyncio.to_thread(nodes[victim].proc.wait, 30)
+            stats["kill_cycles"] += 1
+            stats["acked_before_kill"] = len(acked)
+            stats["orphan_arrays_after_kill"] += _orphans(roots[victim])
+            nodes[victim] = spawn_node(roots[victim], token)
+            # Every acknowledged request is there, bit-exact; nothing partial or foreign.
+            check = await asyncio.to_thread(_verify, roots, acked, pushed)
+            for key in ("lost", "phantom", "corrupt"):
+                stats["acked_lost" if key == "lost" else key] += check[key]
+            # Retry what was not acknowledged: the restarted node or the other one.
+            for group, i in unacked:
+                target = i if rng.random() < 0.5 else 1 - i
+                c = client(target)
+                try:
+                    await c.push(group)
+                except R3Error as e:
+                    stats["errors"].append(f"retry refused: {type(e).__name__}: {e}")
+                    continue
+                finally:
+                    await c.close()
+                stats["unacked_retried"] += len(group)
+                stats["retried_same_node" if target == i else "retried_other_node"] += len(group)
+                for r in group:
+                    acked[(r.rollout_id, r.request_id)] = r.crc32c
+                    where[(r.rollout_id, r.request_id)] = target
+            # Idempotence: same bytes accepted again; different bytes for the same id refused.
+            if acked:
+                ro, rid = rng.choice(sorted(acked))
+                c = client(where[(ro, rid)])
+                try:
+                    await c.push([make_record(ro, rid)])
+                    stats["idempotent_repushes"] += 1
+                    try:
+                        await c.push([make_record(ro, rid, variant=1)])
+                        stats["errors"].append(f"different bytes for {ro}/{rid} were accepted")
+                    except DuplicateRequestError:
+                        stats["different_bytes_refused"] += 1
+                except R3Error as e:
+                    stats["errors"].append(f"idempotent re-push failed: {type(e).__name__}: {e}")
+                finally:
+                    await c.close()
+            log(f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
+                f"{len(acked)} acked so far, {len(unacked)} batches retried, check {check}")
+        for node in nodes:
+            node.stop()
+        final = await asyncio.to_thread(_verify, roots, acked, pushed)
+        stats["acked_lost"] += final["lost"]
+        stats["corrupt"] += final["corrupt"]
+        stats["phantom"] += final["phantom"]
+        stats["acked_total"] = len(acked)
+        return stats
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def crash_cycles(work: Path, cycles: int = 20, *, clients: int = 6, seed: int = 0, timeout_s: float = 3.0,
+                 log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """SIGKILL a node ``cycles`` times under load; see the module docstring for the checks."""
+    from r3rdma.transport import configure_ucx_env
+
+    configure_ucx_env()
+    return asyncio.run(_crash_cycles(Path(work), cycles, clients, seed, timeout_s, log))
+
+
+# -- disk full ---------------------------------------------------------------------------------
+
+
+def disk_full(work: Path, *, limit: int = 256 << 10) -> dict[str, Any]:
+    """A node under ``RLIMIT_FSIZE=limit``: an oversized batch fails cleanly, the node recovers."""
+    from r3rdma.errors import StoreError
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.write.push_client import StoreNodesClient
+    from r3rdma.transport import TransportLimits
+
+    work = Path(work)
+    root = work / "full"
+    token = new_token()
+    small = [make_record("df", f"small-{i}") for i in range(5)]
+    # Incompressible and larger than the limit: its shard file cannot be written.
+    big = make_record("df", "big", rows=(limit // (LAYERS * TOP_K)) * 2)
+    big2 = make_record("df2", "big", rows=(limit // (LAYERS * TOP_K)) * 2)
+    out: dict[str, Any] = {"limit_bytes": limit}
+    limits = TransportLimits(timeout_s=10)
+    node = spawn_node(root, token, fsize_limit=limit)
+    try:
+        with StoreNodesClient([node.push_url], secret=token, limits=limits) as client:
+            client.commit(small)
+            for rec in (big, big2):  # big2: a rollout whose very first batch fails
+                try:
+                    client.commit([rec])
+                    out["error"] = None
+                except StoreError as e:
+                    out["error"] = f"{type(e).__name__}: {e}"
+            visible = _visible([root])
+            out["big_visible"] = "big" in visible.get("df", {}) or "big" in visible.get("df2", {})
+            out["orphans"] = _orphans(root)
+            out["temp_files"] = sum(1 for p in root.rglob(".*tmp*"))
+            client.commit([make_record("df", "after-full")])  # keeps serving small batches
+            out["served_after_full"] = True
+    finally:
+        node.stop()
+    node = spawn_node(root, token)  # space is back
+    try:
+        with StoreNodesClient([node.push_url], secret=token, limits=limits) as client:
+            client.commit([big, big2])
+        with RoutingReader(str(root)) as reader:
+            got = reader.get_numpy("df", [r.request_id for r in small] + ["big", "after-full"])
+            out["intact_after_restart"] = all(np.array_equal(got[r.request_id], r.ids_TLK) for r in small + [big])
+            out["intact_after_restart"] &= np.array_equal(reader.get_numpy("df2", ["big"])["big"], big2.ids_TLK)
+    finally:
+        node.stop()
+    return out
+
+
+# -- load --------------------------------------------------------------------------------------
+
+
+async def _load(nodes: list[NodeProcess], clients: int, duration_s: float, batch: int, seed: int,
+                timeout_s: float) -> dict[str, Any]:
+    from r3rdma.errors import R3Error
+    from r3rdma.transport import TransportLimits, UcxxClient
+
+    limits = TransportLimits(timeout_s=timeout_s, ack_timeout_s=4 * timeout_s)
+    latencies: list[float] = []
+    acked: dict[tuple[str, str], int] = {}
+    failures: list[str] = []
+    nbytes = 0
+    rss_max = [0] * len(nodes)
+    deadline = time.monotonic() + duration_s
+
+    async def client(p: int) -> None:
+        rng = random.Random(seed * 1000 + p)
+        conns = [UcxxClient(n.host, n.ucx_port, secret=n.token, limits=limits) for n in nodes]
+        k = 0
+        try:
+            while time.monotonic() < deadline:
+                recs = [make_record(f"load-{p % 4}", f"p{p}-{k + j}", rows=rng.randint(64, 1024)) for j in range(batch)]
+                k += batch
+                groups: dict[int, list[Any]] = {}
+                for r in recs:
+                    groups.setdefault(_owner(f"{r.rollout_id}/{r.request_id}", len(nodes)), []).append(r)
+
+                async def push(i: int, group: list[Any]) -> None:
+                    nonlocal nbytes
+                    t0 = time.perf_counter()
+                    try:
+                        await conns[i].push(group)
+                    except R3Error as e:
+                        failures.append(f"{type(e).__name__}: {e}")
+                        return
+                    latencies.append(time.perf_counter() - t0)
+                    nbytes += sum(r.nbytes for r in group)
+                    for r in group:
+                        acked[(r.rollout_id, r.request_id)] = r.crc32c
+
+                await asyncio.gather(*(push(i, g) for i, g in groups.items()))
+                for i, n in enumerate(nodes):
+                    rss_max[i] = max(rss_max[i], n.rss())
+        finally:
+            for c in conns:
+                await c.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(p) for p in range(clients)))
+    seconds = time.perf_counter() - t0
+    lat = np.array(latencies) if latencies else np.zeros(1)
+    return {
+        "clients": clients, "seconds": round(seconds, 2), "pushes": len(latencies), "requests": len(acked),
+        "bytes": nbytes, "throughput_mb_s": round(nbytes / seconds / 1e6, 2),
+        "requests_per_s": round(len(acked) / seconds, 1),
+        "ack_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
+        "ack_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 2),
+        "push_failures": failures[:10], "push_failure_count": len(failures),
+        "_acked": acked, "rss_sampled_max": rss_max,
+    }
+
+
+def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int = 32, inflight_mb: int = 64,
+         seed: int = 0, timeout_s: float = 30.0, verify_bytes: bool = False) -> dict[str, Any]:
+    """``clients`` clients push for ``duration_s`` to two nodes with ``--max-inflight-mb inflight_mb``."""
+    from r3rdma.transport import configure_ucx_env
+
+    configure_ucx_env()
+    work = Path(work)
+    token = new_token()
+    roots = [work / "load-a", work / "load-b"]
+    nodes = [spawn_node(r, token, "--max-inflight-mb", str(inflight_mb)) for r in roots]
+    try:
+        base = [n.rss() for n in nodes]
+        out = asyncio.run(_load(nodes, clients, duration_s, batch, seed, timeout_s))
+        peaks = [n.peak_rss() for n in nodes]
+    finally:
+        for n in nodes:
+            n.stop()
+    acked = out.pop("_acked")
+    # Load records have random lengths: read back with CRC verification, compare CRCs with
+    # what was acknowledged (bit-exact up to CRC-32C).
+    check = _verify(roots, acked, set(acked), read_bytes=verify_bytes, exact=False)
+    out.update({
+        "acked_lost": check["lost"], "corrupt": check["corrupt"], "phantom": check["phantom"],
+        "inflight_budget_mb": inflight_mb,
+        "node_rss_base_mb": [round(b / 2**20, 1) for b in base],
+        "node_rss_peak_mb": [round(p / 2**20, 1) for p in peaks],
+        "node_rss_growth_mb": max(round((p - b) / 2**20, 1) for p, b in zip(peaks, base)),
+    })
+    out.pop("rss_sampled_max", None)
+    return out
