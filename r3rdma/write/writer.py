@@ -62,7 +62,8 @@ class DeferredRecord(Protocol):
 class RoutingWriter:
     """Batches records and commits them from a background thread.
 
-    ``submit`` also takes a :class:`DeferredRecord` (``accepts_deferred``): the capturer on
+    ``submit`` also takes a :class:`DeferredRecord` (``accepts_deferred``, which declares it a
+    :class:`~r3rdma.capture.finishing.DeferredSink`): the capturer on
     CUDA hands over records whose device-to-host copy is still in flight, and ``flush`` then
     covers them too.
 
