@@ -487,6 +487,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="attention head size (default 64; --quick 16, which vLLM's CPU attention cannot run: "
+                             "use 32 for a checkpoint for r3rdma verify --engine vllm)")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
@@ -504,7 +507,7 @@ def main(args) -> int:
     base = QUICK if args.quick else DEFAULT
     overrides = {k: getattr(args, a) for k, a in (
         ("steps", "steps"), ("layers", "layers"), ("experts", "experts"), ("top_k", "top_k"), ("hidden", "hidden"),
-        ("seq_len", "seq_len"), ("batch_size", "batch_size"), ("lr", "lr"),
+        ("head_dim", "head_dim"), ("seq_len", "seq_len"), ("batch_size", "batch_size"), ("lr", "lr"),
         ("router_aux_loss_coef", "router_aux_loss_coef")) if getattr(args, a) is not None}
     settings = dataclasses.replace(base, **overrides)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")

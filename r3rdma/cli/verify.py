@@ -36,13 +36,14 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["PRESETS", "resolve_config", "run_verify", "VerifyResult"]
+from r3rdma.cli.verify_report import VerifyResult, report
+
+__all__ = ["PRESETS", "resolve_config", "run_verify", "VerifyResult", "report"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -145,12 +146,6 @@ def fan_in_init(model: torch.nn.Module, *, seed: int, logit_gain: float) -> None
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    summary: dict[str, Any]
-    ok: bool
-
-
 class _RoutingTap:
     """Forward hooks that keep the ids each router actually hands to its experts."""
 
@@ -217,6 +212,7 @@ def run_verify(
     init: str = "fan-in",
     logit_gain: float = 4.0,
     model_path: str | None = None,
+    engine: str = "hf",
 ) -> VerifyResult:
     from r3rdma.cli.demo import make_requests
     from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
@@ -229,6 +225,8 @@ def run_verify(
     from r3rdma.replay.router_replay import ReplayBatch, RouterReplay, routing_agreement
 
     started = time.perf_counter()
+    if engine not in ("hf", "vllm"):
+        raise SystemExit(f"r3rdma verify: --engine must be hf or vllm, got {engine!r}")
     if layout not in ("packed", "padded"):
         raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {layout!r}")
     meta = None
@@ -271,19 +269,27 @@ def run_verify(
             for rid, pos, lp in zip(info.request_ids, info.positions, info.logprobs.tolist()):
                 logp_rollout[rid][pos] = lp
 
-        block_size = 16
-        max_len = max_prompt + max_new + 1
-        allocator = BlockAllocator(num_blocks=rollout_batch_size * (-(-max_len // block_size)) + 1, block_size=block_size)
-        t0 = time.perf_counter()
-        with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
-            capturer = capturer_for_model(rollout_model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
-            detach = attach_capturer(rollout_model, capturer)
-            driver = HFRolloutDriver(rollout_model, capturer, allocator=allocator, batch_size=rollout_batch_size,
-                                     eos_token_id=None, seed=seed, sample_listeners=[on_sample])
-            outputs = driver.run(requests)
-            detach()
-            writer.flush()
-        rollout_s = time.perf_counter() - t0
+        if engine == "vllm":
+            from r3rdma.cli.verify_vllm import rollout_with_vllm
+
+            outputs, logp_rollout, rollout_s, rollout_desc = rollout_with_vllm(
+                rollout_model, requests, root=root, rollout_id=rollout_id, dtype=rollout_dtype, seed=seed,
+                batch_size=rollout_batch_size)
+        else:
+            block_size = 16
+            max_len = max_prompt + max_new + 1
+            allocator = BlockAllocator(num_blocks=rollout_batch_size * (-(-max_len // block_size)) + 1, block_size=block_size)
+            t0 = time.perf_counter()
+            with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
+                capturer = capturer_for_model(rollout_model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
+                detach = attach_capturer(rollout_model, capturer)
+                driver = HFRolloutDriver(rollout_model, capturer, allocator=allocator, batch_size=rollout_batch_size,
+                                         eos_token_id=None, seed=seed, sample_listeners=[on_sample])
+                outputs = driver.run(requests)
+                detach()
+                writer.flush()
+            rollout_s = time.perf_counter() - t0
+            rollout_desc = f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)"
         del rollout_model
 
         # -- 2. training forwards, without and with replay -------------------------------------
@@ -359,7 +365,8 @@ def run_verify(
         "moe_layers": len(routers),
         "num_experts": info.num_experts,
         "top_k": info.top_k,
-        "rollout": f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)",
+        "rollout": rollout_desc,
+        "engine": engine,
         "train": f"{train_dtype}, full sequence, {layout} (batch {train_batch_size}, reordered)",
         "device": device,
         "init": ("trained checkpoint" if model_path is not None else
@@ -446,33 +453,14 @@ def load_trained(path: str):
     return model.eval(), read_meta(path)
 
 
-def _table(s: dict[str, Any]) -> str:
-    rows = [
-        ("router decisions differing (vs rollout)", f"{s['router_decisions_differ']:.2%}", f"{s['router_decisions_differ_replay']:.2%}", "~10%"),
-        ("tokens differing in >= 1 layer", f"{s['tokens_any_layer_differ']:.2%}", f"{s['tokens_any_layer_differ_replay']:.2%}", "94%"),
-
-        ("train-inference KL (k3)", f"{s['kl_k3_no_replay']:.3e}", f"{s['kl_k3_replay']:.3e}", "1.5e-3 -> 7.5e-4"),
-        ("extreme tokens (tau > 2 or < 1/2)", f"{s['extreme_ratio_tokens_no_replay']:.3%}", f"{s['extreme_ratio_tokens_replay']:.3%}", "~10x fewer"),
-        ("mean |logp_train - logp_rollout|", f"{s['mean_abs_logp_diff_no_replay']:.3e}", f"{s['mean_abs_logp_diff_replay']:.3e}", ""),
-    ]
-    # Rows only this module's summary has (the Megatron path reports through the same table).
-    if "mean_layers_differ_per_token" in s:
-        rows.insert(2, ("mean differing layers per token", f"{s['mean_layers_differ_per_token']:.2f}",
-                        f"{s['mean_layers_differ_per_token_replay']:.2f}", ""))
-    if s.get("abs_log_ratio_quantiles_no_replay"):
-        q0, q1 = s["abs_log_ratio_quantiles_no_replay"], s["abs_log_ratio_quantiles_replay"]
-        rows.append(("|log ratio| p99 / max", f"{q0['p99']:.2e}/{q0['max']:.2f}", f"{q1['p99']:.2e}/{q1['max']:.2f}", ""))
-    w = max(len(r[0]) for r in rows)
-    lines = [f"{'':{w}}  {'no replay':>12}  {'replay':>12}  paper (Qwen3-30B-A3B)"]
-    lines += [f"{a:{w}}  {b:>12}  {c:>12}  {d}" for a, b, c, d in rows]
-    return "\n".join(lines)
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--trainer", choices=("hf", "megatron"), default="hf",
                         help="hf: transformers model (CPU or GPU); megatron: a megatron-core GPTModel rolls out in bf16 "
                              "and trains in fp32 (GPU only; r3rdma.cli.verify_megatron; uses --requests, batch sizes, "
                              "lengths, --seed, --logit-gain, --root, --device)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="rollout engine: hf (transformers, batched KV-cache decode) or vllm (a real vLLM engine "
+                             "with r3rdma's plug-in recording the routing; needs vLLM, Qwen3-MoE-family models)")
     parser.add_argument("--model-config", default="small-qwen3-moe",
                         help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
     parser.add_argument("--model", default=None, metavar="PATH",
@@ -507,23 +495,7 @@ def main(args) -> int:
         train_batch_size=args.train_batch_size, layout=args.layout, rollout_dtype=args.rollout_dtype,
         train_dtype=args.train_dtype, device=device, seed=args.seed, min_prompt=args.min_prompt,
         max_prompt=args.max_prompt, min_new=args.min_new, max_new=args.max_new, root=args.root,
-        init=args.init, logit_gain=args.logit_gain, model_path=args.model,
+        init=args.init, logit_gain=args.logit_gain, model_path=args.model, engine=args.engine,
     )
     s = result.summary
     return report(result, f"r3rdma verify: {s['model_type']} ({s['model_config']})")
-
-
-def report(result, title: str) -> int:
-    """Print a verify result (title line, table, verdict, JSON last); the exit status."""
-    s = result.summary
-    print(f"{title}, {s['moe_layers']} MoE layers x {s['num_experts']} experts, top-{s['top_k']}, on {s['device']}")
-    print(f"  rollout: {s['rollout']}; train: {s['train']}")
-    print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
-    if s.get("heldout_loss_after_training") is not None:
-        print(f"  trained checkpoint: held-out loss {s['heldout_loss_before_training']} -> "
-              f"{s['heldout_loss_after_training']} nats/byte")
-    print(_table(s))
-    print("  " + ("OK: replay removes every routing difference and lowers the KL" if result.ok else
-                  "FAIL: replay left routing differences or did not lower the KL"))
-    print(json.dumps(s))
-    return 0 if result.ok else 1

@@ -205,7 +205,7 @@ def run_verify_megatron(
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from r3rdma.cli.demo import make_requests
-    from r3rdma.cli.verify import VerifyResult
+    from r3rdma.cli.verify_report import VerifyResult
     from r3rdma.integrations.megatron import MegatronReplay, MicroBatch
     from r3rdma.read.reader import RoutingReader
     from r3rdma.records import RequestRecord
@@ -397,6 +397,6 @@ def main(args) -> int:
     except MegatronVerifyUnavailable as e:
         print(f"error: {e.code}", file=sys.stderr)
         return 2
-    from r3rdma.cli.verify import report
+    from r3rdma.cli.verify_report import report
 
     return report(result, f"r3rdma verify --trainer megatron: {result.summary['model_type']}")
