@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -30,6 +31,7 @@ COMMANDS = [
     ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
     ("bench", "codecs", "r3rdma.bench.codec_bench", "stored bytes per token under standard codecs vs int32 / uint8 / base64"),
     ("bench", "scaling", "r3rdma.bench.scaling_bench", "N store nodes on one machine ingesting concurrently vs N x one node"),
+    ("bench", "vllm", "r3rdma.bench.vllm_bench", "the same vLLM workload with r3rdma's plug-in off and on: tokens/s ratio, host time per step"),
     ("bench", "scale", "r3rdma.bench.scale_bench", "a whole RL step: commit cost vs rollout size, scattered DP-share reads vs contiguous"),
     ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
 ]
@@ -61,7 +63,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except BrokenPipeError:
+        # `r3rdma ... | head`: the reader went away; exit quietly like other CLIs (and keep
+        # Python's exit-time flush of stdout from raising again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

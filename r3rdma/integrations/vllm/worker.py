@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -74,6 +75,7 @@ class StepRecorder:
         self.requests_stored = 0
         self.requests_aborted = 0
         self.positions_attached = 0  # prefix-cache hits and resumed requests' cached positions
+        self.host_seconds = 0.0  # time spent in this recorder on the engine's step path (bench vllm)
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -155,6 +157,7 @@ class StepRecorder:
 
     def prepare(self, scheduler_output: Any) -> None:
         """Snapshot the step as ``_prepare_inputs`` is about to read it (host arrays only)."""
+        t0 = time.perf_counter()
         batch = self.runner.input_batch
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
@@ -162,6 +165,7 @@ class StepRecorder:
         starts = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
         self._pending = (req_ids, starts, counts, slots)
+        self.host_seconds += time.perf_counter() - t0
 
     def _slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         table = self.runner.input_batch.block_table[0]
@@ -173,6 +177,7 @@ class StepRecorder:
         pending, self._pending = self._pending, None
         if pending is None or self.capturer is None:
             return
+        t0 = time.perf_counter()
         req_ids, starts, counts, slots = pending
         cap = self.capturer
         for i, rid in enumerate(req_ids):
@@ -186,15 +191,18 @@ class StepRecorder:
             self._known[rid] = int(starts[i] + counts[i])
         cap.begin_step(req_ids, starts, counts, slots)
         self._step_tokens = int(slots.size)
+        self.host_seconds += time.perf_counter() - t0
 
     def end(self, ok: bool) -> None:
         if self._step_tokens is None:
             return
+        t0 = time.perf_counter()
         self._step_tokens = None
         if ok:
             self.capturer.end_step()
         else:
             self.capturer.cancel_step()
+        self.host_seconds += time.perf_counter() - t0
 
     def _record(self, layer: int, topk_ids: Any) -> None:
         tokens = self._step_tokens
@@ -207,15 +215,24 @@ class StepRecorder:
                 "support yet"
             )
         # Rows past `tokens` are padding (CUDA-graph or data-parallel sizes): a view, no copy.
+        t0 = time.perf_counter()
         self.capturer.record(layer, topk_ids[:tokens])
+        self.host_seconds += time.perf_counter() - t0
 
     # -- request lifecycle -------------------------------------------------------------------
 
     def lifecycle(self, scheduler_output: Any) -> None:
         """Finish, abort and preempt, as the scheduler decided since the last step."""
-        cap = self.capturer
-        if cap is None:
+        if self.capturer is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._lifecycle(scheduler_output)
+        finally:
+            self.host_seconds += time.perf_counter() - t0
+
+    def _lifecycle(self, scheduler_output: Any) -> None:
+        cap = self.capturer
         for rid in scheduler_output.preempted_req_ids or ():
             self._known.pop(rid, None)
             cap.preempt_request(rid)
@@ -274,7 +291,8 @@ class StepRecorder:
                 "preempted": cap.requests_preempted if cap is not None else 0,
                 "cached_positions": self.positions_attached,
                 "active": cap.active_requests if cap is not None else 0,
-                "steps": cap.steps if cap is not None else 0}
+                "steps": cap.steps if cap is not None else 0,
+                "host_seconds": self.host_seconds}
 
     def close(self) -> None:
         cap, self.capturer = self.capturer, None

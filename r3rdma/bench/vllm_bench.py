@@ -1,0 +1,122 @@
+"""`r3rdma bench vllm`: the same vLLM workload with r3rdma's plug-in off and on, one run.
+
+Two engines on one checkpoint (random-weight Qwen3-MoE written locally), one with routing
+replay on (recording into a local store, flushed durable at the end of each round), one
+without. Rounds alternate off / on so drift of the machine hits both alike; each round is
+the same prompts (a long-tailed mix of prompt and output lengths), ``ignore_eos`` so both
+engines generate exactly the same number of tokens. Reported: output tokens/s of each side
+(median over rounds), their ratio (goal >= 0.98), and the host time the plug-in added per engine
+step (its own clock around every hook: snapshot of the step, begin/record/end, lifecycle),
+also as a share of the step. One JSON line last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from r3rdma.bench._progress import rounds_bar
+
+__all__ = ["run_vllm_bench"]
+
+
+def _workload(n: int, max_new: int, seed: int) -> tuple[list[dict], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(48), 0.8, n), 4, 400).astype(int)
+    new_lens = np.clip(rng.lognormal(np.log(max_new / 2), 0.6, n), 4, max_new).astype(int)
+    prompts = [{"prompt_token_ids": rng.integers(3, 250, size=int(p)).tolist()} for p in prompt_lens]
+    return prompts, [int(x) for x in new_lens]
+
+
+def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, layers: int = 8, experts: int = 64,
+                   top_k: int = 8, hidden: int = 256, seed: int = 0) -> dict:
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from r3rdma.integrations.vllm import flush_routing
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    work = tempfile.mkdtemp(prefix="r3rdma-bench-vllm-")
+    try:
+        model = str(write_tiny_checkpoint(f"{work}/model", seed=seed, tokenizer=False, num_hidden_layers=layers,
+                                          num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                                          head_dim=64, num_attention_heads=max(hidden // 64, 1),
+                                          num_key_value_heads=max(hidden // 128, 1), mlp_only_layers=[],
+                                          moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden))
+        prompts, new_lens = _workload(requests, max_new, seed)
+        common = dict(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=seed,
+                      max_model_len=512, max_num_seqs=32, gpu_memory_utilization=0.15)
+        engines = {"off": LLM(**common),
+                   "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": f"{work}/store"}})}
+        tok_s: dict[str, list[float]] = {"off": [], "on": []}
+        host_s, steps = 0.0, 0
+        try:
+            for rnd in rounds_bar(rounds + 1, "vllm"):
+                for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
+                    params = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, detokenize=False,
+                                             extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"})
+                              for i, m in enumerate(new_lens)]
+                    t0 = time.perf_counter()
+                    outs = engines[side].generate(prompts, params, use_tqdm=False)
+                    if side == "on":
+                        counters = flush_routing(engines["on"])  # durable: part of the measured work
+                    elapsed = time.perf_counter() - t0
+                    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+                    if rnd == 0:
+                        continue  # warm-up round on both engines
+                    tok_s[side].append(generated / elapsed)
+                    if side == "on":
+                        host_s, steps = counters["host_seconds"], counters["steps"]
+        finally:
+            for engine in engines.values():
+                engine.llm_engine.engine_core.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    off, on = statistics.median(tok_s["off"]), statistics.median(tok_s["on"])
+    tokens_per_round = sum(new_lens)
+    step_s = tokens_per_round / off / max(steps / (rounds + 1), 1)  # mean step time with the plug-in off
+    return {
+        "bench": "vllm",
+        "vllm": vllm.__version__,
+        "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
+        "requests": requests,
+        "output_tokens_per_round": tokens_per_round,
+        "rounds": rounds,
+        "tokens_per_s_off": off,
+        "tokens_per_s_on": on,
+        "tokens_per_s_off_rounds": tok_s["off"],
+        "tokens_per_s_on_rounds": tok_s["on"],
+        "ratio": on / off,
+        "goal_ratio": 0.98,
+        "engine_steps": steps,
+        "host_us_per_step": 1e6 * host_s / max(steps, 1),
+        "host_share_of_step": (host_s / max(steps, 1)) / step_s if step_s > 0 else None,
+    }
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter requests and a smaller model (CPU, ~1-2 min)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--max-new", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args) -> int:
+    quick = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
+    if args.requests is not None:
+        quick["requests"] = args.requests
+    if args.max_new is not None:
+        quick["max_new"] = args.max_new
+    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, **quick)
+    print(f"vLLM {result['vllm']}: {result['tokens_per_s_off']:.0f} tok/s off, {result['tokens_per_s_on']:.0f} tok/s on "
+          f"(ratio {result['ratio']:.3f}, goal >= 0.98); plug-in host time {result['host_us_per_step']:.0f} us per step")
+    print(json.dumps(result))
+    return 0
