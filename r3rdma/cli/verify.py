@@ -445,7 +445,9 @@ def load_trained(path: str):
     from transformers import AutoModelForCausalLM
 
     from r3rdma.cli.train_tiny import read_meta
+    from r3rdma.integrations.hf_models import progress_bars_on_terminal_only
 
+    progress_bars_on_terminal_only()  # transformers' "Loading weights" bar only on a terminal
     if not os.path.isdir(path):
         raise SystemExit(f"r3rdma verify: --model {path!r} is not a checkpoint directory (see r3rdma train-tiny)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
