@@ -107,6 +107,11 @@ def stop_location(request_id: str, kv_transfer_params: Any) -> Any:
     extra = _MARKED.get(request_id)
     if n is None or extra is None:
         return kv_transfer_params
+    if LOCATION_KEY in (kv_transfer_params or {}):
+        # The engine had finished the request itself (EOS or length in the same step): no abort
+        # follows, and what it stored is what its location says.
+        _STOP_LENGTHS.pop(request_id, None)
+        return kv_transfer_params
     from r3rdma.integrations.vllm.scheduler import location
 
     return {**(kv_transfer_params or {}), LOCATION_KEY: location(extra, request_id, n - 1)}

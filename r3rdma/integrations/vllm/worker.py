@@ -92,6 +92,15 @@ class StepRecorder:
             raise ConfigError("r3rdma's vLLM plug-in does not support pipeline parallelism yet "
                               f"(pipeline_parallel_size={vcfg.parallel_config.pipeline_parallel_size}); each stage "
                               "holds only its own MoE layers")
+        graphs = getattr(vcfg.compilation_config, "cudagraph_mode", None)
+        if graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE":
+            # A Python hook runs while a CUDA graph is captured, not when it is replayed: every
+            # replayed step would leave its rows unrecorded (and end_step would refuse the step).
+            raise ConfigError(
+                f"r3rdma's vLLM plug-in records routing in eager steps; this engine replays CUDA graphs "
+                f"(cudagraph_mode={getattr(graphs, 'name', graphs)}). Start it with enforce_eager=True "
+                "(--enforce-eager), or turn routing replay off"
+            )
         runners: dict[int, Any] = {}
         for name, module in model.named_modules():
             if not isinstance(module, MoERunner):
