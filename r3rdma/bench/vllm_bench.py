@@ -7,7 +7,10 @@ the same prompts (a long-tailed mix of prompt and output lengths), ``ignore_eos`
 engines generate exactly the same number of tokens. Reported: output tokens/s of each side
 (median over rounds), their ratio (goal >= 0.98), and the host time the plug-in added per engine
 step (its own clock around every hook: snapshot of the step, begin/record/end, lifecycle),
-also as a share of the step. One JSON line last.
+also as a share of the step, and how long each round waited after ``generate`` for the routing
+to be durable (``flush_routing``, counted in the "on" time). The writer compresses and writes
+on its own thread, on the same cores as the engine: on a small CPU machine that competes with
+the model's forward, on a GPU host it does not. One JSON line last.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, l
                    "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": f"{work}/store"}})}
         tok_s: dict[str, list[float]] = {"off": [], "on": []}
         host_s, steps = 0.0, 0
+        flush_s: list[float] = []
         try:
             for rnd in rounds_bar(rounds + 1, "vllm"):
                 for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
@@ -65,9 +69,12 @@ def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, l
                               for i, m in enumerate(new_lens)]
                     t0 = time.perf_counter()
                     outs = engines[side].generate(prompts, params, use_tqdm=False)
+                    t1 = time.perf_counter()
                     if side == "on":
                         counters = flush_routing(engines["on"])  # durable: part of the measured work
                     elapsed = time.perf_counter() - t0
+                    if side == "on" and rnd:
+                        flush_s.append(time.perf_counter() - t1)
                     generated = sum(len(o.outputs[0].token_ids) for o in outs)
                     if rnd == 0:
                         continue  # warm-up round on both engines
@@ -94,6 +101,7 @@ def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, l
         "tokens_per_s_off_rounds": tok_s["off"],
         "tokens_per_s_on_rounds": tok_s["on"],
         "ratio": on / off,
+        "flush_seconds_rounds": flush_s,  # the "on" side's wait, after generate, until durable
         "goal_ratio": 0.98,
         "engine_steps": steps,
         "host_us_per_step": 1e6 * host_s / max(steps, 1),
