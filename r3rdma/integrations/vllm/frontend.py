@@ -3,8 +3,8 @@
 Two jobs the engine processes cannot do, because only the front end knows:
 
 - **The stored id.** vLLM replaces a request's id by an internal one with a random suffix
-  before the engine sees it, and fans ``n > 1`` out into child requests. When a request is
-  assigned its internal id, the plug-in writes the id it will be stored under (the client's
+  before the engine sees it, and fans ``n > 1`` out into child requests. When the front end
+  turns a prompt into an engine request (still under its external id), the plug-in writes the id it will be stored under (the client's
   ``r3_request_id``, else vLLM's external request id) into the request's own copy of its
   sampling parameters' ``extra_args`` (``r3_key``), and each child's sample index
   (``r3_sample_index``). Ids are validated here, so a bad ``r3_request_id`` or
@@ -27,20 +27,23 @@ __all__ = ["key_request", "mark", "child_params", "note_stop_length", "stop_loca
 # token counts of those a stop string ended (sent to the engine with their abort). Per process.
 _MARKED: dict[str, dict] = {}
 _STOP_LENGTHS: dict[str, int] = {}
-_ENABLED: dict[int, Any] = {}  # id(vllm_config) -> its R3Config, None when routing replay is off
+# id(vllm_config) -> (that config, its R3Config or None when routing replay is off); the config
+# is kept so an id reused by a later engine's config is not mistaken for it.
+_ENABLED: dict[int, tuple[Any, Any]] = {}
 
 
-def _enabled(vllm_config: Any) -> bool:
-    key = id(vllm_config)
-    if key not in _ENABLED:
-        _ENABLED[key] = routing_config(vllm_config)
-    return _ENABLED[key] is not None
+def _config_of(vllm_config: Any) -> Any:
+    entry = _ENABLED.get(id(vllm_config))
+    if entry is None or entry[0] is not vllm_config:
+        entry = _ENABLED[id(vllm_config)] = (vllm_config, routing_config(vllm_config))
+    return entry[1]
 
 
 def key_request(input_processor: Any, request: Any) -> None:
     """Before vLLM assigns ``request`` its internal id: record the stored id in its params."""
     params = getattr(request, "sampling_params", None)
-    if params is None or not _enabled(input_processor.vllm_config):
+    config = _config_of(input_processor.vllm_config) if params is not None else None
+    if config is None:
         return
     from r3rdma.ids import validate_id
 
@@ -48,7 +51,7 @@ def key_request(input_processor: Any, request: Any) -> None:
 
     extra = dict(params.extra_args or {})
     key = str(extra.get(REQUEST_ARG, request.request_id))
-    rollout = str(extra.get(ROLLOUT_ARG, _ENABLED[id(input_processor.vllm_config)].rollout_id))
+    rollout = str(extra.get(ROLLOUT_ARG, config.rollout_id))
     try:
         validate_id(key, f"{REQUEST_ARG} (the id the request's routing is stored under)")
         validate_id(rollout, ROLLOUT_ARG)

@@ -32,6 +32,7 @@ __all__ = [
     "ROLLOUT_ARG",
     "REQUEST_ARG",
     "routing_config",
+    "rollout_of",
     "stored_request_id",
 ]
 
