@@ -146,3 +146,12 @@ def test_no_import_circles():
                 todo.extend(graph[m])
     unexpected = sorted(m for m in circles if not any(m in known for known in KNOWN_CIRCLES))
     assert not unexpected, f"modules on an import circle: {unexpected}"
+
+
+def test_fault_injection_is_imported_only_by_the_bench_driver():
+    # r3rdma.testing is harness for `bench reliability` and the tests, not part of the data path.
+    graph = _module_graph()
+    users = sorted(m for m, deps in graph.items()
+                   if any(d == "r3rdma.testing" or d.startswith("r3rdma.testing.") for d in deps)
+                   and not m.startswith("r3rdma.testing") and not m.startswith("r3rdma.bench"))
+    assert users == [], users

@@ -5,10 +5,10 @@ invariant; the tests (tests/test_reliability*.py, tests/test_fuzz*.py) call the 
 with smaller sizes. docs/RELIABILITY.md states what is guaranteed and how each part tests it.
 
 This module is the driver (options, the run, the JSON); the scenarios live beside it, one
-module per group: :mod:`~r3rdma.bench.reliability_crash` (crash cycles, disk full, load),
-:mod:`~r3rdma.bench.reliability_fuzz` (protocol and HTTP fuzzers),
-:mod:`~r3rdma.bench.reliability_issue19` (replicas, bad records, multi-turn, restarts, stalled
-senders, replicas ingest) over :mod:`~r3rdma.bench.reliability_harness` (records, checks). Their
+module per group: :mod:`~r3rdma.testing.crash` (crash cycles, disk full, load),
+:mod:`~r3rdma.testing.fuzz` (protocol and HTTP fuzzers),
+:mod:`~r3rdma.testing.failover` (replicas, bad records, multi-turn, restarts, stalled
+senders, replicas ingest) over :mod:`~r3rdma.testing.harness` (records, checks). Their
 names are re-exported here, where the tests find them.
 
 - :func:`crash_cycles`: two nodes; clients push while one node is SIGKILLed at a random
@@ -44,12 +44,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from r3rdma.bench.reliability_crash import crash_cycles, disk_full, load
-from r3rdma.bench.reliability_fuzz import FuzzFrame, FuzzStats, _message, fuzz_http, fuzz_node, gen_frame
-from r3rdma.bench.reliability_harness import (
+from r3rdma.testing.crash import crash_cycles, disk_full, load
+from r3rdma.testing.fuzz import FuzzFrame, FuzzStats, _message, fuzz_http, fuzz_node, gen_frame
+from r3rdma.testing.harness import (
     EXPERTS, LAYERS, TOP_K, _visible, free_port, make_record, token_leaks, unchecked_record,
 )
-from r3rdma.bench.reliability_issue19 import (
+from r3rdma.testing.failover import (
     announce_and_stall, bad_records, issue19, multiturn, node_lost, replicas_ingest_ratio, restart_same_port,
     stall_while_pushing, stalled_announce,
 )

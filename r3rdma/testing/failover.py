@@ -1,4 +1,4 @@
-"""Issue-19 reliability scenarios: :func:`node_lost` (replicas=2, a node lost with its root),
+"""Failover and refusal scenarios (from issue 19): :func:`node_lost` (replicas=2, a node lost with its root),
 :func:`bad_records` (refused typed at every layer, the good ones stored), :func:`multiturn`,
 :func:`restart_same_port`, :func:`stalled_announce` (stalled senders against node RSS) and
 :func:`replicas_ingest_ratio`; :func:`issue19` runs them all for the bench's JSON."""
@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from r3rdma.bench.reliability_fuzz import _message
-from r3rdma.bench.reliability_harness import (
+from r3rdma.testing.fuzz import _message
+from r3rdma.testing.harness import (
     EXPERTS, LAYERS, TOP_K, free_port, _http_reader, make_record, _spawn_many, unchecked_record, _visible,
 )
 from r3rdma.store.process import NodeProcess, new_token, spawn_node

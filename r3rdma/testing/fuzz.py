@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from r3rdma.bench.reliability_harness import make_record
+from r3rdma.testing.harness import make_record
 from r3rdma.records import buffer_checksum
 from r3rdma.store.process import NodeProcess, new_token
 

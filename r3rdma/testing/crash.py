@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from r3rdma.bench.reliability_harness import LAYERS, TOP_K, make_record, _orphans, _owner, _verify, _visible
+from r3rdma.testing.harness import LAYERS, TOP_K, make_record, _orphans, _owner, _verify, _visible
 from r3rdma.store.process import NodeProcess, new_token, spawn_node
 
 
