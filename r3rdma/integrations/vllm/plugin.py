@@ -296,22 +296,18 @@ def _install_worker() -> None:
             return out
         return initialize_kv_cache
 
-    def execute(original):
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            recorder = getattr(self, "_r3", None)
-            if recorder is not None:
-                # Before _update_states and before this step's forward can rewrite a freed slot.
-                recorder.lifecycle(scheduler_output)
-            return original(self, scheduler_output, *args, **kwargs)
-        return execute_model
-
-    def prepare(original):
-        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-            recorder = getattr(self, "_r3", None)
-            if recorder is not None:
-                recorder.prepare(scheduler_output)
-            return original(self, scheduler_output, *args, **kwargs)
-        return _prepare_inputs
+    def before(hook: str):
+        """A wrapper that hands the scheduler output to ``recorder.<hook>`` before the original
+        runs: ``lifecycle`` before ``execute_model`` (before ``_update_states`` and before this
+        step's forward can rewrite a freed slot), ``prepare`` before ``_prepare_inputs``."""
+        def make(original):
+            def wrapper(self, scheduler_output, *args, **kwargs):
+                recorder = getattr(self, "_r3", None)
+                if recorder is not None:
+                    getattr(recorder, hook)(scheduler_output)
+                return original(self, scheduler_output, *args, **kwargs)
+            return wrapper
+        return make
 
     def forward(original):
         def _model_forward(self, *args, **kwargs):
@@ -352,8 +348,8 @@ def _install_worker() -> None:
     for cls in _runner_classes():
         _wrap(cls, "load_model", load)
     _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
-    _wrap(GPUModelRunner, "execute_model", execute)
-    _wrap(GPUModelRunner, "_prepare_inputs", prepare)
+    _wrap(GPUModelRunner, "execute_model", before("lifecycle"))
+    _wrap(GPUModelRunner, "_prepare_inputs", before("prepare"))
     _wrap(GPUModelRunner, "_model_forward", forward)
     _wrap(Worker, "shutdown", shutdown)
     Worker.r3_flush = r3_flush
