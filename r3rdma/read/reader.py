@@ -25,7 +25,7 @@ import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -48,7 +48,10 @@ from r3rdma.records import checksum
 from r3rdma.read.sources import Source
 from r3rdma.store.rollout_index import RolloutIndex
 
-__all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "Prefetcher", "to_torch"]
+if TYPE_CHECKING:
+    from r3rdma.read.collector import ShareCollector
+
+__all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "Prefetcher", "to_torch", "pack"]
 
 _log = logging.getLogger(__name__)
 
@@ -199,27 +202,8 @@ class RoutingReader:
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
         pieces = self._read(rollout_id, merged, request_ids)
-        geometry = merged.geometry
-        lengths = [merged.requests[rid][1]["rows"] for rid in request_ids]
-        cu = np.zeros(len(request_ids) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        if cu[-1] >= 2**31:
-            raise ConfigError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
-        # One copy of every row, into the packed buffer (no per-request concatenation first).
-        packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
-        row = 0
-        for rid in request_ids:
-            for piece in pieces[rid]:
-                packed[row : row + piece.shape[0]] = piece
-                row += piece.shape[0]
-        return PackedRouting(
-            request_ids=tuple(request_ids),
-            ids_TLK=to_torch(packed),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            start_rows=tuple(merged.requests[rid][1]["start_row"] for rid in request_ids),
-            layer_map=tuple(geometry["layer_map"]),
-            num_experts=geometry["num_experts"],
-        )
+        return pack(request_ids, [pieces[rid] for rid in request_ids],
+                    [merged.requests[rid][1]["start_row"] for rid in request_ids], merged.geometry)
 
     def prefetch(self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2,
                  pin_memory: bool = False) -> "Prefetcher":
@@ -232,6 +216,17 @@ class RoutingReader:
         Use as a context manager, or ``close()`` it to stop loading early.
         """
         return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory)
+
+    def collect(self, rollout_id: str, request_ids: Iterable[str], *, poll_s: float = 0.1,
+                max_batch: int = 256) -> "ShareCollector":
+        """Start reading ``request_ids`` as they are committed, while the rollout still runs (a
+        trainer rank names its share up front); :class:`~r3rdma.read.collector.ShareCollector`
+        says how. Ids need not be committed yet; bad or repeated ids fail here. ``poll_s``: how
+        often the index is polled; ``max_batch``: requests read per read call."""
+        from r3rdma.read.collector import ShareCollector
+
+        validate_id(rollout_id, "rollout_id")
+        return ShareCollector(self, rollout_id, _check_ids(request_ids), poll_s=poll_s, max_batch=max_batch)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -501,6 +496,31 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pack(request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int],
+         geometry: dict[str, Any]) -> PackedRouting:
+    """Requests' segments (``pieces[i]``: request ``i``'s, in row order) packed along tokens."""
+    lengths = [sum(p.shape[0] for p in segs) for segs in pieces]
+    cu = np.zeros(len(request_ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    if cu[-1] >= 2**31:
+        raise ConfigError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
+    # One copy of every row, into the packed buffer (no per-request concatenation first).
+    packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+    row = 0
+    for segs in pieces:
+        for piece in segs:
+            packed[row : row + piece.shape[0]] = piece
+            row += piece.shape[0]
+    return PackedRouting(
+        request_ids=tuple(request_ids),
+        ids_TLK=to_torch(packed),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        start_rows=tuple(start_rows),
+        layer_map=tuple(geometry["layer_map"]),
+        num_experts=geometry["num_experts"],
+    )
 
 
 def _check_ids(request_ids: Iterable[str]) -> list[str]:

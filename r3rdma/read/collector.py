@@ -1,0 +1,150 @@
+"""A trainer rank's share of a rollout, read while the rollout is still running.
+
+In an RL step the trainer knows which samples each data-parallel rank will train on before
+the rollout ends (the prompts were assigned when the step began), and requests finish at
+random times through the rollout. Reading a rank's share only after the last request ends
+puts the whole read between rollout end and the first training step: the stall an RL team
+times. :class:`ShareCollector` (``RoutingReader.collect``) names the share up front; a
+background thread polls the rollout's index (the entry point per node, and the parts it has
+not seen: a few small GETs) and reads each newly committed request of the share at once,
+so at rollout end only the last requests' rows are still to read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError, TransportError, UnknownRolloutError
+
+if TYPE_CHECKING:
+    from r3rdma.read.reader import PackedRouting, RoutingReader
+
+__all__ = ["ShareCollector"]
+
+_log = logging.getLogger(__name__)
+
+
+class ShareCollector:
+    """Reads ``request_ids`` of a rollout as they are committed (see the module docstring).
+
+    :meth:`result` / :meth:`packed` wait for the whole share. ``ready`` / ``total`` say how
+    far it got. Unreachable store nodes and a rollout not created yet are retried on every
+    poll (a node restarting mid-rollout must not end the trainer's wait); any other error
+    (damaged data, a refused token, a deleted rollout) ends the collection and is raised by
+    :meth:`result`. Use as a context manager, or :meth:`close` it.
+    """
+
+    def __init__(self, reader: "RoutingReader", rollout_id: str, request_ids: list[str], *, poll_s: float,
+                 max_batch: int) -> None:
+        if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
+            raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self._reader, self._rollout_id = reader, rollout_id
+        self._order = request_ids
+        self._missing = dict.fromkeys(request_ids)  # insertion-ordered set
+        self._got: dict[str, np.ndarray] = {}
+        self._poll_s, self._max_batch = float(poll_s), max_batch
+        self._error: BaseException | None = None
+        self._last_retryable: BaseException | None = None
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        #: ``time.monotonic()`` when the last request of the share was read (None before).
+        self.finished_at: float | None = None
+        #: Index polls made, and reads issued (each reads every newly committed request at once).
+        self.polls = 0
+        self.reads = 0
+        self._thread = threading.Thread(target=self._run, name="r3rdma-collect", daemon=True)
+        self._thread.start()
+
+    @property
+    def total(self) -> int:
+        return len(self._order)
+
+    @property
+    def ready(self) -> int:
+        with self._lock:
+            return len(self._got)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """The share's routing ``[rows, L, K]`` per request id, in the order named, once every
+        request is read. Past ``timeout`` seconds: :class:`R3TimeoutError` naming what is
+        missing (the collection goes on; call again to keep waiting)."""
+        if not self._done.wait(timeout):
+            with self._lock:
+                missing = list(self._missing)
+            shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            why = f"; last retryable error: {self._last_retryable}" if self._last_retryable is not None else ""
+            raise R3TimeoutError(
+                f"rollout {self._rollout_id!r}: {len(missing)} of the {self.total} requests of this share are not "
+                f"committed after {timeout} s ({shown}){why}"
+            )
+        if self._error is not None:
+            raise self._error
+        return {rid: self._got[rid] for rid in self._order}
+
+    def packed(self, timeout: float | None = None) -> "PackedRouting":
+        """:meth:`result` packed along tokens in the order named (as ``get_packed``)."""
+        from r3rdma.read.reader import pack
+
+        arrays = self.result(timeout)
+        merged = self._reader._index(self._rollout_id)
+        return pack(self._order, [[arrays[rid]] for rid in self._order],
+                    [merged.requests[rid][1]["start_row"] for rid in self._order], merged.geometry)
+
+    def close(self) -> None:
+        """Stop polling (a read in progress finishes first)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> "ShareCollector":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.polls += 1
+                try:
+                    merged = self._reader._index(self._rollout_id, refresh=True)
+                except (UnknownRolloutError, TransportError, R3TimeoutError, StoreError) as e:
+                    # Not created yet, or a node down for a moment: keep polling.
+                    self._last_retryable = e
+                    merged = None
+                if merged is not None:
+                    with self._lock:
+                        ready = [rid for rid in self._missing if rid in merged.requests]
+                    for start in range(0, len(ready), self._max_batch):
+                        batch = ready[start : start + self._max_batch]
+                        pieces = self._reader._read(self._rollout_id, merged, batch)
+                        self.reads += 1
+                        arrays = {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
+                        with self._lock:
+                            self._got.update(arrays)
+                            for rid in batch:
+                                self._missing.pop(rid, None)
+                with self._lock:
+                    if not self._missing:
+                        self.finished_at = time.monotonic()
+                        return
+                self._stop.wait(self._poll_s)
+        except BaseException as e:  # raised to the caller by result()
+            _log.debug("collecting rollout %r stopped: %s", self._rollout_id, e)
+            self._error = e
+        else:
+            self._error = R3Error(f"rollout {self._rollout_id!r}: collecting this share was closed with "
+                                  f"{len(self._missing)} of its {self.total} requests not read")
+        finally:
+            self._done.set()
