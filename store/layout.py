@@ -5,6 +5,7 @@
     <root>/zarr.json                       group; attributes.r3rdma = {"format": ..., "format_version": 2}
     <root>/<rollout_id>/zarr.json          group; attributes.r3rdma = the index entry point
     <root>/<rollout_id>/i00000001/         group; the index part commit 1 wrote (immutable)
+    <root>/<rollout_id>/s00000064/         group; index parts 1..64 merged (immutable, optional)
     <root>/<rollout_id>/b00000001/         array [rows, L, K], one shard file of zstd chunks
 
 A batch array holds the rows of many requests back to back (one file per batch, not one per
@@ -41,6 +42,7 @@ FORMAT_VERSION = 2  # 2: the rollout index is an entry point plus immutable part
 INDEX_KEY = "r3rdma"
 ARRAY_PREFIX = "b"  # batch arrays: b00000001, ...
 PART_PREFIX = "i"  # index parts: i00000001, ... (r3rdma.store.rollout_index)
+SNAPSHOT_PREFIX = "s"  # index snapshots: s00000064 = parts 1..64 merged (r3rdma.store.rollout_index)
 
 
 def numbered_name(prefix: str, seq: int) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import os
 import shutil
 import threading
@@ -49,6 +50,7 @@ from r3rdma.store.layout import (
     INDEX_KEY,
     array_name,
     fsync_dir,
+    fsync_paths,
     tree_paths,
     group_document,
     parse_array_name,
@@ -63,11 +65,15 @@ from r3rdma.store.rollout_index import (
     load_index,
     new_uid,
     parse_part_name,
+    parse_snapshot_name,
     part_name,
     read_file,
+    snapshot_name,
 )
 
 __all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +106,28 @@ class LocalRoutingStore:
         zstd_level: int = 3,
         chunk_rows: int = 1024,
         only_last_turn: bool = False,
+        snapshot_parts: int = 64,
+        snapshot_idle_s: float = 0.25,
     ) -> None:
         """``only_last_turn`` (FastDeploy's key): a request keeps only the rows of its latest
         turn's full view; a complete record set that starts where the stored request starts and
-        ends beyond it *replaces* it (without it, such a record is a conflict and refused)."""
+        ends beyond it *replaces* it (without it, such a record is a conflict and refused).
+
+        ``snapshot_parts`` / ``snapshot_idle_s``: a background thread merges a rollout's index
+        parts into a snapshot (:mod:`r3rdma.store.rollout_index`, "Snapshots") once
+        ``snapshot_parts`` parts follow the last one, or once the rollout has had no commit for
+        ``snapshot_idle_s`` seconds (its rollout has ended: the moment fresh readers open it)."""
+        if isinstance(snapshot_parts, bool) or not isinstance(snapshot_parts, int) or snapshot_parts < 1:
+            raise ConfigError(f"snapshot_parts must be an int >= 1, got {snapshot_parts!r}")
+        if isinstance(snapshot_idle_s, bool) or not isinstance(snapshot_idle_s, (int, float)) or not snapshot_idle_s > 0:
+            raise ConfigError(f"snapshot_idle_s must be a number of seconds > 0, got {snapshot_idle_s!r}")
         self.root = Path(root)
+        self.snapshot_parts = snapshot_parts
+        self.snapshot_idle_s = float(snapshot_idle_s)
+        self._last_commit: dict[str, float] = {}  # rollout -> time.monotonic() of its last part
+        self._snapshot_wake = threading.Event()
+        self._snapshotter: threading.Thread | None = None
+        self._closing = False
         self.only_last_turn = only_last_turn
         self.zstd_level = zstd_level
         self.chunk_rows = chunk_rows
@@ -188,7 +211,8 @@ class LocalRoutingStore:
                 continue  # not this format's (refused by _check_format unless the root says otherwise)
             if entry is None and attrs is not None:
                 index_path.unlink()  # a bare parent group zarr wrote before the array
-            self._remove_orphans(child, entry["parts"] if entry is not None else 0)
+            self._remove_orphans(child, entry["parts"] if entry is not None else 0,
+                                 entry.get("snapshot", 0) if entry is not None else 0)
             for tmp in child.glob("**/.zarr.json.tmp-*"):
                 tmp.unlink(missing_ok=True)
             if entry is None:
@@ -352,10 +376,16 @@ class LocalRoutingStore:
         except OSError as e:
             raise StoreError(f"deleting the index of rollout {rollout_id!r} failed: {e}") from e
         self._indexes.pop(rollout_id, None)
+        self._last_commit.pop(rollout_id, None)
         shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         """Wait for commits still being published, then release the root."""
+        self._closing = True
+        self._snapshot_wake.set()
+        snapshotter, self._snapshotter = self._snapshotter, None
+        if snapshotter is not None and snapshotter is not threading.current_thread():
+            snapshotter.join()
         with self._published:
             while self._to_publish:
                 self._published.wait()
@@ -432,20 +462,23 @@ class LocalRoutingStore:
                 raise StoreError(f"the index of rollout {rollout_id!r} under {self.root} cannot be read: {e}") from e
             if index is None:
                 index = RolloutIndex(uid=new_uid())
-            self._remove_orphans(path, index.parts)
+            self._remove_orphans(path, index.parts, index.snapshot)
             self._indexes[rollout_id] = index
         return index
 
     @staticmethod
-    def _remove_orphans(path: Path, parts: int) -> None:
+    def _remove_orphans(path: Path, parts: int, snapshot: int) -> None:
         # Arrays and parts numbered above the entry point's count are leftovers of a crash
         # before its replace; only this writer (it holds the root lock) creates them, so they
-        # are safe to drop, and the next commit reuses their numbers.
+        # are safe to drop, and the next commit reuses their numbers. Snapshots other than the
+        # one the entry point names: a crash's, or older ones (a reader that read an older
+        # entry point and finds its snapshot gone reads the entry point again).
         if not path.is_dir():
             return
         for child in path.iterdir():
             seq = parse_array_name(child.name) or parse_part_name(child.name)
-            if seq is not None and seq > parts:
+            old_snapshot = parse_snapshot_name(child.name)
+            if (seq is not None and seq > parts) or (old_snapshot is not None and old_snapshot != snapshot):
                 shutil.rmtree(child, ignore_errors=True)
 
     def _write_part(self, rollout_id: str, index: RolloutIndex, changes: dict[str, Any],
@@ -470,11 +503,87 @@ class LocalRoutingStore:
             shutil.rmtree(part_dir, ignore_errors=True)
             raise StoreError(f"committing index part {seq} of rollout {rollout_id!r} failed: {e}") from e
         index.apply(part)
+        self._note_commit(rollout_id, index)
         # The rollout directory holds the new entries (array, part); the root holds the
         # rollout directory's own entry, new with the rollout's first part.
         durable = [*new_paths, part_dir / "zarr.json", part_dir, path] + ([self.root] if seq == 1 else [])
         return _Publish(rollout_id, seq, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}),
                         durable)
+
+    # -- index snapshots (rollout_index.py, "Snapshots") --------------------------------------
+
+    def _note_commit(self, rollout_id: str, index: RolloutIndex) -> None:
+        """Under ``self._lock``: a part was added; wake the snapshot thread if enough piled up."""
+        self._last_commit[rollout_id] = time.monotonic()
+        if self._snapshotter is None and not self._closing:
+            self._snapshotter = threading.Thread(target=self._snapshot_loop, name="r3rdma-snapshot", daemon=True)
+            self._snapshotter.start()
+        if index.parts - index.snapshot >= self.snapshot_parts:
+            self._snapshot_wake.set()
+
+    def _snapshot_loop(self) -> None:
+        """Snapshot rollouts whose parts piled up, or that went idle (a finished rollout)."""
+        while not self._closing:
+            self._snapshot_wake.wait(self.snapshot_idle_s)
+            self._snapshot_wake.clear()
+            if self._closing:
+                return
+            now = time.monotonic()
+            with self._lock:
+                due = [rid for rid, index in self._indexes.items()
+                       if index.parts - index.snapshot >= self.snapshot_parts
+                       or (index.parts - index.snapshot >= 2
+                           and now - self._last_commit.get(rid, 0.0) >= self.snapshot_idle_s)]
+            for rollout_id in due:
+                if self._closing:
+                    return
+                try:
+                    self._snapshot(rollout_id)
+                except Exception as e:  # the parts still hold the index: readers lose nothing
+                    _log.warning("snapshot of the index of rollout %r failed: %s", rollout_id, e)
+
+    def _snapshot(self, rollout_id: str) -> None:
+        """Write the rollout's index as a snapshot and name it in the entry point.
+
+        Off the commit path: the merge, its JSON and its fsync run on this thread with the lock
+        released (commits go on meanwhile and land in later parts); only the entry point's
+        replace goes through the publisher, in order after the commits the snapshot covers.
+        """
+        with self._lock:
+            index = self._indexes.get(rollout_id)
+            if index is None or index.parts <= index.snapshot or index.version != 2:
+                return
+            frozen = index.copy()  # O(requests) dict copies; the encoding runs with the lock released
+        document = frozen.snapshot_document()
+        seq = document["snapshot"]
+        path = self.root / rollout_id
+        snap_dir = path / snapshot_name(seq)
+        try:
+            snap_dir.mkdir(exist_ok=True)  # not parents: a rollout deleted meanwhile stays deleted
+            write_json(snap_dir / "zarr.json", group_document({INDEX_KEY: document}))
+            fsync_paths([snap_dir / "zarr.json", snap_dir])
+        except FileNotFoundError:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+            return
+        except OSError:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+            raise
+        with self._lock:
+            if self._indexes.get(rollout_id) is not index or index.snapshot >= seq:
+                # Deleted, reloaded after a failed publish, or snapshotted meanwhile.
+                shutil.rmtree(snap_dir, ignore_errors=True)
+                return
+            previous, index.snapshot = index.snapshot, seq
+            # The rollout directory's new entry (the snapshot's) is made durable with the entry point.
+            item = _Publish(rollout_id, index.parts, path / "zarr.json",
+                            group_document({INDEX_KEY: index.entry_document()}), [path])
+            self._enqueue(item)
+        item.done.result()
+        # Keep the snapshot the previous entry point named: a reader may be fetching it now.
+        for child in path.iterdir() if path.is_dir() else []:
+            older = parse_snapshot_name(child.name)
+            if older is not None and older < previous:
+                shutil.rmtree(child, ignore_errors=True)
 
     def _write_rollout(self, rollout_id: str, records: list[RequestRecord]) -> "_Publish":
         index = self._index(rollout_id)

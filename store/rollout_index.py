@@ -24,7 +24,16 @@ with ``parts`` one higher: O(batch) bytes however large the rollout. Parts above
 leftovers of a crash and never read; ``uid`` (new for each rollout created) lets a reader
 that cached parts notice that a rollout was deleted and created again under the same id.
 
-Readers fetch the entry point, then only the parts they have not seen.
+Snapshots: one part per commit made a fresh reader fetch and check ~1,700 documents per node
+at 16k requests (1.9 s to open on the H100 host). So the writer merges parts ``1..S`` into an
+immutable snapshot ``<rollout>/s<S>/zarr.json`` (``{"snapshot": S, "uid": ..., "arrays",
+"shards", "requests", "pending"}``: the index after part ``S``), off the commit path, and the
+entry point names it (``"snapshot": S``). A reader that has not seen part ``S`` fetches the
+snapshot and the parts after it; one that has fetches only the parts after what it has. Parts
+stay (a reader of an older r3rdma reads them all). A snapshot is durable before an entry point
+names it; one no entry point names is a crash's leftover, removed when the root is opened.
+
+Readers fetch the entry point, then only the snapshot and parts they have not seen.
 """
 
 from __future__ import annotations
@@ -35,8 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from r3rdma.errors import CorruptDataError
-from r3rdma.store.layout import INDEX_KEY, PART_PREFIX, numbered_name, parse_array_name, parse_numbered_name
+from r3rdma.store.layout import (
+    INDEX_KEY,
+    PART_PREFIX,
+    SNAPSHOT_PREFIX,
+    numbered_name,
+    parse_array_name,
+    parse_numbered_name,
+)
 
 __all__ = [
     "INDEX_FORMAT_VERSION",
@@ -44,6 +62,11 @@ __all__ = [
     "RolloutIndex",
     "part_name",
     "parse_part_name",
+    "snapshot_name",
+    "parse_snapshot_name",
+    "check_snapshot",
+    "encode_requests",
+    "decode_requests",
     "check_entry",
     "check_part",
     "load_index",
@@ -63,6 +86,14 @@ def part_name(seq: int) -> str:
 
 def parse_part_name(name: str) -> int | None:
     return parse_numbered_name(PART_PREFIX, name)
+
+
+def snapshot_name(seq: int) -> str:
+    return numbered_name(SNAPSHOT_PREFIX, seq)
+
+
+def parse_snapshot_name(name: str) -> int | None:
+    return parse_numbered_name(SNAPSHOT_PREFIX, name)
 
 
 def new_uid() -> str:
@@ -86,6 +117,7 @@ class RolloutIndex:
     arrays: list[str] = field(default_factory=list)
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     version: int = INDEX_FORMAT_VERSION
+    snapshot: int = 0  # the snapshot the entry point names (0: none)
 
     @classmethod
     def from_format_1(cls, rollout_id: str, index: dict[str, Any], where: str) -> "RolloutIndex":
@@ -97,6 +129,25 @@ class RolloutIndex:
         return cls(uid="format-1", geometry=geometry, requests=dict(index["requests"]),
                    pending={k: v for k, v in index.get("pending", {}).items() if v},
                    arrays=list(index["arrays"]), version=1)
+
+    @classmethod
+    def from_snapshot(cls, doc: dict[str, Any], geometry: dict[str, Any]) -> "RolloutIndex":
+        """The index after part ``doc["snapshot"]`` (a snapshot checked with :func:`check_snapshot`:
+        its ``requests`` already decoded from columns)."""
+        return cls(uid=doc["uid"], geometry=geometry, parts=doc["snapshot"], requests=doc["requests"],
+                   pending={k: v for k, v in doc.get("pending", {}).items() if v}, arrays=list(doc["arrays"]),
+                   shards=dict(doc.get("shards", {})), snapshot=doc["snapshot"])
+
+    def copy(self) -> "RolloutIndex":
+        """A copy later commits do not change (entries themselves are never changed in place)."""
+        return RolloutIndex(uid=self.uid, geometry=self.geometry, parts=self.parts, requests=dict(self.requests),
+                            pending=dict(self.pending), arrays=list(self.arrays), shards=dict(self.shards),
+                            version=self.version, snapshot=self.snapshot)
+
+    def snapshot_document(self) -> dict[str, Any]:
+        """This index as a snapshot of its parts, requests in columns (:func:`encode_requests`)."""
+        return {"snapshot": self.parts, "uid": self.uid, "arrays": self.arrays, "shards": self.shards,
+                "requests": encode_requests(self.requests, self.arrays), "pending": self.pending}
 
     def apply(self, part: dict[str, Any]) -> None:
         """Apply the next part (already checked with :func:`check_part`)."""
@@ -113,7 +164,10 @@ class RolloutIndex:
 
     def entry_document(self) -> dict[str, Any]:
         """The entry point's attributes (``attributes.r3rdma`` of the rollout's ``zarr.json``)."""
-        return {"format_version": INDEX_FORMAT_VERSION, "uid": self.uid, "parts": self.parts, **self.geometry}
+        doc = {"format_version": INDEX_FORMAT_VERSION, "uid": self.uid, "parts": self.parts, **self.geometry}
+        if self.snapshot:
+            doc["snapshot"] = self.snapshot
+        return doc
 
     def as_format_1(self) -> dict[str, Any]:
         """The merged index in format 1's one-document shape (``GET /v1/rollouts/{id}``)."""
@@ -146,18 +200,22 @@ def check_entry(rollout_id: str, attrs: Any, where: str) -> dict[str, Any] | Non
         )
     if not _is_int(index.get("parts"), 1) or not isinstance(index.get("uid"), str):
         raise _bad(rollout_id, where, "entry point", f"needs 'parts' >= 1 and a 'uid', got {str(index)[:200]}")
+    if "snapshot" in index and not (_is_int(index["snapshot"], 1) and index["snapshot"] <= index["parts"]):
+        raise _bad(rollout_id, where, "entry point", f"'snapshot' must be a part number 1..{index['parts']}, "
+                                                     f"got {index['snapshot']!r}")
     _check_geometry(rollout_id, index, where)
     return index
 
 
-def check_part(rollout_id: str, seq: int, uid: str, attrs: Any, where: str) -> dict[str, Any]:
-    """Index part ``seq`` from its group's attributes, checked against the entry point's uid."""
+def check_part(rollout_id: str, seq: int, uid: str, attrs: Any, where: str, *, key: str = "part") -> dict[str, Any]:
+    """Index part ``seq`` from its group's attributes, checked against the entry point's uid
+    (``key="snapshot"``: the snapshot of parts ``1..seq``, :func:`check_snapshot`)."""
     part = attrs.get(INDEX_KEY) if isinstance(attrs, dict) else None
-    what = f"index part {part_name(seq)}"
+    what = f"index {key} {(part_name if key == 'part' else snapshot_name)(seq)}"
     if not isinstance(part, dict):
         raise _bad(rollout_id, where, what, "has no r3rdma attributes")
-    if part.get("part") != seq:
-        raise _bad(rollout_id, where, what, f"says it is part {part.get('part')!r}")
+    if part.get(key) != seq:
+        raise _bad(rollout_id, where, what, f"says it is {key} {part.get(key)!r}")
     if part.get("uid") != uid:
         # Written for another rollout of the same id (deleted and created again): the caller
         # re-reads the entry point.
@@ -169,6 +227,92 @@ def check_part(rollout_id: str, seq: int, uid: str, attrs: Any, where: str) -> d
     if not isinstance(shards, dict) or not all(name in arrays and _shard_ok(info) for name, info in shards.items()):
         raise _bad(rollout_id, where, what, f"'shards' must describe arrays it adds, got {str(shards)[:200]}")
     return _check_changes(rollout_id, part, None, where, what)
+
+
+def check_snapshot(rollout_id: str, seq: int, uid: str, attrs: Any, where: str) -> dict[str, Any]:
+    """Index snapshot ``seq`` (parts ``1..seq`` merged) from its group's attributes, checked, its
+    ``requests`` decoded from columns into the parts' ``{id: entry}`` shape."""
+    doc = attrs.get(INDEX_KEY) if isinstance(attrs, dict) else None
+    columns = doc.get("requests") if isinstance(doc, dict) else None
+    # Checked as a part with no requests (geometry, arrays, shards, pending), then the columns.
+    checked = check_part(rollout_id, seq, uid, {INDEX_KEY: {**doc, "requests": {}}} if isinstance(doc, dict) else attrs,
+                         where, key="snapshot")
+    return {**checked, "requests": decode_requests(columns, checked["arrays"], rollout_id, where,
+                                                   f"index snapshot {snapshot_name(seq)}")}
+
+
+_COLUMNS = ("ids", "rows", "start_row", "segments")
+_SEGMENT_COLUMNS = ("seg_array", "seg_offset", "seg_rows", "seg_start_row", "seg_crc32c")
+
+
+def encode_requests(requests: dict[str, dict[str, Any]], arrays: list[str]) -> dict[str, list]:
+    """Request entries as columns: a snapshot's ``requests``.
+
+    Why columns: at 16k requests the ``{id: {"rows", "start_row", "segments": [{...}]}}`` form
+    is ~50k small JSON objects, which took a fresh reader ~90 ms to parse and ~130 ms to check
+    one by one on the CPU VM. Columns are flat lists of ints (``segments``: each request's
+    segment count; ``seg_array``: an index into ``arrays``), parsed fast and checked with
+    numpy at once.
+    """
+    where = {name: i for i, name in enumerate(arrays)}
+    out: dict[str, list] = {key: [] for key in (*_COLUMNS, *_SEGMENT_COLUMNS)}
+    ids, rows, start, count = out["ids"], out["rows"], out["start_row"], out["segments"]
+    s_array, s_offset, s_rows, s_start, s_crc = (out[k] for k in _SEGMENT_COLUMNS)
+    for rid, entry in requests.items():
+        ids.append(rid)
+        rows.append(entry["rows"])
+        start.append(entry["start_row"])
+        count.append(len(entry["segments"]))
+        for seg in entry["segments"]:
+            s_array.append(where[seg["array"]])
+            s_offset.append(seg["offset"])
+            s_rows.append(seg["rows"])
+            s_start.append(seg["start_row"])
+            s_crc.append(seg["crc32c"])
+    return out
+
+
+def decode_requests(columns: Any, arrays: list[str], rollout_id: str, where: str, what: str) -> dict[str, dict[str, Any]]:
+    """:func:`encode_requests`'s columns back to entries, every value checked first (a damaged
+    snapshot raises :class:`CorruptDataError`, never a TypeError deep in a read)."""
+    if not isinstance(columns, dict) or not all(isinstance(columns.get(k), list) for k in (*_COLUMNS, *_SEGMENT_COLUMNS)):
+        raise _bad(rollout_id, where, what, f"'requests' must be columns {', '.join(_COLUMNS + _SEGMENT_COLUMNS)}")
+    ids = columns["ids"]
+    n = len(ids)
+    if not all(isinstance(rid, str) for rid in ids) or len(set(ids)) != n:
+        raise _bad(rollout_id, where, what, "'ids' must list distinct request ids")
+    ints: dict[str, np.ndarray] = {}
+    for key in (*_COLUMNS[1:], *_SEGMENT_COLUMNS):
+        try:
+            col = np.asarray(columns[key]) if columns[key] else np.zeros(0, np.int64)
+        except (ValueError, OverflowError):
+            col = np.zeros(0, object)
+        if col.ndim != 1 or col.dtype.kind not in "iu" or (col.size and col.min() < 0):
+            raise _bad(rollout_id, where, what, f"{key!r} must list ints >= 0")
+        ints[key] = col
+    count = ints["segments"]
+    if any(ints[k].size != n for k in _COLUMNS[1:]) or (n and count.min() < 1):
+        raise _bad(rollout_id, where, what, f"'rows', 'start_row' and 'segments' must each list {n} values, segments >= 1")
+    total = int(count.sum())
+    if any(ints[k].size != total for k in _SEGMENT_COLUMNS):
+        raise _bad(rollout_id, where, what, f"each segment column must list {total} values")
+    if total and (ints["seg_array"].max() >= len(arrays) or ints["seg_rows"].min() < 1
+                  or ints["seg_crc32c"].max() >= 1 << 32):
+        raise _bad(rollout_id, where, what, "a segment names no listed array, has no rows, or a crc32c past 32 bits")
+    if n and not np.array_equal(np.add.reduceat(ints["seg_rows"], np.cumsum(count) - count), ints["rows"]):
+        raise _bad(rollout_id, where, what, "a request's segments do not hold its rows")
+    rows, start, count_l = ints["rows"].tolist(), ints["start_row"].tolist(), count.tolist()
+    s_array = [arrays[i] for i in ints["seg_array"].tolist()]
+    s_offset, s_rows, s_start, s_crc = (ints[k].tolist() for k in _SEGMENT_COLUMNS[1:])
+    out: dict[str, dict[str, Any]] = {}
+    k = 0
+    for i, rid in enumerate(ids):
+        m = count_l[i]
+        out[rid] = {"rows": rows[i], "start_row": start[i],
+                    "segments": [{"array": s_array[j], "offset": s_offset[j], "rows": s_rows[j],
+                                  "start_row": s_start[j], "crc32c": s_crc[j]} for j in range(k, k + m)]}
+        k += m
+    return out
 
 
 def _shard_ok(info: Any) -> bool:
@@ -199,8 +343,17 @@ def load_index(rollout_id: str, read: Callable[[str], bytes | None], where: str)
         return None
     if entry.get("format_version", 1) == 1:
         return RolloutIndex.from_format_1(rollout_id, entry, where)
-    index = RolloutIndex(uid=entry["uid"], geometry={k: entry[k] for k in GEOMETRY_KEYS})
-    for seq in range(1, entry["parts"] + 1):
+    geometry = {k: entry[k] for k in GEOMETRY_KEYS}
+    index = RolloutIndex(uid=entry["uid"], geometry=geometry)
+    if entry.get("snapshot"):
+        raw = read(f"{snapshot_name(entry['snapshot'])}/zarr.json")
+        if raw is None:
+            raise CorruptDataError(f"rollout {rollout_id!r} on {where}: index snapshot "
+                                   f"{snapshot_name(entry['snapshot'])} is missing")
+        index = RolloutIndex.from_snapshot(
+            check_snapshot(rollout_id, entry["snapshot"], entry["uid"], parse_attrs(raw, rollout_id, where), where),
+            geometry)
+    for seq in range(index.parts + 1, entry["parts"] + 1):
         raw = read(f"{part_name(seq)}/zarr.json")
         if raw is None:
             raise CorruptDataError(f"rollout {rollout_id!r} on {where}: index part {part_name(seq)} is missing")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import gc
 import logging
 import os
 import sys
@@ -397,10 +399,14 @@ class RoutingReader:
             return await asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources),
                                         return_exceptions=True)
 
+        with _gc_paused():
+            return self._load_index(rollout_id, cached, sync(load_all()))
+
+    def _load_index(self, rollout_id: str, cached: "_MergedIndex | None", loaded: list[Any]) -> "_MergedIndex":
         results: list[RolloutIndex | None] = []
         skipped: dict[str, str] = {}
         errors: list[BaseException] = []
-        for source, result in zip(self._sources, sync(load_all())):
+        for source, result in zip(self._sources, loaded):
             if isinstance(result, (TransportError, R3TimeoutError, StoreError)):
                 if isinstance(result, AuthenticationError) or len(self._sources) == 1:
                     raise result
@@ -540,6 +546,21 @@ def _check_ids(request_ids: Iterable[str]) -> list[str]:
             + f" ({len(ids)} ids, {len(counts)} distinct); nothing was read"
         )
     return ids
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic GC off while an index loads. Why: a load makes ~100k small objects
+    (request entries, their segments) that all survive; the collections their allocation
+    triggers walk them again and again: on the CPU VM a 16k-request index opened in 2x the
+    time with the GC on. Concurrent pauses are safe: whoever found it on turns it back on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 async def _raise(error: BaseException) -> None:

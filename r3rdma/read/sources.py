@@ -36,8 +36,10 @@ from r3rdma.store.rollout_index import (
     StalePartError,
     check_entry,
     check_part,
+    check_snapshot,
     parse_attrs,
     part_name,
+    snapshot_name,
 )
 
 __all__ = ["Source", "http_store"]
@@ -119,10 +121,19 @@ class Source:
             cached = RolloutIndex(uid=entry["uid"], geometry={k: entry[k] for k in GEOMETRY_KEYS})
         if cached.parts == entry["parts"]:
             return cached
-        # A copy gets the new parts: a read on another thread may be using the cached one.
-        index = RolloutIndex(uid=cached.uid, geometry=cached.geometry, parts=cached.parts,
-                             requests=dict(cached.requests), pending=dict(cached.pending), arrays=list(cached.arrays))
         limit = asyncio.Semaphore(concurrency)
+        snapshot = entry.get("snapshot", 0)
+        if snapshot > cached.parts:
+            # One snapshot instead of the parts up to it (rollout_index.py, "Snapshots").
+            key = f"{rollout_id}/{snapshot_name(snapshot)}/zarr.json"
+            raw = await self.get(key, f"reading index snapshot {snapshot} of rollout {rollout_id!r}")
+            if raw is None:  # replaced by a newer one since the entry point was read
+                raise StalePartError(rollout_id, self.name, snapshot)
+            doc = check_snapshot(rollout_id, snapshot, cached.uid, parse_attrs(raw, rollout_id, self.name), self.name)
+            index = RolloutIndex.from_snapshot(doc, cached.geometry)
+        else:
+            # A copy gets the new parts: a read on another thread may be using the cached one.
+            index = cached.copy()
 
         async def fetch(seq: int) -> dict[str, Any]:
             async with limit:
