@@ -70,6 +70,9 @@ class TiledRollout:
     10 GB of routing costs a pool of a few MB. Offsets are distinct (a random permutation of the
     pool's start rows), so every request has its own bytes and CRC, and requests committed next
     to each other come from far-apart pool rows (a codec sees no copies within a chunk).
+
+    ``lengths``: rows of each request, given instead of drawn uniformly from
+    ``min_rows..max_rows`` (a bench's own length mix); each must lie in that range.
     """
 
     def __init__(
@@ -83,13 +86,19 @@ class TiledRollout:
         num_experts: int = 128,
         rollout_id: str = "scale",
         seed: int = 0,
+        lengths: np.ndarray | None = None,
     ) -> None:
         if not 1 <= min_rows <= max_rows:
             raise ValueError(f"need 1 <= min_rows <= max_rows, got {min_rows}, {max_rows}")
         rng = np.random.default_rng(seed + 1)
         starts = max(num_requests, 1 << 16)
         self.pool = routing_pool(starts + max_rows, num_layers=num_layers, top_k=top_k, num_experts=num_experts, seed=seed)
-        self.lengths = rng.integers(min_rows, max_rows + 1, size=num_requests)
+        if lengths is None:
+            self.lengths = rng.integers(min_rows, max_rows + 1, size=num_requests)
+        else:
+            self.lengths = np.asarray(lengths, dtype=np.int64)
+            if self.lengths.shape != (num_requests,) or not (min_rows <= self.lengths).all() or not (self.lengths <= max_rows).all():
+                raise ValueError(f"lengths must be {num_requests} row counts in {min_rows}..{max_rows}")
         self.offsets = rng.permutation(starts)[:num_requests]
         self.rollout_id = rollout_id
         self.num_experts = num_experts

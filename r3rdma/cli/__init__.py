@@ -33,6 +33,7 @@ COMMANDS = [
     ("bench", "scaling", "r3rdma.bench.scaling_bench", "N store nodes on one machine ingesting concurrently vs N x one node"),
     ("bench", "vllm", "r3rdma.bench.vllm_bench", "the same vLLM workload with r3rdma's plug-in off and on: tokens/s ratio, host time per step"),
     ("bench", "scale", "r3rdma.bench.scale_bench", "a whole RL step: commit cost vs rollout size, scattered DP-share reads vs contiguous"),
+    ("bench", "rlstep", "r3rdma.bench.rlstep_bench", "one RL step as deployed: engines push as requests finish, trainer ranks collect their shares; the stall"),
     ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
 ]
 

@@ -1,0 +1,195 @@
+"""The processes of ``r3rdma bench rlstep``: engines and trainer ranks.
+
+An **engine** process is one TP-owner rank of an inference engine: its own
+:class:`~r3rdma.write.writer.RoutingWriter` over its own
+:class:`~r3rdma.write.push_client.StoreNodesClient` submits each of its requests at the moment
+the request finishes (a schedule relative to a common start time), and reports when each batch
+was acknowledged. A **trainer** process is one data-parallel rank: during the step it names its
+share up front with :meth:`RoutingReader.collect <r3rdma.read.reader.RoutingReader.collect>` and
+assembles its replay batch once the share is whole; after the step it serves
+:mod:`r3rdma.bench.scale_readers`' timed read command (the scattered / contiguous yardstick).
+
+Both fork from the forkserver of :func:`r3rdma.bench.scale_readers.reader_context` and speak
+its pipe protocol (``ready``, commands, ``done`` or ``error``), so
+:class:`~r3rdma.bench.scale_readers.ReaderWorker` drives them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from r3rdma.bench.scale_readers import ReaderWorker, reader_context
+
+__all__ = ["worker_context", "BenchProcess", "engine_main", "trainer_main", "WARM_ROLLOUT"]
+
+#: Where engines push their warm-up records (connections up before the clock), apart from the step.
+WARM_ROLLOUT = "rlstep-warm"
+
+
+def worker_context():
+    """scale_readers' forkserver context, this module preloaded too (the engines' UCX stack is
+    not: ucxx is imported in each engine, after the fork)."""
+    ctx = reader_context()
+    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.scale_readers", __name__])
+    return ctx
+
+
+class BenchProcess(ReaderWorker):
+    """A process running ``target(conn, *args)``, driven like a :class:`ReaderWorker` (its
+    ``send`` / ``recv`` / ``request_stop`` / ``stop``); only what runs in it differs."""
+
+    def __init__(self, ctx, rank: int, target, args: tuple, name: str) -> None:
+        # ReaderWorker's own __init__ is not called: it would start a reader process.
+        self.rank = rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+        self._stopping = False
+
+
+def _serve(conn, handlers: dict[str, Any]) -> None:
+    """Run the commands arriving on ``conn`` until ``stop``; an exception goes back as ``error``."""
+    import traceback
+
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd["cmd"] == "stop":
+            return
+        try:
+            handler = handlers.get(cmd["cmd"])
+            if handler is None:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+            handler(cmd)
+        except BaseException:
+            conn.send({"event": "error", "error": traceback.format_exc()})
+
+
+# -- engines -------------------------------------------------------------------------------
+
+
+class _AckClock:
+    """The writer's store: a StoreNodesClient whose every acknowledged batch is noted with its
+    wall-clock ack time (``time.time()``: trainers in other processes compare against it)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.acks: list[tuple[float, list[str]]] = []  # (ack time, request ids), in ack order
+
+    def commit(self, records):
+        result = self.inner.commit(records)
+        self.acks.append((time.time(), [r.request_id for r in records]))
+        return result
+
+
+def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int, rollout_kw: dict[str, Any],
+                schedule: list[tuple[int, float]], batch_mb: float) -> None:
+    """One engine rank: connect (warm-up pushes until every node took one), say ready, then on
+    ``go`` submit request ``i`` at ``t0 + finish_s`` for each ``(i, finish_s)`` of ``schedule``
+    (sorted), flush, and report first submit, ack times and how late submits ran."""
+    os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
+    import traceback
+
+    from r3rdma.bench.synthetic import TiledRollout
+    from r3rdma.records import RequestRecord
+    from r3rdma.write import RoutingWriter, StoreNodesClient
+
+    client = None
+    try:
+        rollout = TiledRollout(**rollout_kw)
+        client = StoreNodesClient(push_urls, secret=token, replicas=replicas)
+        # Connections up before the clock: records of a rollout of its own until every node took one.
+        covered: set[str] = set()
+        warm_ids: list[str] = []
+        for j in range(1000):
+            if len(covered) == len(client.nodes):
+                break
+            warm = RequestRecord(WARM_ROLLOUT, f"e{rank}-w{j}", rollout.ids(j % len(rollout)), rollout.layer_map,
+                                 rollout.num_experts)
+            if not set(client.replica_set(warm)) <= covered:
+                client.commit([warm])
+                covered.update(client.replica_set(warm))
+                warm_ids.append(warm.request_id)
+    except BaseException:
+        conn.send({"event": "error", "error": traceback.format_exc()})
+        if client is not None:
+            client.close()
+        return
+    conn.send({"event": "ready", "warm": warm_ids})
+    try:
+
+        def go(cmd: dict[str, Any]) -> None:
+            t0 = cmd["t0"]
+            clock = _AckClock(client)
+            batch_bytes = max(1, int(batch_mb * (1 << 20)))
+            writer = RoutingWriter(clock, flush_bytes=batch_bytes, max_inflight_bytes=max(8 * batch_bytes, 512 << 20))
+            late = 0.0
+            first = None
+            cpu0 = time.process_time()
+            try:
+                for i, finish_s in schedule:
+                    wait = t0 + finish_s - time.time()
+                    if wait > 0:
+                        time.sleep(wait)
+                    now = time.time()
+                    late = max(late, now - (t0 + finish_s))  # the engine fell behind its schedule (CPU, backpressure)
+                    first = now if first is None else first
+                    writer.submit(rollout.record(i))  # the record's CRC-32C is hashed here, as a capturer does
+                writer.flush()
+            finally:
+                writer.close()
+            conn.send({"event": "done", "first_submit": first, "acks": clock.acks, "late_s": late,
+                       "requests": len(schedule), "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
+                       "cpu_s": time.process_time() - cpu0})
+
+        _serve(conn, {"go": go})
+    finally:
+        client.close()
+
+
+# -- trainer ranks ---------------------------------------------------------------------------
+
+
+def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
+    """One trainer rank. Commands: ``warm`` (read a few records of the warm-up rollout:
+    connections and buffers up), ``collect`` (the step: collect the share, pack it, report the
+    moment it was whole), ``read`` (scale_readers' timed micro-batch reads)."""
+    os.dup2(2, 1)
+    from r3rdma.bench.scale_readers import _worker_read
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.records import checksum
+
+    reader = RoutingReader(urls, token=read_token, progress=False)
+    conn.send({"event": "ready"})
+
+    def warm(cmd: dict[str, Any]) -> None:
+        reader.get_packed(cmd["rollout"], cmd["ids"])
+        conn.send({"event": "done"})
+
+    def collect(cmd: dict[str, Any]) -> None:
+        cpu0, started = time.process_time(), time.time()
+        # Named before the rollout exists (it is created by its first commit): the collector
+        # keeps polling until it does, as a trainer rank does when the step begins.
+        with reader.collect(cmd["rollout"], cmd["ids"], poll_s=cmd["poll_s"]) as collector:
+            packed = collector.packed(cmd["timeout"])  # the share is whole; its replay batch assembled
+            done = time.time()
+            crcs: dict[str, int] = {}
+            if cmd["verify"]:  # outside the clock: what arrived, hashed, for the parent to compare
+                crcs = {rid: checksum(array) for rid, array in collector.result(0).items()}
+            ids_TLK = packed.ids_TLK
+            answer = {"event": "done", "started": started, "done": done, "requests": len(packed.request_ids),
+                      "rows": int(ids_TLK.shape[0]), "bytes": ids_TLK.numel() * ids_TLK.element_size(),
+                      "order_ok": list(packed.request_ids) == list(cmd["ids"]), "polls": collector.polls,
+                      "reads": collector.reads, "cpu_s": time.process_time() - cpu0, "crcs": crcs}
+        del packed, ids_TLK  # the share's memory back before the after-step reads
+        conn.send(answer)
+
+    try:
+        _serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: _worker_read(reader, cmd, conn)})
+    finally:
+        reader.close()

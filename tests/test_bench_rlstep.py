@@ -1,0 +1,100 @@
+"""`r3rdma bench rlstep` end to end at a tiny size: the JSON's fields exist and are sane, and
+every trainer rank collected every request of its share with the bytes that were pushed (no
+timed assertions: the numbers mean nothing at this size)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from r3rdma.bench.rlstep_bench import ROLLOUT_ID, _contiguous_runs, plan_rollout, run_rlstep_bench
+from r3rdma.bench.synthetic import TiledRollout
+
+FIELDS = (
+    "cpu_count", "rollout_seconds", "stall_seconds", "stall_vs_rollout", "stall_per_rank", "bytes_raw", "bytes_stored",
+    "bytes_stored_nodes", "bytes_stored_per_replica", "ingest_gbps_per_node", "ingest_gbps_nodes",
+    "offered_gbps_per_node", "index_open_ms", "index_open_ms_first", "rank_read_gbps", "scattered_read_gbps",
+    "contiguous_read_gbps", "scattered_vs_contiguous", "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick",
+    "goals", "requests", "nodes", "replicas", "engines", "trainers", "rollout_seconds_planned", "phase_seconds",
+)
+
+
+def test_plan_rollout_is_long_tailed_and_long_requests_finish_late():
+    rows, finish = plan_rollout(5000, min_rows=16, max_rows=2000, median_rows=120, sigma=1.0, rollout_seconds=20.0, seed=0)
+    assert rows.min() >= 16 and rows.max() <= 2000 and 100 <= np.median(rows) <= 140
+    assert rows.mean() > 1.3 * np.median(rows)  # many short, some long
+    assert finish.min() >= 0 and math.isclose(finish.max(), 20.0)
+    assert np.corrcoef(rows, finish)[0, 1] > 0.8
+    _, at_once = plan_rollout(10, min_rows=1, max_rows=5, median_rows=2, sigma=1.0, rollout_seconds=0.0, seed=0)
+    assert (at_once == 0).all()
+
+
+def test_tiled_rollout_takes_explicit_lengths():
+    lengths = np.array([3, 1, 7, 2])
+    rollout = TiledRollout(4, min_rows=1, max_rows=7, num_layers=2, top_k=2, num_experts=8, lengths=lengths)
+    assert [rollout.ids(i).shape[0] for i in range(4)] == [3, 1, 7, 2] and rollout.total_bytes == 13 * 2 * 2
+    with pytest.raises(ValueError, match="lengths"):
+        TiledRollout(4, min_rows=2, max_rows=7, num_layers=2, top_k=2, num_experts=8, lengths=lengths)
+
+
+def test_contiguous_runs_follow_the_order_with_each_share_s_bytes():
+    order = [f"r{i}" for i in range(10)]
+    size = {rid: 10 for rid in order}
+    runs = _contiguous_runs(order, size, [30, 50, 20])
+    assert [x for run in runs for x in run] == order and [len(run) for run in runs] == [3, 5, 2]
+
+
+@pytest.mark.timeout(120)
+def test_rlstep_bench_tiny(tmp_path):
+    from r3rdma.read.reader import RoutingReader
+
+    requests, trainers, replicas, nodes = 300, 3, 2, 3
+    kw = dict(min_rows=4, max_rows=64, median_rows=16, sigma=1.0, seed=0)
+    result = run_rlstep_bench(requests=requests, **kw, nodes=nodes, replicas=replicas, engines=2, trainers=trainers,
+                              rollout_seconds=2.0, batch_mb=0.2, micro_batch=8, rounds=1, root=str(tmp_path),
+                              verify=True, progress=False, timeout=100)
+    json.dumps(result)  # the JSON line
+    for name in FIELDS:
+        assert name in result, name
+    lengths, _ = plan_rollout(requests, rollout_seconds=2.0, **kw)
+    rollout = TiledRollout(requests, min_rows=4, max_rows=64, rollout_id=ROLLOUT_ID, seed=0, lengths=lengths)
+    assert result["bytes_raw"] == rollout.total_bytes and result["tokens"] == int(lengths.sum())
+
+    # Every rank got exactly its share (i % D == r), in the order named, bit for bit as pushed.
+    assert result["shares_complete"] is True
+    assert result["verified_requests"] == requests and result["verify_mismatches"] == 0
+    share_bytes = [sum(rollout.nbytes(i) for i in range(r, requests, trainers)) for r in range(trainers)]
+    assert result["share_bytes_per_rank"] == share_bytes
+    assert sum(result["contiguous_bytes_per_rank"]) == rollout.total_bytes
+
+    # Each request on `replicas` nodes: the nodes ingested that many copies and store them.
+    assert sum(result["node_bytes_ingested"]) == replicas * rollout.total_bytes
+    assert len(result["bytes_stored_nodes"]) == nodes and sum(result["bytes_stored_nodes"]) == result["bytes_stored"] > 0
+    assert result["bytes_stored_per_replica"] == result["bytes_stored"] // replicas
+
+    # Sane, not fast: positive rates and times, one per rank where per rank, booleans for goals.
+    assert result["rollout_seconds"] > 0 and math.isfinite(result["stall_seconds"])
+    assert len(result["stall_per_rank"]) == len(result["rank_read_gbps"]) == trainers
+    assert max(result["stall_per_rank"]) == result["stall_seconds"]
+    assert all(g > 0 for g in result["rank_read_gbps"])
+    for name in ("ingest_gbps_per_node", "scattered_read_gbps", "contiguous_read_gbps", "scattered_vs_contiguous",
+                 "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick", "index_open_ms"):
+        assert result[name] > 0, name
+    assert set(result["goals"]) == {"stall", "index_open", "scattered_reads", "ingest"}
+    assert all(isinstance(v, bool) for v in result["goals"].values())
+
+    # The nodes' data, read again from their roots on disk: a sample equals the pushed rows.
+    sample = [rollout.request_id(i) for i in range(0, requests, 37)]
+    with RoutingReader([tmp_path / f"node{i}" for i in range(nodes)], progress=False) as reader:
+        got = reader.get_numpy(ROLLOUT_ID, sample)
+    for rid in sample:
+        np.testing.assert_array_equal(got[rid], rollout.ids(int(rid[1:])))
+
+
+def test_cli_registers_rlstep():
+    from r3rdma.cli import build_parser
+
+    argv = ["bench", "rlstep", "--quick", "--engines", "3"]
+    args = build_parser(argv).parse_args(argv)
+    assert args._module == "r3rdma.bench.rlstep_bench" and args.quick and args.engines == 3
