@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError, TransportError, UnknownRolloutError
-
-if TYPE_CHECKING:
-    from r3rdma.read.reader import PackedRouting, RoutingReader
+from r3rdma.read.packed import PackedRouting, pack
 
 __all__ = ["ShareCollector"]
 
@@ -39,7 +37,7 @@ class ShareCollector:
     :meth:`result`. Use as a context manager, or :meth:`close` it.
     """
 
-    def __init__(self, reader: "RoutingReader", rollout_id: str, request_ids: list[str], *, poll_s: float,
+    def __init__(self, reader: Any, rollout_id: str, request_ids: list[str], *, poll_s: float,
                  max_batch: int) -> None:
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
             raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
@@ -92,10 +90,8 @@ class ShareCollector:
             raise self._error
         return {rid: self._got[rid] for rid in self._order}
 
-    def packed(self, timeout: float | None = None) -> "PackedRouting":
+    def packed(self, timeout: float | None = None) -> PackedRouting:
         """:meth:`result` packed along tokens in the order named (as ``get_packed``)."""
-        from r3rdma.read.reader import pack
-
         arrays = self.result(timeout)
         merged = self._reader._index(self._rollout_id)
         return pack(self._order, [[arrays[rid]] for rid in self._order],

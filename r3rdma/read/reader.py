@@ -47,6 +47,7 @@ from r3rdma.errors import (
 )
 from r3rdma.ids import validate_id
 from r3rdma.records import checksum
+from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.sources import Source
 from r3rdma.store.rollout_index import RolloutIndex
 
@@ -72,32 +73,6 @@ class RolloutInfo:
     layer_map: tuple[int, ...]
     request_ids: tuple[str, ...]
     total_rows: int
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class PackedRouting:
-    """Routing of several requests packed along tokens, as trainers batch packed sequences.
-
-    Rows of request ``i`` are ``ids_TLK[cu_seqlens[i]:cu_seqlens[i + 1]]``; their first row is
-    position ``start_rows[i]`` of that request (0 unless only later turns were stored). A request
-    stored in segments (turns of a conversation, prefill and decode parts) comes back whole:
-    its segments concatenated in row order. Requests whose segments do not yet cover every row
-    are invisible (pending).
-    """
-
-    request_ids: tuple[str, ...]
-    ids_TLK: torch.Tensor
-    cu_seqlens: torch.Tensor  # int32 [N + 1]
-    start_rows: tuple[int, ...]
-    layer_map: tuple[int, ...]
-    num_experts: int
-
-
-def to_torch(array: np.ndarray) -> torch.Tensor:
-    """Routing ids as a tensor; uint16 widens to int32 because torch's uint16 lacks most ops."""
-    if array.dtype == np.uint16:
-        array = array.astype(np.int32)
-    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 class RoutingReader:
@@ -502,31 +477,6 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def pack(request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int],
-         geometry: dict[str, Any]) -> PackedRouting:
-    """Requests' segments (``pieces[i]``: request ``i``'s, in row order) packed along tokens."""
-    lengths = [sum(p.shape[0] for p in segs) for segs in pieces]
-    cu = np.zeros(len(request_ids) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    if cu[-1] >= 2**31:
-        raise ConfigError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
-    # One copy of every row, into the packed buffer (no per-request concatenation first).
-    packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
-    row = 0
-    for segs in pieces:
-        for piece in segs:
-            packed[row : row + piece.shape[0]] = piece
-            row += piece.shape[0]
-    return PackedRouting(
-        request_ids=tuple(request_ids),
-        ids_TLK=to_torch(packed),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        start_rows=tuple(start_rows),
-        layer_map=tuple(geometry["layer_map"]),
-        num_experts=geometry["num_experts"],
-    )
 
 
 def _check_ids(request_ids: Iterable[str]) -> list[str]:
