@@ -97,6 +97,7 @@ class LocalRoutingStore:
         *,
         zstd_level: int = 3,
         chunk_rows: int = 1024,
+        min_chunk_rows: int = 64,
         only_last_turn: bool = False,
         snapshot_parts: int = 64,
         snapshot_idle_s: float = 0.25,
@@ -104,6 +105,9 @@ class LocalRoutingStore:
         """``only_last_turn`` (FastDeploy's key): a request keeps only the rows of its latest
         turn's full view; a complete record set that starts where the stored request starts and
         ends beyond it *replaces* it (without it, such a record is a conflict and refused).
+
+        ``chunk_rows`` / ``min_chunk_rows``: a batch array's inner chunks hold the power of two
+        at or above its median request length, clamped to this range (:meth:`_batch_chunk_rows`).
 
         ``snapshot_parts`` / ``snapshot_idle_s``: a background thread merges a rollout's index
         parts into a snapshot (:mod:`r3rdma.store.rollout_index`, "Snapshots") once
@@ -123,6 +127,7 @@ class LocalRoutingStore:
         self.only_last_turn = only_last_turn
         self.zstd_level = zstd_level
         self.chunk_rows = chunk_rows
+        self.min_chunk_rows = min(min_chunk_rows, chunk_rows)
         self._lock = threading.Lock()
         self._indexes: dict[str, dict[str, Any]] = {}
         # Commits written but not yet durable, published in order by one thread (_publish_loop).
@@ -594,13 +599,14 @@ class LocalRoutingStore:
         new: list[tuple[int, RequestRecord]] = []
         duplicates = 0
         end = 0
+        chunk = self._batch_chunk_rows(records)
         for record in records:
             if _geometry(record) != geometry:
                 raise ShapeMismatchError(
                     f"request {record.request_id!r} has geometry {_geometry(record)}, "
                     f"but {records[0].request_id!r} in the same batch has {geometry}"
                 )
-            offset = self._aligned(end, record.num_rows)
+            offset = self._aligned(end, record.num_rows, chunk)
             if state.add(record, name, offset):
                 new.append((offset, record))
                 end = offset + record.num_rows
@@ -616,7 +622,7 @@ class LocalRoutingStore:
                 data[offset : offset + r.num_rows] = r.ids_TLK
         rollout_path = self.root / rollout_id
         try:
-            shards, written = self._write_array(rollout_path, name, data)
+            shards, written = self._write_array(rollout_path, name, data, chunk)
         except R3Error:
             raise
         except OSError as e:
@@ -636,7 +642,22 @@ class LocalRoutingStore:
         item.counts = (len(new), duplicates, sum(r.nbytes for _, r in new), still_pending)
         return item
 
-    def _aligned(self, end: int, rows: int) -> int:
+    def _batch_chunk_rows(self, records: list[RequestRecord]) -> int:
+        """Rows per inner chunk of a batch's array: the power of two at or above the batch's
+        median request length, from ``min_chunk_rows`` (64) up to ``chunk_rows`` (1024).
+
+        Why: a reader decodes whole chunks, and a data-parallel rank's requests sit between
+        other ranks' requests. With 1024-row chunks, short requests (~100 rows) shared a chunk
+        with ~8 others, so a rank decoded ~8x the rows it asked for, and scattered reads of
+        short requests ran at 0.33-0.49 of a contiguous read. A chunk about one request long
+        holds one or two of them (:meth:`_aligned` starts a request that does not fit at the
+        next chunk). Each batch array states its own chunk shape; readers need nothing new.
+        """
+        lengths = sorted(r.num_rows for r in records)
+        median = lengths[len(lengths) // 2]
+        return max(self.min_chunk_rows, min(self.chunk_rows, 1 << max(0, (median - 1).bit_length())))
+
+    def _aligned(self, end: int, rows: int, chunk_rows: int) -> int:
         """Where a request of ``rows`` rows goes in a batch array whose rows so far end at ``end``.
 
         A request that does not fit in what is left of the current chunk starts at the next
@@ -648,10 +669,10 @@ class LocalRoutingStore:
         chunks); aligned, it touches ceil(rows / chunk_rows) chunks of its own. Requests that
         fit in a chunk's remainder still share it, so short requests add no padding.
         """
-        room = -end % self.chunk_rows
+        room = -end % chunk_rows
         return end + room if rows > room > 0 else end
 
-    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray) -> tuple[dict[str, Any], list[Path]]:
+    def _write_array(self, rollout_path: Path, name: str, data: np.ndarray, chunk_rows: int) -> tuple[dict[str, Any], list[Path]]:
         """Write a batch array (:mod:`r3rdma.store.shard_writer`: zarr's bytes, chunks
         compressed in parallel); return its shard layout for the index part and the files and
         directories written (fsynced with the part, :meth:`_write_part`)."""
@@ -660,13 +681,13 @@ class LocalRoutingStore:
         # The array's own store, not the rollout's with name=: zarr would first write a bare
         # group zarr.json for the parent, and a crash before the index rename would leave a
         # rollout that lists but has no index.
-        places = write_batch_array(rollout_path / name, data, chunk_rows=self.chunk_rows, zstd_level=self.zstd_level)
+        places = write_batch_array(rollout_path / name, data, chunk_rows=chunk_rows, zstd_level=self.zstd_level)
         # The shard's chunk index, copied into the index part: a reader of a few requests from
         # every array (a data-parallel rank's share) then needs one ranged GET per request,
         # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
         # Every chunk is written (placement, :meth:`_aligned`, leaves less than a chunk of
         # fill rows between requests, so no chunk is all fill value).
-        chunk = max(1, min(self.chunk_rows, rows))
+        chunk = max(1, min(chunk_rows, rows))
         return {"rows": rows, "chunk_rows": chunk, "zstd": self.zstd_level > 0, "chunks": places}, tree_paths(rollout_path / name)
 
 

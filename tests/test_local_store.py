@@ -141,7 +141,7 @@ def test_a_request_that_would_straddle_a_chunk_starts_at_its_boundary(tmp_path, 
     along. Requests that fit in a chunk's remainder still share it (no padding for short ones)."""
     rows = [30, 150, 50, 60, 20, 100, 1]
     recs = [make_record(f"r{i}", rows=n) for i, n in enumerate(rows)]
-    with LocalRoutingStore(tmp_path, chunk_rows=100) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=100, min_chunk_rows=100) as store:
         store.commit(recs)
     part = json.loads((tmp_path / "roll-0" / "i00000001" / "zarr.json").read_text())["attributes"]["r3rdma"]
     offsets = [part["requests"][r.request_id]["segments"][0]["offset"] for r in recs]
@@ -156,9 +156,30 @@ def test_a_request_that_would_straddle_a_chunk_starts_at_its_boundary(tmp_path, 
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
 
 
+def test_chunks_follow_the_batch_median_request_length(tmp_path, make_record):
+    """Short requests get short chunks (a rank decodes little of its neighbours' rows), long
+    ones the configured maximum; each batch array states its own chunk shape."""
+    short = [make_record(f"s{i}", rows=100 + i) for i in range(9)]  # median 104 -> 128-row chunks
+    tiny = [make_record(f"t{i}", rows=5) for i in range(9)]  # -> the 64-row minimum
+    long = [make_record(f"l{i}", rows=1500) for i in range(3)]  # -> the 1024-row maximum
+    with LocalRoutingStore(tmp_path) as store:
+        for batch in (short, tiny, long):
+            store.commit(batch)
+    entry = RoutingReader(tmp_path)
+    shards = {}
+    for n in (1, 2, 3):
+        part = json.loads((tmp_path / "roll-0" / f"i0000000{n}" / "zarr.json").read_text())["attributes"]["r3rdma"]
+        shards.update(part["shards"])
+    assert [shards[f"b0000000{n}"]["chunk_rows"] for n in (1, 2, 3)] == [128, 45, 1024]  # 45: all 9 tiny in one chunk
+    assert zarr.open_array(str(tmp_path / "roll-0" / "b00000001"), mode="r").chunks == (128, 3, 2)
+    got = entry.get_numpy("roll-0", [r.request_id for r in short + tiny + long])
+    for r in short + tiny + long:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+
+
 def test_requests_that_fit_one_chunk_are_packed_without_gaps(tmp_path, make_record):
     recs = [make_record(f"s{i}", rows=7) for i in range(40)]  # 280 rows: a single chunk
-    with LocalRoutingStore(tmp_path, chunk_rows=1024) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=1024, min_chunk_rows=1024) as store:
         result = store.commit(recs)
     assert result.bytes_written == sum(r.nbytes for r in recs)
     part = json.loads((tmp_path / "roll-0" / "i00000001" / "zarr.json").read_text())["attributes"]["r3rdma"]
