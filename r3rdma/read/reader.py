@@ -83,7 +83,8 @@ class RoutingReader:
     as a bearer header), or any zarr ``StoreLike``. With several sources (the store nodes a
     rollout's requests were spread over) their indexes are merged; a request found on several
     nodes (replicas, or re-pushed after a failover) must have the same checksum on each
-    (else :class:`CorruptDataError` naming both) and is read from any of them. ``max_workers``
+    (checked when it is read: else :class:`CorruptDataError` naming both) and is read from any
+    of them. ``max_workers``
     bounds the row ranges read at once and the threads verifying checksums. Each returned
     segment is verified against the CRC-32C in the index unless ``verify=False``. ``timeout_s``
     bounds every wait on a store node (connect, each read of the answer): past it,
@@ -238,6 +239,7 @@ class RoutingReader:
         """Each request's segments, read from one source holding it (the first that has not
         failed in this call). A source whose read fails (unreachable, timed out, failed I/O) is
         dropped and its requests are read again from their other replicas."""
+        merged.check_replicas(rollout_id, self._sources, request_ids)
         pieces: dict[str, list[np.ndarray]] = {}
         failed: dict[int, Exception] = {}
         todo = request_ids
@@ -530,6 +532,22 @@ class _MergedIndex:
     holders: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)  # every replica
     skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
 
+    def check_replicas(self, rollout_id: str, sources: list[Source], request_ids: list[str]) -> None:
+        """Every copy of each request must hold the same rows (checksums), else
+        :class:`CorruptDataError` naming both nodes."""
+        for rid in request_ids:
+            copies = self.holders[rid]
+            if len(copies) < 2:
+                continue
+            first = [s["crc32c"] for s in copies[0][1]["segments"]]
+            for src, entry in copies[1:]:
+                other = [s["crc32c"] for s in entry["segments"]]
+                if other != first:
+                    raise CorruptDataError(
+                        f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
+                        f"{sources[copies[0][0]].name} (crc32c {first}) and {sources[src].name} (crc32c {other})"
+                    )
+
     def same(self, indexes: list[RolloutIndex | None]) -> bool:
         """Whether ``indexes`` (one per source) are the ones this was merged from."""
         return {i: x for i, x in enumerate(indexes) if x is not None}.keys() == self.per_source.keys() and all(
@@ -555,19 +573,17 @@ class _MergedIndex:
                 raise CorruptDataError(
                     f"rollout {rollout_id!r}: {sources[first].name} stores {geometry}, {sources[i].name} stores {index.geometry}"
                 )
-            for rid, entry in index.requests.items():
-                prior = requests.get(rid)
-                if prior is None:
-                    requests[rid] = (i, entry)
-                    holders[rid] = [(i, entry)]
-                    continue
-                if [s["crc32c"] for s in prior[1]["segments"]] != [s["crc32c"] for s in entry["segments"]]:
-                    raise CorruptDataError(
-                        f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
-                        f"{sources[prior[0]].name} (crc32c {[s['crc32c'] for s in prior[1]['segments']]}) and "
-                        f"{sources[i].name} (crc32c {[s['crc32c'] for s in entry['segments']]})"
-                    )
-                holders[rid].append((i, entry))
+            # New ids in bulk (dict comprehensions: C-level loops); ids another source also
+            # holds (replicas) only gain a holder here. Their checksums are compared when they
+            # are read (RoutingReader._read: _check_replicas): comparing every replica here was
+            # ~40% of a fresh reader's index open at 16k requests on 4 nodes, 2 replicas.
+            seen = index.requests.keys() & requests.keys()
+            fresh = {rid: (i, entry) for rid, entry in index.requests.items() if rid not in seen} if seen else \
+                {rid: (i, entry) for rid, entry in index.requests.items()}
+            requests.update(fresh)
+            holders.update({rid: [held] for rid, held in fresh.items()})
+            for rid in seen:
+                holders[rid].append((i, index.requests[rid]))
             pending.update(index.pending)
         if geometry is None:
             geometry = {"num_layers": 0, "top_k": 0, "num_experts": 0, "dtype": "uint8", "layer_map": []}
