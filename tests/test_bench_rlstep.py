@@ -79,9 +79,10 @@ def test_rlstep_bench_tiny(tmp_path):
     assert max(result["stall_per_rank"]) == result["stall_seconds"]
     assert all(g > 0 for g in result["rank_read_gbps"])
     for name in ("ingest_gbps_per_node", "scattered_read_gbps", "contiguous_read_gbps", "scattered_vs_contiguous",
-                 "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick", "index_open_ms"):
+                 "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick", "index_open_ms", "store_commit_gbps",
+                 "store_vs_yardstick"):
         assert result[name] > 0, name
-    assert set(result["goals"]) == {"stall", "index_open", "scattered_reads", "ingest"}
+    assert set(result["goals"]) == {"stall", "index_open", "scattered_reads", "ingest", "store_write"}
     assert all(isinstance(v, bool) for v in result["goals"].values())
 
     # The nodes' data, read again from their roots on disk: a sample equals the pushed rows.

@@ -51,9 +51,15 @@ Measured (every ``time.time()`` on the one host's clock):
   of the same synthetic routing compressed by ``os.cpu_count()`` threads: numcodecs releases
   the GIL, 2 threads ran 2.0x one here). ``ingest_vs_yardstick`` = ingest_gbps_per_node /
   min(disk, zstd). With several nodes on one host a node has a share of the cores only, so this
-  ratio understates a node's efficiency by up to ``nodes``.
+  ratio understates a node's efficiency by up to ``nodes``. ``store_commit_gbps``: a node's
+  write path alone (the same records committed in-process to a ``LocalRoutingStore`` through
+  a ``RoutingWriter``, every core free, no transport) and ``store_vs_yardstick`` against the
+  same min(disk, zstd): what a node could take on this host were the engines and TCP loopback
+  not on its cores (on the H100 host the engine processes' UCX-over-TCP pushes used ~32 CPU
+  seconds per GB, half the host).
 - ``goals``: stall <= max(1 s, 2% of the rollout); index_open_ms <= 100; scattered_vs_contiguous
-  >= 0.8; ingest >= 1 GB/s per node or >= 0.5 of the yardstick.
+  >= 0.8; ingest >= 1 GB/s per node or >= 0.5 of the yardstick; store_write: the same for
+  ``store_commit_gbps``.
 
 ``--quick`` (4096 requests of 16-2000 rows, median 120, 2 nodes, 2 engines, 4 trainers, a
 20 s rollout, one read round) fits the 2-core CPU VM: 65-81 s wall there (2026-11-25, another
@@ -161,6 +167,36 @@ def zstd_gbps_all_cores(pool: np.ndarray, nbytes: int, *, chunk_rows: int, level
         seconds = time.perf_counter() - t0
     raw = sum(c.nbytes for c in work)
     return raw / seconds / 1e9, sum(sizes) / raw
+
+
+def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> float:
+    """GB/s of a store node's write path alone: ``rollout``'s first requests (``nbytes`` of
+    them) committed to a :class:`LocalRoutingStore` at ``path`` (as a node commits what it
+    receives: compressed, written, fsynced, indexed) through a :class:`RoutingWriter` of
+    ``batch_bytes`` batches, no transport; the root is removed. What a node could ingest on
+    this host's cores were the engines and the network not on them."""
+    import shutil
+
+    from r3rdma.store.local_store import LocalRoutingStore
+    from r3rdma.write.writer import RoutingWriter
+
+    records, total = [], 0
+    for i in range(len(rollout)):
+        if total >= nbytes:
+            break
+        records.append(rollout.record(i))
+        total += records[-1].nbytes
+    try:
+        with LocalRoutingStore(path) as store:
+            t0 = time.perf_counter()
+            with RoutingWriter(store, flush_bytes=batch_bytes) as writer:
+                for record in records:
+                    writer.submit(record)
+                writer.flush()
+            seconds = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return total / seconds / 1e9
 
 
 def _node_counter(node, name: str) -> float:
@@ -417,9 +453,11 @@ def run_rlstep_bench(
         _log(progress, f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
         disk = disk_write_gbps(base / "yardstick.bin", per_node, rollout.pool)
         zstd, ratio = zstd_gbps_all_cores(rollout.pool, per_node, chunk_rows=chunk_rows, level=level)
+        store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=int(batch_mb * 2**20))
         result.update(disk_write_gbps=round(disk, 4), zstd_gbps_all_cores=round(zstd, 4), zstd_ratio=round(ratio, 4),
                       zstd_level=level, chunk_rows=chunk_rows, yardstick_bytes=per_node,
-                      ingest_vs_yardstick=round(ingest / min(disk, zstd), 3))
+                      ingest_vs_yardstick=round(ingest / min(disk, zstd), 3),
+                      store_commit_gbps=round(store_gbps, 4), store_vs_yardstick=round(store_gbps / min(disk, zstd), 3))
         phases["yardsticks"] = round(time.perf_counter() - mark, 1)
 
         result["goals"] = {
@@ -427,6 +465,7 @@ def run_rlstep_bench(
             "index_open": result["index_open_ms"] <= 100,
             "scattered_reads": result["scattered_vs_contiguous"] >= 0.8,
             "ingest": ingest >= 1.0 or result["ingest_vs_yardstick"] >= 0.5,
+            "store_write": store_gbps >= 1.0 or result["store_vs_yardstick"] >= 0.5,
         }
         result["seconds"] = round(time.perf_counter() - began, 1)
         result["root"] = str(base) if root else None
