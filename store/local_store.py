@@ -112,7 +112,8 @@ class LocalRoutingStore:
         ``snapshot_parts`` / ``snapshot_idle_s``: a background thread merges a rollout's index
         parts into a snapshot (:mod:`r3rdma.store.rollout_index`, "Snapshots") once
         ``snapshot_parts`` parts follow the last one, or once the rollout has had no commit for
-        ``snapshot_idle_s`` seconds (its rollout has ended: the moment fresh readers open it)."""
+        ``snapshot_idle_s`` seconds (its rollout has ended: the moment fresh readers open it)
+        and ``snapshot_parts // 8`` (at least 2) parts follow the last one."""
         if isinstance(snapshot_parts, bool) or not isinstance(snapshot_parts, int) or snapshot_parts < 1:
             raise ConfigError(f"snapshot_parts must be an int >= 1, got {snapshot_parts!r}")
         if isinstance(snapshot_idle_s, bool) or not isinstance(snapshot_idle_s, (int, float)) or not snapshot_idle_s > 0:
@@ -526,10 +527,14 @@ class LocalRoutingStore:
             if self._closing:
                 return
             now = time.monotonic()
+            # Idle: a few parts suffice (a fresh reader then fetches the snapshot and at most
+            # that many parts), but not one: a rollout trickling one commit per pause would
+            # rewrite its whole index after every commit.
+            idle_parts = max(2, self.snapshot_parts // 8)
             with self._lock:
                 due = [rid for rid, index in self._indexes.items()
                        if index.parts - index.snapshot >= self.snapshot_parts
-                       or (index.parts - index.snapshot >= 2
+                       or (index.parts - index.snapshot >= idle_parts
                            and now - self._last_commit.get(rid, 0.0) >= self.snapshot_idle_s)]
             for rollout_id in due:
                 if self._closing:

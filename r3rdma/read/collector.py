@@ -31,8 +31,9 @@ class ShareCollector:
     """Reads ``request_ids`` of a rollout as they are committed (see the module docstring).
 
     :meth:`result` / :meth:`packed` wait for the whole share. ``ready`` / ``total`` say how
-    far it got. Unreachable store nodes and a rollout not created yet are retried on every
-    poll (a node restarting mid-rollout must not end the trainer's wait); any other error
+    far it got. Unreachable store nodes (on the index or on a read) and a rollout not created
+    yet are retried on every poll (a node restarting mid-rollout must not end the trainer's
+    wait); any other error
     (damaged data, a refused token, a deleted rollout) ends the collection and is raised by
     :meth:`result`. Use as a context manager, or :meth:`close` it.
     """
@@ -124,7 +125,11 @@ class ShareCollector:
                         ready = [rid for rid in self._missing if rid in merged.requests]
                     for start in range(0, len(ready), self._max_batch):
                         batch = ready[start : start + self._max_batch]
-                        pieces = self._reader._read(self._rollout_id, merged, batch)
+                        try:
+                            pieces = self._reader._read(self._rollout_id, merged, batch)
+                        except (TransportError, R3TimeoutError, StoreError) as e:
+                            self._last_retryable = e  # every holder failed this time: next poll
+                            break
                         self.reads += 1
                         arrays = {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
                         with self._lock:
