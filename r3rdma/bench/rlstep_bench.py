@@ -85,7 +85,7 @@ from typing import Any
 
 import numpy as np
 
-from r3rdma.bench.scale_bench import _cpu_seconds, _spawn_nodes, _stop_node
+from r3rdma.bench.scale_bench import _cpu_seconds, _spawn_nodes, stop_all
 from r3rdma.bench.scale_readers import ReaderWorker, run_phase, span_rate
 
 __all__ = ["run_rlstep_bench", "plan_rollout", "disk_write_gbps", "zstd_gbps_all_cores", "add_arguments", "main",
@@ -175,7 +175,6 @@ def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> 
     receives: compressed, written, fsynced, indexed) through a :class:`RoutingWriter` of
     ``batch_bytes`` batches, no transport; the root is removed. What a node could ingest on
     this host's cores were the engines and the network not on them."""
-    import shutil
 
     from r3rdma.store.local_store import LocalRoutingStore
     from r3rdma.write.writer import RoutingWriter
@@ -476,15 +475,7 @@ def run_rlstep_bench(
             # Failed mid-step: a rank still waits for its share and reads no stop until its
             # timeout; an engine may be pushing. Neither has anything left to report.
             p.proc.kill()
-        for p in procs:
-            p.request_stop()
-        for p in procs:
-            p.stop()
-        if node_procs:
-            with ThreadPoolExecutor(len(node_procs)) as pool:
-                list(pool.map(_stop_node, node_procs))
-        if root is None:
-            shutil.rmtree(base, ignore_errors=True)
+        stop_all(procs, node_procs, base if root is None else None)
         _log(progress, f"stopped in {time.perf_counter() - mark:.1f} s")
 
 

@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from r3rdma.bench.scale_readers import ReaderWorker, reader_context
+from r3rdma.bench.scale_readers import ReaderWorker, reader_context, serve
 
 __all__ = ["worker_context", "BenchProcess", "engine_main", "trainer_main", "WARM_ROLLOUT"]
 
@@ -48,26 +48,6 @@ class BenchProcess(ReaderWorker):
         self.proc.start()
         child.close()
         self._stopping = False
-
-
-def _serve(conn, handlers: dict[str, Any]) -> None:
-    """Run the commands arriving on ``conn`` until ``stop``; an exception goes back as ``error``."""
-    import traceback
-
-    while True:
-        try:
-            cmd = conn.recv()
-        except EOFError:
-            return
-        if cmd["cmd"] == "stop":
-            return
-        try:
-            handler = handlers.get(cmd["cmd"])
-            if handler is None:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-            handler(cmd)
-        except BaseException:
-            conn.send({"event": "error", "error": traceback.format_exc()})
 
 
 # -- engines -------------------------------------------------------------------------------
@@ -147,7 +127,7 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
                        "requests": len(schedule), "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
                        "cpu_s": time.process_time() - cpu0})
 
-        _serve(conn, {"go": go})
+        serve(conn, {"go": go})
     finally:
         client.close()
 
@@ -190,6 +170,6 @@ def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
         conn.send(answer)
 
     try:
-        _serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: _worker_read(reader, cmd, conn)})
+        serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: _worker_read(reader, cmd, conn)})
     finally:
         reader.close()

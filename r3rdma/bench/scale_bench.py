@@ -176,6 +176,20 @@ def _stop_node(node) -> None:
         node.kill()
 
 
+def stop_all(workers, node_procs, remove: Path | None) -> None:
+    """A bench's teardown: its worker processes asked to stop (all at once, then waited for),
+    its store nodes stopped in parallel, and ``remove`` (a temporary base directory) deleted."""
+    for worker in workers:
+        worker.request_stop()
+    for worker in workers:
+        worker.stop()
+    if node_procs:
+        with ThreadPoolExecutor(len(node_procs)) as pool:
+            list(pool.map(_stop_node, node_procs))
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+
+
 def _balanced(items: list[tuple[int, Any]], parts: int) -> list[list[Any]]:
     """Split (size, item) pairs into ``parts`` lists of similar total size (largest first)."""
     out: list[list[Any]] = [[] for _ in range(parts)]
@@ -384,15 +398,7 @@ def run_scale_bench(
         return result
     finally:
         mark = time.perf_counter()
-        for worker in workers:
-            worker.request_stop()
-        for worker in workers:
-            worker.stop()
-        if node_procs:
-            with ThreadPoolExecutor(len(node_procs)) as pool:
-                list(pool.map(_stop_node, node_procs))
-        if root is None:
-            shutil.rmtree(base, ignore_errors=True)
+        stop_all(workers, node_procs, base if root is None else None)
         _log(progress, f"stopped in {time.perf_counter() - mark:.1f} s")
 
 

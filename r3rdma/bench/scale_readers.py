@@ -11,7 +11,7 @@ import time
 import urllib.parse
 from typing import Any
 
-__all__ = ["reader_context", "ReaderWorker", "run_phase", "span_rate"]
+__all__ = ["reader_context", "ReaderWorker", "run_phase", "span_rate", "serve"]
 
 
 def reader_context():
@@ -68,41 +68,48 @@ class ReaderWorker:
         self.conn.close()
 
 
-def _worker_main(conn, urls: list[str], token: str) -> None:
-    """Body of a reader process: build the reader, then run the commands arriving on ``conn``."""
+def serve(conn, handlers: dict[str, Any]) -> None:
+    """Run the commands arriving on ``conn`` (``handlers[cmd["cmd"]](cmd)``) until ``stop`` or
+    the pipe closes; an exception goes back as ``{"event": "error"}`` and serving goes on."""
     import traceback
 
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd["cmd"] == "stop":
+            return
+        try:
+            handler = handlers.get(cmd["cmd"])
+            if handler is None:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+            handler(cmd)
+        except BaseException:
+            conn.send({"event": "error", "error": traceback.format_exc()})
+
+
+def _worker_main(conn, urls: list[str], token: str) -> None:
+    """Body of a reader process: build the reader, then run the commands arriving on ``conn``."""
     os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
     from r3rdma.read.reader import RoutingReader
 
     reader = RoutingReader(urls, token=token, progress=False)
     raw = _RawGetter(token)
     conn.send({"event": "ready"})
-    while True:
-        try:
-            cmd = conn.recv()
-        except EOFError:
-            break
-        if cmd["cmd"] == "stop":
-            break
-        try:
-            if cmd["cmd"] == "read":
-                _worker_read(reader, cmd, conn)
-            elif cmd["cmd"] == "raw":
-                _worker_raw(raw, cmd, conn)
-            elif cmd["cmd"] == "open":
-                times = []
-                for _ in range(cmd["repeat"]):
-                    fresh = RoutingReader(urls, token=token, progress=False)
-                    t0 = time.perf_counter()
-                    info = fresh.info(cmd["rollout"])
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    fresh.close()
-                conn.send({"event": "done", "ms": times, "requests": len(info.request_ids)})
-            else:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-        except BaseException:
-            conn.send({"event": "error", "error": traceback.format_exc()})
+
+    def open_fresh(cmd: dict[str, Any]) -> None:
+        times = []
+        for _ in range(cmd["repeat"]):
+            fresh = RoutingReader(urls, token=token, progress=False)
+            t0 = time.perf_counter()
+            info = fresh.info(cmd["rollout"])
+            times.append((time.perf_counter() - t0) * 1e3)
+            fresh.close()
+        conn.send({"event": "done", "ms": times, "requests": len(info.request_ids)})
+
+    serve(conn, {"read": lambda cmd: _worker_read(reader, cmd, conn), "raw": lambda cmd: _worker_raw(raw, cmd, conn),
+                 "open": open_fresh})
     reader.close()
     raw.close()
 
