@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,12 @@ def test_torchrun_tp2_nccl_rollout_to_store_nodes(tmp_path):
         out = run([sys.executable, "-m", "r3rdma", "check", "--rollout-id", "gpu-tp2", "--shadow-dir", str(tmp_path / "shadow")])
         result = json.loads(out.strip().splitlines()[-1])
         print("check:", result)
+        assert result["roundtrip_exact"] is True and result["requests"] == 12
+        # replicas 2 (the default with 2 nodes): with one node killed, every request still reads back
+        os.kill(int((nodes / "node0.pid").read_text()), signal.SIGKILL)
+        out = run([sys.executable, "-m", "r3rdma", "check", "--rollout-id", "gpu-tp2", "--shadow-dir", str(tmp_path / "shadow")])
+        result = json.loads(out.strip().splitlines()[-1])
+        print("check, node 0 killed:", result)
         assert result["roundtrip_exact"] is True and result["requests"] == 12
     finally:
         subprocess.run(["bash", "scripts/stop_store_nodes.sh", str(nodes)], cwd=ROOT, capture_output=True, timeout=120)

@@ -1,4 +1,5 @@
-"""Issue 18 on 2 GPUs: Megatron TP=2 with sequence parallel, routing read from a store node over HTTP.
+"""Issue 18 on 2 GPUs: Megatron TP=2 with sequence parallel (and full activation recompute),
+routing read from a store node over HTTP.
 
 ``torchrun --nproc-per-node 2`` runs this file as a worker (``--worker DIR``). Each rank builds
 the same GPTModel MoE (local layer spec, bf16, tensor parallel 2, ``sequence_parallel=True``,
@@ -234,26 +235,33 @@ def worker(work: Path) -> None:
             w = r.module.weight
             w.add_(torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 0.5 * w.float().std())
 
-    calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(replay.routers))}
+    # per router and phase (a forward, or its recompute in the backward): the experts it picked
+    calls: dict[int, dict[str, list[torch.Tensor]]] = {i: {"forward": [], "recompute": []} for i in range(len(replay.routers))}
 
     def hook_for(i):
         def hook(_m, _a, output):
             rm = output[1].detach().bool()
             assert (rm.sum(dim=1) == K).all()
-            calls[i].append(rm.nonzero()[:, 1].view(rm.shape[0], K).cpu())
+            phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+            calls[i][phase].append(rm.nonzero()[:, 1].view(rm.shape[0], K).cpu())
 
         return hook
 
     handles = [r.module.register_forward_hook(hook_for(i)) for i, r in enumerate(replay.routers)]
 
-    def differ() -> int:
+    def differ(phase: str = "forward", expect_calls: int = 1) -> int:
         d = 0
         for i, r in enumerate(replay.routers):
-            assert len(calls[i]) == 1 and calls[i][0].shape == (n_local, K)
+            got = calls[i][phase]
+            assert len(got) == expect_calls and all(c.shape == (n_local, K) for c in got), (phase, len(got))
             w = want_l[:, LAYER_MAP.index(r.decoder_layer)]
-            d += int((calls[i][0][rec_l] != w[rec_l]).any(dim=1).sum())
-            calls[i].clear()
+            d += sum(int((c[rec_l] != w[rec_l]).any(dim=1).sum()) for c in got)
         return d
+
+    def clear_calls() -> None:
+        for c in calls.values():
+            c["forward"].clear()
+            c["recompute"].clear()
 
     def loss():
         per_token = model(tokens, position_ids, mask, labels=labels)
@@ -262,6 +270,7 @@ def worker(work: Path) -> None:
     model.train()
     loss().backward()
     differ_live = differ()
+    clear_calls()
     model.zero_grad(set_to_none=True)
     batch = MicroBatch.padded(ids, [SEQ_LENS[i] for i in ids], seq_length=SEQ_LENGTH)
     with replay.step():
@@ -269,9 +278,25 @@ def worker(work: Path) -> None:
         lv = loss()
         lv.backward()
     differ_replay = differ()
+    clear_calls()
+    grads_ok = all(r.module.weight.grad is not None and torch.isfinite(r.module.weight.grad.float()).all() for r in replay.routers)
+
+    # the same step under full activation recompute: the backward recomputes every router's
+    # forward, which must pop the same routing from Megatron's FIFO (REPLAY_BACKWARD)
+    model.zero_grad(set_to_none=True)
+    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
+    with replay.step():
+        replay.load(routing, batch)
+        lr = loss()
+        lr.backward()
+        fifo_left = sum(len(r.module.router_replay.replay_backward_list) for r in replay.routers)
+    cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
+    differ_recompute = differ("forward") + differ("recompute")
+    clear_calls()
+    recompute_grads_ok = all(
+        r.module.weight.grad is not None and torch.isfinite(r.module.weight.grad.float()).all() for r in replay.routers)
     for h in handles:
         h.remove()
-    grads_ok = all(r.module.weight.grad is not None and torch.isfinite(r.module.weight.grad.float()).all() for r in replay.routers)
     dist.barrier()
     if stop is not None:
         stop()
@@ -281,6 +306,9 @@ def worker(work: Path) -> None:
         "local_rows": n_local, "recorded_local_rows": int(rec_l.sum()), "decisions_compared": int(rec_l.sum()) * len(LAYER_MAP),
         "decisions_differ_without_replay": differ_live, "decisions_differ_with_replay": differ_replay,
         "loss_finite": bool(torch.isfinite(lv)), "router_grads_finite": grads_ok,
+        "recompute_decisions_differ_with_replay": differ_recompute, "recompute_fifo_left": fifo_left,
+        "recompute_loss_matches": bool(torch.allclose(lr.float(), lv.float(), rtol=1e-3, atol=1e-3)),
+        "recompute_router_grads_finite": bool(recompute_grads_ok),
     }), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -304,6 +332,9 @@ def test_tp2_sequence_parallel_replay_from_http_store(tmp_path):
         assert r["decisions_differ_without_replay"] > 0, "perturbed routers still route as the rollout: proves nothing"
         assert r["decisions_differ_with_replay"] == 0
         assert r["loss_finite"] and r["router_grads_finite"]
+        # full activation recompute: forward and recomputed forward both replay the stored rows
+        assert r["recompute_decisions_differ_with_replay"] == 0 and r["recompute_fifo_left"] == 0, r
+        assert r["recompute_loss_matches"] and r["recompute_router_grads_finite"], r
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

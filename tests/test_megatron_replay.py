@@ -1,6 +1,7 @@
 """Megatron-core RouterReplay driven from stored routing (CPU: real TopKRouter.routing and
 topk_routing_with_score_function; only TopKRouter.gating needs CUDA)."""
 
+import itertools
 import subprocess
 import sys
 import types
@@ -135,7 +136,8 @@ def test_thd_forced_ids(stored):
     replay = MegatronReplay([Stage(config(), [0]), Stage(config(), [2, 3])])  # two virtual chunks
     want, _ = expected_full(rows, lens, ids, "thd", 36, batch.cu_seqlens_padded)
     with replay.step():
-        replay.load(reader.get_packed("roll", ids), batch)
+        for chunk in (0, 1):  # each chunk's forward_step loads its own routers
+            replay.load(reader.get_packed("roll", ids), batch, chunk=chunk)
         chosen, _, _ = run_routers(replay, 36)
     assert [r.decoder_layer for r in replay.routers] == [0, 2, 3]
     for r, got in zip(replay.routers, chosen):
@@ -267,6 +269,62 @@ def test_recompute_replays_the_same_ids_fifo(stored, reentrant):
     assert not torch.equal(seen[0][: len(seen[1])], seen[1][: len(seen[0])])
 
 
+def test_virtual_pipeline_chunks_take_only_their_micro_batches(stored):
+    """Interleaved virtual pipeline (two chunks on this rank) with recompute: Megatron's schedule
+    runs chunk 0 on micro-batches 0, 1, then chunk 1 on 0, 1, and recomputes in its own
+    backward order. Each load names its chunk, so each router's recompute FIFO holds only its
+    own micro-batches; loading every router per forward would queue micro-batch 0 twice on
+    chunk 1's routers and replay it for micro-batch 2's recompute (same shape, wrong ids)."""
+    reader, lens, rows = stored
+    chunks = [Stage(config(), [0]), Stage(config(), [2, 3])]
+    replay = MegatronReplay(chunks)
+    assert [(r.decoder_layer, r.chunk) for r in replay.routers] == [(0, 0), (2, 1), (3, 1)]
+    mbs = [["r1", "r0"], ["r3", "r4"], ["r2", "r0"]]
+    batches = [MicroBatch.thd(ids, [lens[i] for i in ids], cu_seqlens_padded=[0, 16, 32]) for ids in mbs]
+    routing = [reader.get_packed("roll", ids) for ids in mbs]
+    want = [expected_full(rows, lens, ids, "thd", 32, [0, 16, 32])[0] for ids in mbs]
+    seen: dict = {}
+
+    def run(chunk, m):
+        routers = [r for r in replay.routers if r.chunk == chunk]
+
+        def fn(logits):
+            outs = []
+            for r in routers:
+                probs, routing_map = r.module.routing(logits)
+                phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+                seen.setdefault((r.decoder_layer, m, phase), []).append(
+                    torch.stack([row.nonzero().flatten() for row in routing_map]))
+                outs.append(probs)
+            return sum(outs)
+
+        logits = torch.randn(32, 1, E, requires_grad=True)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(fn, logits, use_reentrant=False)
+
+    with replay.step():
+        with pytest.raises(ConfigError, match="2 chunks"):
+            replay.load(routing[0], batches[0])
+        with pytest.raises(ConfigError, match="not one of the model chunks"):
+            replay.load(routing[0], batches[0], chunk=Stage(config(), [0]))
+        with pytest.raises(ConfigError, match="out of range"):
+            replay.load(routing[0], batches[0], chunk=2)
+        pending = {}
+        order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (1, 2)]  # forward order of the interleaved schedule
+        for chunk, m in order:
+            replay.load(routing[m], batches[m], chunk=chunks[chunk] if m % 2 else chunk)
+            pending[(chunk, m)] = run(chunk, m)
+        with pytest.raises(ReplayError, match="no routing loaded"):  # chunk 1 has taken its micro-batch 2
+            run(1, 2)
+        for key in [(1, 0), (0, 0), (1, 1), (0, 1), (1, 2), (0, 2)]:  # backward order
+            (pending.pop(key) * torch.arange(E)).sum().backward()
+        assert all(r.module.router_replay.replay_backward_list == [] for r in replay.routers)
+    for r in replay.routers:
+        for m in range(len(mbs)):
+            assert torch.equal(seen[(r.decoder_layer, m, "forward")][0], want[m][r.decoder_layer])
+            assert torch.equal(seen[(r.decoder_layer, m, "recompute")][0], want[m][r.decoder_layer]), (r.decoder_layer, m)
+
+
 def test_gradients_reach_router_scores(stored):
     reader, lens, _ = stored
     ids = ["r2"]
@@ -395,10 +453,18 @@ def test_replay_md_example(stored):
     replay = MegatronReplay(model, layout=ParallelLayout())
     n_forwards = 0
     with replay.step():
-        for batch, routing in prefetch_routing(reader, "roll", micro_batches):
-            replay.load(routing, batch)
-            chosen, _, _ = run_routers(replay, batch.seq_length * len(batch.request_ids) if batch.fmt == "padded" else batch.seq_length)
+        routed = prefetch_routing(reader, "roll", micro_batches)
+        data_iterators = list(itertools.tee(routed, len(model)))
+        for chunk, m in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # the interleaved schedule's forward order
+            batch, routing = next(data_iterators[chunk])
+            assert batch is micro_batches[m]
+            replay.load(routing, batch, chunk=model[chunk])
+            n = batch.seq_length * len(batch.request_ids) if batch.fmt == "padded" else batch.seq_length
+            g = torch.Generator().manual_seed(m)
             first = rows[batch.request_ids[0]][0]
-            assert [c[0].tolist() for c in chosen] == [sorted(first[li].tolist()) for li in range(3)]
+            for r in replay.routers:
+                if r.chunk == chunk:
+                    _, routing_map = r.module.routing(torch.randn(n, 1, E, generator=g))
+                    assert routing_map[0].nonzero().flatten().tolist() == sorted(first[LAYER_MAP.index(r.decoder_layer)].tolist())
             n_forwards += 1
-    assert n_forwards == 2
+    assert n_forwards == 4

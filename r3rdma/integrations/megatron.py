@@ -225,22 +225,24 @@ def _sp_slice(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class ReplayRouter:
-    """One local router: its module name in the model and its 0-based decoder layer."""
+    """One local router: its module name in the model, its 0-based decoder layer and the index
+    of the model chunk (virtual pipeline stage) that holds it."""
 
     name: str
     decoder_layer: int
     module: Any
+    chunk: int = 0
 
 
-def _walk(module: Any, prefix: str, out: list, mtp: list) -> None:
+def _walk(module: Any, prefix: str, out: list, mtp: list, chunk: int) -> None:
     if isinstance(module, (MultiTokenPredictionBlock, MultiTokenPredictionLayer)):
         mtp.extend(f"{prefix}.{n}".strip(".") for n, m in module.named_modules() if isinstance(m, Router))
         return  # MTP layers restart layer numbering and were never recorded by the rollout
     if isinstance(module, Router):
-        out.append((prefix, module))
+        out.append((prefix, module, chunk))
         return
     for name, child in module.named_children():
-        _walk(child, f"{prefix}.{name}" if prefix else name, out, mtp)
+        _walk(child, f"{prefix}.{name}" if prefix else name, out, mtp, chunk)
 
 
 class MegatronReplay:
@@ -255,8 +257,10 @@ class MegatronReplay:
     device, else CPU).
 
     Use: ``with replay.step():`` around one training step; per micro-batch, :meth:`load`
-    before its forward. Recompute in the backward (Megatron's activation checkpointing) pops
-    each router's FIFO (``REPLAY_BACKWARD``) automatically.
+    before its forward (with virtual pipeline stages: per micro-batch and chunk, in the
+    ``forward_step_func`` Megatron's schedule calls with that chunk). Recompute in the backward
+    (Megatron's activation checkpointing) pops each router's FIFO (``REPLAY_BACKWARD``)
+    automatically.
     """
 
     def __init__(
@@ -273,16 +277,17 @@ class MegatronReplay:
         found: list = []
         mtp_found: list = []
         for i, chunk in enumerate(chunks):
-            _walk(chunk, f"chunk{i}" if len(chunks) > 1 else "", found, mtp_found)
+            _walk(chunk, f"chunk{i}" if len(chunks) > 1 else "", found, mtp_found, i)
         if mtp_found and mtp != "live":
             raise ConfigError(f"MTP routers {mtp_found[:3]} have no recorded routing; pass mtp='live' to route them live on purpose")
         if not found:
             raise ConfigError("no MoE router found in the model (walked its modules)")
         routers = []
-        for name, r in found:
+        for name, r, chunk in found:
             self._check_router(name, r, allow_token_dropping)
-            routers.append(ReplayRouter(name, r.layer_number - 1, r))
+            routers.append(ReplayRouter(name, r.layer_number - 1, r, chunk))
         self.routers: tuple[ReplayRouter, ...] = tuple(routers)
+        self._chunks = chunks
         self.topk = routers[0].module.topk
         self.num_experts = routers[0].module.config.num_moe_experts
         self.device = torch.device(device) if device is not None else (
@@ -290,9 +295,9 @@ class MegatronReplay:
         )
         self._active = False
         self._lock = threading.Lock()
-        self._generation = 0  # increments per load(): a forward must not reuse an older load
-        self._consumed: dict[int, int] = {}
-        self._keep: list[torch.Tensor] = []
+        # per router: a load() whose target no forward has taken yet (a forward must not reuse
+        # an older load, nor one meant for another chunk)
+        self._pending = [False] * len(self.routers)
 
     def _check_router(self, name: str, r: Any, allow_token_dropping: bool) -> None:
         cfg = r.config
@@ -318,9 +323,11 @@ class MegatronReplay:
 
     # -- per micro-batch ---------------------------------------------------------------------
 
-    def targets(self, routing: Any, batch: MicroBatch) -> torch.Tensor:
-        """Host ``[num_local_routers, N, K]`` targets (stored dtype), router order. Checks
-        layer map, top-k, expert count and id range against the routers."""
+    def targets(self, routing: Any, batch: MicroBatch, *, chunk: Any = None) -> torch.Tensor:
+        """Host ``[num_routers, N, K]`` targets (stored dtype) for the routers of ``chunk`` (see
+        :meth:`load`; all local routers by default), router order. Checks layer map, top-k,
+        expert count and id range against the routers."""
+        routers = [self.routers[i] for i in self._router_indices(chunk)]
         ids_TLK = routing.ids_TLK
         if ids_TLK.dim() != 3 or ids_TLK.shape[2] != self.topk:
             raise ShapeMismatchError(f"routers take top-{self.topk}, routing has shape {tuple(ids_TLK.shape)} (expected [T, L, {self.topk}])")
@@ -329,22 +336,49 @@ class MegatronReplay:
         if routing.num_experts != self.num_experts:
             raise ShapeMismatchError(f"routers have {self.num_experts} experts, routing was recorded with {routing.num_experts}")
         layer_of = {d: i for i, d in enumerate(routing.layer_map)}
-        missing = [r.decoder_layer for r in self.routers if r.decoder_layer not in layer_of]
+        missing = [r.decoder_layer for r in routers if r.decoder_layer not in layer_of]
         if missing:
             raise ShapeMismatchError(f"MoE decoder layers {missing} of this stage are not in the routing's layer_map {list(routing.layer_map)}")
         ids, _ = local_routing_rows(routing, batch, self.layout, self.num_experts)
-        sel = ids[:, [layer_of[r.decoder_layer] for r in self.routers], :]
+        sel = ids[:, [layer_of[r.decoder_layer] for r in routers], :]
         if sel.numel() and int(sel.max()) >= self.num_experts:
             raise ShapeMismatchError(f"recorded expert id {int(sel.max())} outside 0..{self.num_experts - 1}")
         return sel.permute(1, 0, 2)
 
-    def load(self, routing: Any, batch: MicroBatch) -> None:
-        """Set every local router's target for the next forward (one micro-batch). Targets are
-        staged in pinned memory and copied with ``non_blocking`` on the current stream, widened
-        to int64 on the device; the forward queued after it on that stream sees them."""
+    def _router_indices(self, chunk: Any) -> list[int]:
+        """Indices into :attr:`routers` of one chunk: ``chunk`` is the chunk's index in the model
+        list or the chunk module itself (what Megatron's schedule hands ``forward_step_func``)."""
+        if chunk is None:
+            if len(self._chunks) > 1:
+                raise ConfigError(
+                    f"the model has {len(self._chunks)} chunks (virtual pipeline stages): pass load(..., chunk=model) "
+                    "with the chunk forward_step_func received, so only its routers take this micro-batch"
+                )
+            return list(range(len(self.routers)))
+        if isinstance(chunk, int) and not isinstance(chunk, bool):
+            index = chunk
+            if not 0 <= index < len(self._chunks):
+                raise ConfigError(f"chunk {index} out of range: the model has {len(self._chunks)} chunks")
+        else:
+            matches = [i for i, c in enumerate(self._chunks) if c is chunk]
+            if not matches:
+                raise ConfigError(f"{type(chunk).__name__} is not one of the model chunks MegatronReplay was built with")
+            index = matches[0]
+        return [i for i, r in enumerate(self.routers) if r.chunk == index]
+
+    def load(self, routing: Any, batch: MicroBatch, *, chunk: Any = None) -> None:
+        """Set the routers' targets for their next forward (one micro-batch): every local
+        router, or with virtual pipeline stages those of ``chunk`` (index or module) alone.
+        Megatron queues each target for recompute in the backward (a FIFO per router), so a
+        chunk's routers must take only their own micro-batches, in their forward order.
+        Targets are staged in pinned memory and copied with ``non_blocking`` on the current
+        stream, widened to int64 on the device; the forward queued after it sees them."""
         if not self._active:
             raise ReplayError("MegatronReplay.load() outside `with replay.step():`; the targets would outlive the step")
-        host = self.targets(routing, batch)
+        indices = self._router_indices(chunk)
+        if not indices:
+            return  # a chunk without MoE layers
+        host = self.targets(routing, batch, chunk=chunk)
         if self.device.type == "cuda":
             host = host.contiguous().pin_memory()
             dev = host.to(self.device, non_blocking=True)
@@ -352,9 +386,9 @@ class MegatronReplay:
             dev = host.contiguous()
         dev = dev.to(torch.int64)
         with self._lock:
-            self._generation += 1
-            for r, target in zip(self.routers, dev):
-                r.module.router_replay.set_target_indices(target)
+            for i, target in zip(indices, dev):
+                self.routers[i].module.router_replay.set_target_indices(target)
+                self._pending[i] = True
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -379,7 +413,7 @@ class MegatronReplay:
                 rr.__dict__.pop("get_replay_topk", None)
                 rr.clear_indices()
                 rr.clear_router_replay_action()
-            self._consumed.clear()
+            self._pending = [False] * len(self.routers)
             self._active = False
 
     def _guard(self, index: int, router: ReplayRouter, rr: Any) -> Callable[..., Any]:
@@ -396,7 +430,7 @@ class MegatronReplay:
             elif action is RouterReplayAction.REPLAY_FORWARD:
                 target = rr.target_topk_idx
                 with self._lock:
-                    if target is None or self._consumed.get(index) == self._generation:
+                    if target is None or not self._pending[index]:
                         raise ReplayError(
                             f"router {router.name!r} ran a forward with no routing loaded for it "
                             "(call replay.load(routing, batch) before each micro-batch's forward)"
@@ -410,7 +444,7 @@ class MegatronReplay:
                 )
             if not recompute:
                 with self._lock:
-                    self._consumed[index] = self._generation
+                    self._pending[index] = False
             saved = rr.router_replay_action
             rr.router_replay_action = action
             try:
