@@ -171,3 +171,35 @@ def test_sigkill_during_snapshots_loses_nothing_acknowledged(tmp_path, kill_at, 
     with LocalRoutingStore(tmp_path, snapshot_idle_s=60):
         named = _entry(tmp_path).get("snapshot")
         assert _snapshots(tmp_path) == ([f"s{named:08d}"] if named else [])
+
+
+def test_column_requests_behave_as_the_entries_they_encode():
+    """A snapshot's requests stay columns (ColumnRequests) and read as the dict of entries they
+    were encoded from: lookups, iteration order, updates from later parts (which a copy does not
+    see), deletion, equality, rows without building entries, JSON through as_format_1."""
+    from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex, decode_requests, encode_requests
+
+    arrays = ["b00000001", "b00000002"]
+    entries = {
+        f"r{i}": {"rows": 3 + i, "start_row": i % 2,
+                  "segments": [{"array": arrays[j % 2], "offset": 10 * i + j, "rows": 1 + (j == 0) * (2 + i),
+                                "start_row": i % 2 + (0 if j == 0 else 3 + i), "crc32c": (i * 7919 + j) % (1 << 32)}
+                               for j in range(1 + i % 2)]}
+        for i in range(6)
+    }
+    for e in entries.values():  # a request's segments hold its rows
+        e["rows"] = sum(s["rows"] for s in e["segments"])
+    cols = json.loads(json.dumps(encode_requests(entries, arrays)))
+    req = decode_requests(cols, arrays, "roll", "here", "snapshot")
+    assert isinstance(req, ColumnRequests) and len(req) == 6 and list(req) == list(entries)
+    assert req == entries and dict(req.items()) == entries and all(req.rows(r) == entries[r]["rows"] for r in entries)
+    assert "r9" not in req and req.get("r9") is None and req.keys() & {"r1", "r9"} == {"r1"}
+    before = req.copy()
+    replaced = {"rows": 1, "start_row": 0, "segments": [{"array": arrays[1], "offset": 0, "rows": 1, "start_row": 0, "crc32c": 5}]}
+    req.update({"r2": replaced, "r6": replaced})
+    del req["r0"]
+    assert req["r2"] == replaced and req.rows("r6") == 1 and "r0" not in req and list(req)[-1] == "r6"
+    assert before == entries  # the copy kept the snapshot's view
+    index = RolloutIndex(uid="u", geometry={}, requests=req, arrays=arrays)
+    assert json.loads(json.dumps(index.as_format_1()))["requests"]["r2"] == replaced
+    assert encode_requests(req, arrays) == encode_requests({k: req[k] for k in req}, arrays)

@@ -96,7 +96,7 @@ class ShareCollector:
         arrays = self.result(timeout)
         merged = self._reader._index(self._rollout_id)
         return pack(self._order, [[arrays[rid]] for rid in self._order],
-                    [merged.requests[rid][1]["start_row"] for rid in self._order], merged.geometry)
+                    [merged.entry(rid)["start_row"] for rid in self._order], merged.geometry)
 
     def close(self) -> None:
         """Stop polling (a read in progress finishes first)."""
@@ -122,7 +122,7 @@ class ShareCollector:
                     merged = None
                 if merged is not None:
                     with self._lock:
-                        ready = [rid for rid in self._missing if rid in merged.requests]
+                        ready = [rid for rid in self._missing if rid in merged.owner]
                     for start in range(0, len(ready), self._max_batch):
                         batch = ready[start : start + self._max_batch]
                         try:

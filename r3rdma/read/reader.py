@@ -49,7 +49,7 @@ from r3rdma.ids import validate_id
 from r3rdma.records import checksum
 from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.sources import Source
-from r3rdma.store.rollout_index import RolloutIndex
+from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex
 
 if TYPE_CHECKING:
     from r3rdma.read.collector import ShareCollector
@@ -146,8 +146,8 @@ class RoutingReader:
             num_experts=geometry["num_experts"],
             dtype=geometry["dtype"],
             layer_map=tuple(geometry["layer_map"]),
-            request_ids=tuple(merged.requests),
-            total_rows=sum(entry["rows"] for _, entry in merged.requests.values()),
+            request_ids=tuple(merged.owner),
+            total_rows=merged.total_rows(),
         )
 
     def stored_bytes(self, rollout_id: str) -> dict[str, int]:
@@ -181,7 +181,7 @@ class RoutingReader:
         merged = self._require(rollout_id, request_ids)
         pieces = self._read(rollout_id, merged, request_ids)
         return pack(request_ids, [pieces[rid] for rid in request_ids],
-                    [merged.requests[rid][1]["start_row"] for rid in request_ids], merged.geometry)
+                    [merged.entry(rid)["start_row"] for rid in request_ids], merged.geometry)
 
     def prefetch(self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2,
                  pin_memory: bool = False) -> "Prefetcher":
@@ -212,9 +212,9 @@ class RoutingReader:
         """The merged index, refreshed if some of ``request_ids`` are not in it; raises naming
         the missing ones (and why: pending, or on a node that could not be reached)."""
         merged = self._index(rollout_id)
-        if any(rid not in merged.requests for rid in request_ids):
+        if any(rid not in merged.owner for rid in request_ids):
             merged = self._index(rollout_id, refresh=True)  # committed since we last looked?
-        missing = [rid for rid in request_ids if rid not in merged.requests]
+        missing = [rid for rid in request_ids if rid not in merged.owner]
         if not missing:
             return merged
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -232,7 +232,7 @@ class RoutingReader:
         )
         raise UnknownRequestError(
             f"rollout {rollout_id!r} has no committed request {shown} ({len(missing)} of the {len(request_ids)} "
-            f"asked for are missing; {len(merged.requests)} requests committed){note}; nothing was read"
+            f"asked for are missing; {len(merged.owner)} requests committed){note}; nothing was read"
         )
 
     def _read(self, rollout_id: str, merged: "_MergedIndex", request_ids: list[str]) -> dict[str, list[np.ndarray]]:
@@ -244,7 +244,7 @@ class RoutingReader:
         failed: dict[int, Exception] = {}
         todo = request_ids
         show = self._progress if self._progress is not None else sys.stderr.isatty()
-        arrays = {(merged.requests[rid][0], seg["array"]) for rid in request_ids for seg in merged.requests[rid][1]["segments"]}
+        arrays = {(merged.owner[rid], seg["array"]) for rid in request_ids for seg in merged.entry(rid)["segments"]}
         try:
             with tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr,
                       disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS) as bar:
@@ -252,15 +252,16 @@ class RoutingReader:
                     chosen: dict[str, tuple[int, dict[str, Any]]] = {}
                     wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
                     for rid in todo:
-                        alive = [h for h in merged.holders[rid] if h[0] not in failed]
+                        holders = merged.holders(rid)
+                        alive = [h for h in holders if h[0] not in failed]
                         if not alive:
-                            cause = failed[merged.holders[rid][0][0]]
-                            if len(merged.holders[rid]) == 1 and not merged.skipped:
+                            cause = failed[holders[0][0]]
+                            if len(holders) == 1 and not merged.skipped:
                                 raise cause  # no replica anywhere: its own error, as with one source
                             raise TransportError(
                                 f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
                                 "(retryable): "
-                                + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in merged.holders[rid])
+                                + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in holders)
                                 + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
                             ) from cause
                         src, entry = chosen[rid] = alive[0]
@@ -359,7 +360,7 @@ class RoutingReader:
             merged = self._index(rollout_id, refresh=True)
         except UnknownRolloutError as e:
             raise UnknownRolloutError(f"rollout {rollout_id!r} was deleted while it was being read ({e})") from cause
-        gone = [rid for rid in request_ids if rid not in merged.requests]
+        gone = [rid for rid in request_ids if rid not in merged.owner]
         if gone:
             raise UnknownRequestError(
                 f"rollout {rollout_id!r}: requests {gone[:5]!r} were deleted while being read"
@@ -525,18 +526,41 @@ def _checksums(pieces: list[np.ndarray]) -> list[int]:
 
 @dataclass
 class _MergedIndex:
+    """The sources' indexes of one rollout, merged: which source a request is read from first.
+
+    Why ``owner`` maps ids to source numbers alone (entries stay in the per-source indexes, and
+    every replica's holders are found when a read needs them): at 16k requests on 4 nodes with
+    2 replicas, building ``(source, entry)`` tuples and holder lists for every request was ~20%
+    of a fresh reader's index open, and the ~80k objects it made were walked again by the
+    cyclic GC; a dict of ints is neither."""
+
     geometry: dict[str, Any]
-    requests: dict[str, tuple[int, dict[str, Any]]]  # request id -> (first source holding it, entry)
+    owner: dict[str, int]  # request id -> first source (in source order) holding it
     pending: set[str]
     per_source: dict[int, RolloutIndex]
-    holders: dict[str, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)  # every replica
     skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
+
+    def entry(self, rid: str) -> dict[str, Any]:
+        """The request's index entry on its first holder."""
+        return self.per_source[self.owner[rid]].requests[rid]
+
+    def total_rows(self) -> int:
+        """Rows of every visible request (each counted once, on its owner)."""
+        rows_of = {i: index.requests.rows if isinstance(index.requests, ColumnRequests) else
+                   (lambda rid, requests=index.requests: requests[rid]["rows"]) for i, index in self.per_source.items()}
+        return sum(rows_of[i](rid) for rid, i in self.owner.items())
+
+    def holders(self, rid: str) -> list[tuple[int, dict[str, Any]]]:
+        """``(source, entry)`` of every copy of the request, in source order (its owner first)."""
+        return [(i, index.requests[rid]) for i, index in self.per_source.items() if rid in index.requests]
 
     def check_replicas(self, rollout_id: str, sources: list[Source], request_ids: list[str]) -> None:
         """Every copy of each request must hold the same rows (checksums), else
         :class:`CorruptDataError` naming both nodes."""
+        if len(self.per_source) < 2:
+            return
         for rid in request_ids:
-            copies = self.holders[rid]
+            copies = self.holders(rid)
             if len(copies) < 2:
                 continue
             first = [s["crc32c"] for s in copies[0][1]["segments"]]
@@ -561,8 +585,7 @@ class _MergedIndex:
             where = sources[0].name if len(sources) == 1 else f"any of {len(sources)} sources"
             raise UnknownRolloutError(f"rollout {rollout_id!r} not found in {where}")
         geometry: dict[str, Any] | None = None
-        requests: dict[str, tuple[int, dict[str, Any]]] = {}
-        holders: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        owner: dict[str, int] = {}
         pending: set[str] = set()
         for i, index in present.items():
             if not index.requests and not index.geometry:
@@ -573,18 +596,14 @@ class _MergedIndex:
                 raise CorruptDataError(
                     f"rollout {rollout_id!r}: {sources[first].name} stores {geometry}, {sources[i].name} stores {index.geometry}"
                 )
-            # New ids in bulk (dict comprehensions: C-level loops); ids another source also
-            # holds (replicas) only gain a holder here. Their checksums are compared when they
-            # are read (RoutingReader._read: _check_replicas): comparing every replica here was
-            # ~40% of a fresh reader's index open at 16k requests on 4 nodes, 2 replicas.
-            seen = index.requests.keys() & requests.keys()
-            fresh = {rid: (i, entry) for rid, entry in index.requests.items() if rid not in seen} if seen else \
-                {rid: (i, entry) for rid, entry in index.requests.items()}
-            requests.update(fresh)
-            holders.update({rid: [held] for rid, held in fresh.items()})
-            for rid in seen:
-                holders[rid].append((i, index.requests[rid]))
+            # New ids in bulk (C-level loops), in the source's commit order. Replicas' checksums
+            # are compared when they are read (check_replicas): comparing every replica here
+            # was ~40% of a fresh reader's index open at 16k requests on 4 nodes, 2 replicas.
+            if owner:
+                owner.update({rid: i for rid in index.requests if rid not in owner})
+            else:
+                owner = dict.fromkeys(index.requests, i)
             pending.update(index.pending)
         if geometry is None:
             geometry = {"num_layers": 0, "top_k": 0, "num_experts": 0, "dtype": "uint8", "layer_map": []}
-        return cls(geometry, requests, pending - set(requests), present, holders)
+        return cls(geometry, owner, pending - owner.keys(), present)
