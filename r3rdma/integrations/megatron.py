@@ -245,6 +245,14 @@ def _walk(module: Any, prefix: str, out: list, mtp: list, chunk: int) -> None:
         _walk(child, f"{prefix}.{name}" if prefix else name, out, mtp, chunk)
 
 
+def _wrapped_chain(module: Any) -> list[Any]:
+    """``module`` and the modules it wraps through ``.module`` (DDP, Float16Module, ...)."""
+    chain = [module]
+    while isinstance(getattr(chain[-1], "module", None), torch.nn.Module) and len(chain) < 8:
+        chain.append(chain[-1].module)
+    return chain
+
+
 class MegatronReplay:
     """Drives the ``RouterReplay`` of every local MoE router of a Megatron model.
 
@@ -360,9 +368,12 @@ class MegatronReplay:
             if not 0 <= index < len(self._chunks):
                 raise ConfigError(f"chunk {index} out of range: the model has {len(self._chunks)} chunks")
         else:
-            matches = [i for i, c in enumerate(self._chunks) if c is chunk]
-            if not matches:
-                raise ConfigError(f"{type(chunk).__name__} is not one of the model chunks MegatronReplay was built with")
+            # The same module, or one wrapping the other (DDP / Float16Module keep the wrapped
+            # module in ``.module``): the schedule hands over whatever list it was given.
+            given = set(map(id, _wrapped_chain(chunk)))
+            matches = [i for i, c in enumerate(self._chunks) if given & set(map(id, _wrapped_chain(c)))]
+            if len(matches) != 1:
+                raise ConfigError(f"{type(chunk).__name__} is not one of the {len(self._chunks)} model chunks MegatronReplay was built with")
             index = matches[0]
         return [i for i, r in enumerate(self.routers) if r.chunk == index]
 
