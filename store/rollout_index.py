@@ -296,9 +296,13 @@ class ColumnRequests(MutableMapping):
             return at
         rows, start, first, count, s_array, s_offset, s_rows, s_start, s_crc = self._columns
         k = first[at]
-        return {"rows": rows[at], "start_row": start[at],
-                "segments": [{"array": s_array[j], "offset": s_offset[j], "rows": s_rows[j],
-                              "start_row": s_start[j], "crc32c": s_crc[j]} for j in range(k, k + count[at])]}
+        entry = {"rows": rows[at], "start_row": start[at],
+                 "segments": [{"array": s_array[j], "offset": s_offset[j], "rows": s_rows[j],
+                               "start_row": s_start[j], "crc32c": s_crc[j]} for j in range(k, k + count[at])]}
+        # Kept: a read looks a request up several times (plan, replicas, packing). The same
+        # entry either way, so readers on other threads see no change (a race builds it twice).
+        self._keys[rid] = entry
+        return entry
 
     def rows(self, rid: str) -> int:
         """``self[rid]["rows"]`` without building the entry."""
