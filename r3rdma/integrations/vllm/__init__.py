@@ -6,9 +6,10 @@ engine by one config (:mod:`.settings`)::
 
     llm = LLM(model=..., additional_config={"routing_replay": {"local_store_dir": "/data/r3",
                                                                 "rollout_id": "step-0042"}})
-    outs = llm.generate(prompts, SamplingParams(max_tokens=256, extra_args={"r3_request_id": "s17"}))
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=256, extra_args={"r3_request_id": f"s{i}"})
+                                  for i in range(len(prompts))])
     flush_routing(llm)                       # every finished request durable in the store
-    routing_location(outs[0])                # [("step-0042", "s17")]
+    routing_location(outs[0])                # [("step-0042", "s0")]
 
 The modules, by the vLLM process they act in: :mod:`.frontend` (stored ids, stop strings),
 :mod:`.scheduler` (how each request left the engine), :mod:`.worker` (the capture itself);
@@ -28,7 +29,9 @@ __all__ = ["SUPPORTED_VLLM", "CONFIG_KEY", "REQUEST_ARG", "ROLLOUT_ARG", "regist
 def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, int]:
     """Wait until the routing of every request ``llm`` finished is durable (committed and
     visible to readers); return the recording worker's counters (``stored``, ``aborted``,
-    ``failed``). ``llm``: a ``vllm.LLM`` with routing replay on."""
+    ``failed``, cumulative). A request whose routing could not be stored is counted in
+    ``failed`` and named in the engine's log, not raised: check ``failed`` before training on
+    the step. ``llm``: a ``vllm.LLM`` with routing replay on."""
     core = llm.llm_engine.engine_core
     if hasattr(core, "call_utility"):  # the engine core in its own process (vLLM's default)
         results = core.call_utility("r3_flush", timeout)

@@ -27,6 +27,11 @@ __all__ = ["key_request", "mark", "child_params", "note_stop_length", "stop_loca
 # token counts of those a stop string ended (sent to the engine with their abort). Per process.
 _MARKED: dict[str, dict] = {}
 _STOP_LENGTHS: dict[str, int] = {}
+# (rollout, stored id) -> how many marked requests still run under it: a second request under
+# the same id while one runs is refused (one id for every prompt of a generate call would
+# otherwise store one request and fail the others' commits after the rollout).
+_RUNNING: dict[tuple[str, str], int] = {}
+_COUNTED: set[str] = set()  # internal ids counted in _RUNNING (an n > 1 parent is not: its children are)
 # id(vllm_config) -> (that config, its R3Config or None when routing replay is off); the config
 # is kept so an id reused by a later engine's config is not mistaken for it.
 _ENABLED: dict[int, tuple[Any, Any]] = {}
@@ -57,6 +62,12 @@ def key_request(input_processor: Any, request: Any) -> None:
         validate_id(rollout, ROLLOUT_ARG)
     except InvalidIdError as e:
         raise _refused(e) from e
+    if _RUNNING.get((rollout, key)):
+        raise _refused(InvalidIdError(
+            f"{REQUEST_ARG} {key!r} of rollout {rollout!r} is taken by a request this engine is still running: "
+            f"each request needs its own id (one SamplingParams per prompt, each with its own extra_args "
+            f"{{{REQUEST_ARG!r}: ...}}), or leave {REQUEST_ARG} out to store under vLLM's request id"
+        ))
     extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
     params.extra_args = extra  # this request's own clone of the caller's SamplingParams
 
@@ -79,6 +90,18 @@ def mark(request: Any) -> None:
     params = getattr(request, "sampling_params", None)
     if params is not None and KEY_ARG in (params.extra_args or {}):
         _MARKED[request.request_id] = params.extra_args
+        if (getattr(params, "n", 1) or 1) == 1:  # n > 1: its children run, counted in child_params
+            _COUNTED.add(request.request_id)
+            _running(params.extra_args, +1)
+
+
+def _running(extra: dict, change: int) -> None:
+    key = (extra[ROLLOUT_ARG], extra[KEY_ARG])
+    count = _RUNNING.get(key, 0) + change
+    if count > 0:
+        _RUNNING[key] = count
+    else:
+        _RUNNING.pop(key, None)
 
 
 def child_params(child_id: str, params: Any, index: int) -> Any:
@@ -91,6 +114,8 @@ def child_params(child_id: str, params: Any, index: int) -> Any:
     params = copy(params)  # vLLM shares one child params object between children without a seed
     params.extra_args = {**extra, INDEX_ARG: int(index)}
     _MARKED[child_id] = params.extra_args
+    _COUNTED.add(child_id)
+    _running(params.extra_args, +1)
     return params
 
 
@@ -133,4 +158,7 @@ def with_stop_lengths(request_ids: Any) -> Any:
 
 
 def forget(request_id: str) -> None:
-    _MARKED.pop(request_id, None)
+    extra = _MARKED.pop(request_id, None)
+    if extra is not None and request_id in _COUNTED:
+        _COUNTED.discard(request_id)
+        _running(extra, -1)
