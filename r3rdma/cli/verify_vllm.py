@@ -45,7 +45,7 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
         # start-up, with a bare "Unsupported CPU attention configuration".
         raise SystemExit(f"r3rdma verify --engine vllm: vLLM's CPU attention needs head_dim >= 32, the model has "
                          f"{head_dim}; use --model-config small-qwen3-moe-vllm (the default) or a config with a larger "
-                         "head_dim")
+                         "head_dim (a trained checkpoint: `r3rdma train-tiny --head-dim 32 ...`; --quick trains 16)")
 
     with tempfile.TemporaryDirectory(prefix="r3rdma-verify-ckpt-") as ckpt:
         model.save_pretrained(ckpt)
