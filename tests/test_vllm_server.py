@@ -95,6 +95,16 @@ def _post(url: str, body: dict, timeout: float = 120):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def _streamed_token_ids(resp):
+    """Each server-sent event's token ids, as the stream arrives."""
+    for line in resp:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        yield [t for choice in chunk.get("choices", []) for t in (choice.get("token_ids") or [])]
+
+
 def _stored(store: str, rollout: str, request_id: str, timeout: float = 30.0):
     """The stored rows, once committed (the writer commits within flush_interval_s of the finish;
     the server offers no flush call, so this polls the store with a deadline)."""
@@ -134,13 +144,8 @@ def test_streaming_stores_the_streamed_tokens(server, reference):
             "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "s1"}}
     streamed: list[int] = []
     with _post(server["url"] + "/v1/completions", body) as resp:
-        for line in resp:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            for choice in chunk.get("choices", []):
-                streamed += choice.get("token_ids") or []
+        for token_ids in _streamed_token_ids(resp):
+            streamed += token_ids
     assert len(streamed) == 20
     _check(reference, _stored(server["store"], "srv", "s1"), prompt + streamed)
 
@@ -195,13 +200,8 @@ def test_an_id_a_running_request_has_is_a_400(server, reference):
     with _post(server["url"] + "/v1/completions", body) as resp:
         second = {"model": server["model"], "prompt": [50, 51], "max_tokens": 2,
                   "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "busy"}}
-        for line in resp:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            for choice in chunk.get("choices", []):
-                streamed += choice.get("token_ids") or []
+        for token_ids in _streamed_token_ids(resp):
+            streamed += token_ids
             if second is not None and streamed:  # the first is running: it has streamed a token
                 with pytest.raises(urllib.error.HTTPError) as err:
                     _post(server["url"] + "/v1/completions", second)
