@@ -91,6 +91,19 @@ def _serve(root: Path, token: str):
     return box["port"], stop
 
 
+def start_nccl_worker() -> None:
+    """A torchrun worker's start: its GPU, the NCCL process group, and megatron-core 0.16's
+    router without TransformerEngine (``te_general_gemm`` must exist, as None)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import moe_utils
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if moe_utils.__dict__.get("te_general_gemm", None) is None:
+        moe_utils.te_general_gemm = None
+
+
 def allow_torch_norm_under_sequence_parallel() -> None:
     """megatron-core 0.16's local-spec norm (``WrappedTorchNorm``, torch LayerNorm) asserts
     ``not sequence_parallel`` only because its weight gradients then need Megatron's
@@ -125,7 +138,6 @@ def worker(work: Path) -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -133,11 +145,7 @@ def worker(work: Path) -> None:
     from r3rdma.integrations.megatron import MegatronReplay, MicroBatch, ParallelLayout
     from r3rdma.records import RequestRecord
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    if moe_utils.__dict__.get("te_general_gemm", None) is None:
-        moe_utils.te_general_gemm = None
+    start_nccl_worker()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     allow_torch_norm_under_sequence_parallel()
     rank, tp, tp_rank = dist.get_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -314,14 +322,20 @@ def worker(work: Path) -> None:
     dist.destroy_process_group()
 
 
-def test_tp2_sequence_parallel_replay_from_http_store(tmp_path):
+def run_torchrun_2gpu(worker_file: str, work: Path) -> subprocess.CompletedProcess:
+    """``worker_file --worker work`` under torchrun on 2 GPUs (NVLink multicast off); skips
+    the calling test on a machine with fewer than 2."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).resolve()), "--worker", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT)
+           str(Path(worker_file).resolve()), "--worker", str(work)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT)
+
+
+def test_tp2_sequence_parallel_replay_from_http_store(tmp_path):
+    proc = run_torchrun_2gpu(__file__, tmp_path)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = sorted((json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"])
     for r in ranks:

@@ -25,8 +25,6 @@ Each rank prints one JSON line per case; the test asserts on them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 import warnings
@@ -251,13 +249,10 @@ def _case(work: Path, name: str, vpp: int | None) -> dict:
 
 def worker(work: Path) -> None:
     import torch.distributed as dist
-    from megatron.core.transformer.moe import moe_utils
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    if moe_utils.__dict__.get("te_general_gemm", None) is None:
-        moe_utils.te_general_gemm = None
+    from tests.test_megatron_multigpu import start_nccl_worker
+
+    start_nccl_worker()
     failed = False
     for name, vpp in CASES.items():
         try:
@@ -274,13 +269,9 @@ def worker(work: Path) -> None:
 
 
 def test_pipeline_and_virtual_pipeline_replay_with_recompute(tmp_path):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).resolve()), "--worker", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    from tests.test_megatron_multigpu import run_torchrun_2gpu
+
+    proc = run_torchrun_2gpu(__file__, tmp_path)
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     for line in lines:
         print(json.dumps(line))
