@@ -115,6 +115,13 @@ class RoutingCapturer:
             How it works: :mod:`r3rdma.capture.id_check`. A bad id raises
             :class:`~r3rdma.errors.OutOfRangeError` (a :class:`ShapeMismatchError`) naming the
             layer and the id; on CUDA it may surface a few finishes after the step that produced it.
+        step_buffer: a fixed device buffer ``[max_tokens, L, K]`` (from
+            :func:`r3rdma.kernels.record_op.new_step_buffer`) that the model's routers write
+            themselves through :func:`r3rdma.kernels.record_op.record_hook`: the record path
+            for compiled models and CUDA graphs, where no Python runs per step. Each step then
+            begins with ``graphed=True`` (any token count up to ``max_tokens``) and ``record``
+            is not called; ``end_step`` stores rows ``0 .. T - 1`` only, so padded rows a graph
+            wrote for a larger size are never stored. Without TP only (``tp_group`` None).
         owns_sink: :meth:`close` also closes ``sink`` (which must then have ``close()``, taking
             the timeout when :meth:`close` is given one).
             :meth:`R3Config.build_capturer <r3rdma.config.R3Config.build_capturer>` sets it for
@@ -140,6 +147,7 @@ class RoutingCapturer:
         transfer_mode: str = "staged",
         owns_sink: bool = False,
         check_ids: bool = False,
+        step_buffer: torch.Tensor | None = None,
     ) -> None:
         self.layer_map = tuple(int(x) for x in layer_map)
         if not self.layer_map:
@@ -184,6 +192,11 @@ class RoutingCapturer:
                                    storage_dtype=self.storage_dtype, device=self.device)
         self._steps = StepRecorder(table=self._table, layer_map=self.layer_map, top_k=self.top_k, ids=self._ids,
                                    tp_group=tp_group)
+        if step_buffer is not None:
+            if tp_group is not None:
+                raise ConfigError("step_buffer with tp_group: under TP each rank routes a share of the tokens and "
+                                  "end_step gathers them; a model-written buffer holds one rank's view")
+            self._table.fix_step_buffer(step_buffer)
         self._ledger = RequestLedger(self._table)
         self._finishing = Finishing(table=self._table, sink=sink, transfer_mode=transfer_mode,
                                     storage_dtype=self.storage_dtype,

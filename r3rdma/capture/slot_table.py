@@ -64,6 +64,7 @@ class SlotTable:
         self.step_buf = torch.zeros((0, num_layers, top_k), dtype=dtype, device=device)
         self.rows_buf = torch.zeros(0, dtype=torch.int64, device=device)  # graphed router_rows
         self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
+        self.fixed_step_rows = 0  # > 0: the model writes a fixed step buffer of this many rows itself
         self.gen = np.zeros(num_slots, dtype=np.int64)  # writes so far, per slot
         self.valid = np.zeros(num_slots, dtype=bool)  # written and not released since
 
@@ -88,8 +89,30 @@ class SlotTable:
 
     # -- the step buffer and graphs -------------------------------------------------------------
 
+    def fix_step_buffer(self, buf_TLK: torch.Tensor) -> None:
+        """Use ``buf_TLK`` as the step buffer from now on, at its address, never reallocated:
+        the model's routers write it themselves (:mod:`r3rdma.kernels.record_op`), in compiled
+        code or a replayed CUDA graph, so every step of up to ``len(buf_TLK)`` tokens counts as
+        graphed."""
+        _, num_layers, top_k = self.step_buf.shape
+        if buf_TLK.dim() != 3 or tuple(buf_TLK.shape[1:]) != (num_layers, top_k) or buf_TLK.shape[0] < 1:
+            raise ShapeMismatchError(f"step_buffer must have shape [max_tokens, {num_layers}, {top_k}], "
+                                     f"got {tuple(buf_TLK.shape)}")
+        if buf_TLK.dtype != self.table_SLK.dtype or buf_TLK.device != self.table_SLK.device:
+            raise ShapeMismatchError(f"step_buffer must be {self.table_SLK.dtype} on {self.table_SLK.device} (the slot "
+                                     f"table's), got {buf_TLK.dtype} on {buf_TLK.device}")
+        if not buf_TLK.is_contiguous():
+            raise ShapeMismatchError("step_buffer must be contiguous")
+        self.step_buf = buf_TLK
+        self.fixed_step_rows = int(buf_TLK.shape[0])
+
     def reserve_step(self, rows: int) -> None:
         """Grow the step buffer to hold at least ``rows`` rows (a graph keeps its old address)."""
+        if self.fixed_step_rows:
+            if rows > self.fixed_step_rows:
+                raise ShapeMismatchError(f"a step of {rows} tokens does not fit the fixed step buffer of "
+                                         f"{self.fixed_step_rows} rows (size it from the engine's token budget)")
+            return
         if self.step_buf.shape[0] < rows:
             _, num_layers, top_k = self.step_buf.shape
             self.step_buf = torch.zeros(
@@ -113,6 +136,8 @@ class SlotTable:
 
     def graph_for(self, num_tokens: int) -> tuple[int, int, bool] | None:
         """The key a graph of ``num_tokens`` tokens was captured with, or None."""
+        if self.fixed_step_rows and num_tokens <= self.fixed_step_rows:
+            return self.graph_key(False)
         return self._graph_tokens.get(num_tokens)
 
     def graph_token_counts(self) -> list[int]:

@@ -126,7 +126,13 @@ class StepRecorder:
         if router_rows is not None and tuple(router_rows.shape) != (total,):
             raise ShapeMismatchError(f"router_rows must have shape ({total},), got {tuple(router_rows.shape)}")
         if graphed:
+            if self.table.fixed_step_rows and router_rows is not None:
+                raise CaptureStateError("begin_step(router_rows=...) with a fixed step_buffer: the model writes its "
+                                        "router's rows itself, so there is nothing to select")
             captured = self.table.graph_for(total)
+            if captured is None and self.table.fixed_step_rows:
+                raise ShapeMismatchError(f"a step of {total} tokens does not fit the fixed step buffer of "
+                                         f"{self.table.fixed_step_rows} rows")
             if captured is None:
                 raise CaptureStateError(f"begin_step(graphed=True) with {total} tokens, but graph_capture() was used for "
                                         f"{self.table.graph_token_counts()} tokens only")
