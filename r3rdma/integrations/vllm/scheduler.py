@@ -25,12 +25,13 @@ from typing import Any
 
 from r3rdma.config import R3Config
 from r3rdma.errors import R3Error
-from r3rdma.integrations.vllm.settings import INDEX_ARG, KEY_ARG, LOCATION_KEY, rollout_of, stored_request_id
+from r3rdma.integrations.vllm.settings import (INDEX_ARG, KEY_ARG, LOCATION_KEY, LOGGER_NAME, rollout_of,
+                                               stored_request_id)
 from r3rdma.integrations.vllm.worker import FinishedRequest
 
 __all__ = ["FinishLedger", "LOCATION_KEY", "location"]
 
-log = logging.getLogger("r3rdma.vllm")
+log = logging.getLogger(LOGGER_NAME)
 
 
 def location(extra_args: dict, request_id: str, rows: int, default_rollout: str = "default") -> dict:

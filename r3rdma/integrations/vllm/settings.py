@@ -28,6 +28,7 @@ from r3rdma.ids import validate_id
 
 __all__ = [
     "CONFIG_KEY",
+    "LOGGER_NAME",
     "LOCATION_KEY",
     "ROLLOUT_ARG",
     "REQUEST_ARG",
@@ -47,6 +48,28 @@ LOCATION_KEY = "r3_routing"  # kv_transfer_params key of a finished request's ro
 INDEX_ARG = "r3_sample_index"
 
 _TRUE = {"1", "true", "yes", "on"}
+
+# A child of vLLM's own "vllm" logger: the plug-in's lines go through vLLM's handler and format
+# ("INFO 11-26 12:00:00 [worker.py:140] r3rdma: recording ..."), shown by default, silenced
+# with vLLM's (VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING).
+LOGGER_NAME = "vllm.r3rdma"
+
+
+def route_core_logs() -> None:
+    """Send r3rdma's own library loggers (``r3rdma``: the writer, the push client) through
+    vLLM's handler too, in an engine process where routing replay is on and nobody configured
+    them: without it their errors ("a commit failed") would print as bare ``ERROR:r3rdma:``
+    lines through Python's last-resort handler, or not at all."""
+    import logging
+
+    core = logging.getLogger("r3rdma")
+    vllm_logger = logging.getLogger("vllm")
+    if core.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        core.addHandler(handler)
+    core.setLevel(vllm_logger.level or logging.INFO)
+    core.propagate = False
 
 
 def routing_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> R3Config | None:

@@ -1,22 +1,33 @@
 """The worker side of the vLLM plug-in: vLLM's model runner drives r3rdma's capturer.
 
-One :class:`StepRecorder` per model runner (so per worker process), on tensor-parallel rank 0
-only: under vLLM's tensor parallelism every rank routes every token (the router's logits are
+One :class:`RunnerRecorder` per model runner (so per worker process), on tensor-parallel rank
+0 only: under vLLM's tensor parallelism every rank routes every token (the router's logits are
 replicated), so one rank's routing is the whole step's, and one rank storing it keeps "each
 request stored once". The mapping onto the capturer's calls:
 
-- MoE layers: every ``MoERunner`` whose router is a vLLM ``BaseRouter`` gets r3rdma's record
-  function as its ``capture_fn`` (the hook vLLM's own routed-experts capture uses). vLLM calls
-  it right after top-k and before EPLB maps logical to physical experts, so the ids are
-  logical; the layer index is the runner's ``layer_id`` (the decoder layer), so dense layers
-  are simply absent from the layer map.
-- ``begin_step``: from the runner's persistent input batch as ``_prepare_inputs`` reads it:
-  the request order, each request's computed tokens (the step's first position) and the
-  scheduler's token counts; KV slots from the host block table (``block * block_size +
-  offset``, the slot mapping vLLM computes on the device, computed here on the host so the
-  step needs no device read).
-- ``record`` / ``end_step``: around the runner's ``_model_forward``. Forwards outside it
-  (profiling, warm-up, dummy batches) record nothing.
+- Inside the model, only one op per MoE layer: every ``MoERunner`` whose router is a vLLM
+  ``BaseRouter`` gets :func:`r3rdma.kernels.record_op.record_hook` as its ``capture_fn`` (the
+  hook vLLM's own routed-experts capture uses), which writes the layer's ids into one fixed
+  step buffer allocated at model load, before vLLM compiles the model or captures a graph.
+  vLLM calls it right after top-k and before EPLB maps logical to physical experts, so the ids
+  are logical; the layer index is the runner's ``layer_id`` (the decoder layer), so dense
+  layers are simply absent from the layer map. The same op runs eagerly, inside
+  torch.compile's graph (an opaque custom op) and in a replayed CUDA graph; rows a graph
+  writes for its padded size are never stored.
+- ``begin_step`` (``graphed=True``: the forward writes the step buffer itself): from the
+  runner's persistent input batch as ``_prepare_inputs`` reads it: the request order, each
+  request's computed tokens (the step's first position) and the scheduler's token counts; KV
+  slots from the host block table (``block * block_size + offset``, the slot mapping vLLM
+  computes on the device, computed here on the host so the step needs no device read). All of
+  it array operations over the batch: no Python loop per running request.
+- ``end_step`` right after the runner's ``_model_forward``. Forwards outside it (profiling,
+  warm-up, graph capture, dummy batches) write the buffer and are never stored.
+- Speculative decoding (synchronous scheduling): a step's tokens are each request's last
+  token and its drafts, all written to their KV slots, as vLLM writes their KV. A rejected
+  draft's position is computed again with the corrected token in the next step, which rewrites
+  its slot, exactly as vLLM rewrites its KV; a request's rows are gathered only up to its last
+  accepted input, so only accepted tokens' rows are ever stored, and only from the target
+  model (the drafter's routers are never hooked).
 - Positions a request did not compute in this engine's steps but holds in KV (a prefix-cache
   hit, a request resumed after preemption whose blocks were still cached) are announced with
   ``attach_cached`` from the same block table, the first time a step starts past them.
@@ -24,6 +35,8 @@ request stored once". The mapping onto the capturer's calls:
   slot is rewritten: finished requests (with the totals and stored id the scheduler side of the
   plug-in attached, :mod:`r3rdma.integrations.vllm.scheduler`) go to ``finish_request``;
   aborted ones to ``abort_request``; preempted ones to ``preempt_request``.
+- The first step is checked once (one host read, at start-up): every hooked layer must have
+  written its rows, or the engine stops with a ``ConfigError`` instead of storing nothing.
 """
 
 from __future__ import annotations
@@ -32,17 +45,21 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
+from itertools import repeat
 from typing import Any
 
 import numpy as np
+import torch
 
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError, R3Error
+from r3rdma.integrations.vllm.settings import LOGGER_NAME
+from r3rdma.integrations.vllm.support import check_engine
+from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 
-__all__ = ["StepRecorder", "FinishedRequest"]
+__all__ = ["RunnerRecorder", "FinishedRequest"]
 
-log = logging.getLogger("r3rdma.vllm")
+log = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +73,7 @@ class FinishedRequest:
     generated_len: int = 0
 
 
-class StepRecorder:
+class RunnerRecorder:
     """Maps one vLLM model runner's steps and request lifecycle onto a ``RoutingCapturer``."""
 
     def __init__(self, runner: Any, config: R3Config) -> None:
@@ -66,6 +83,9 @@ class StepRecorder:
         self.layer_map: tuple[int, ...] = ()
         self.top_k = 0
         self.num_experts = 0
+        self.step_buf: torch.Tensor | None = None  # the fixed buffer the model's routers write
+        self._check_next_step = True  # the first real step proves every hooked layer writes
+        self._sentinel: int | None = None  # the value that step's rows were filled with
         self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots) from _prepare_inputs
         self._known: dict[str, int] = {}  # request -> positions the capturer holds (0 .. n-1)
@@ -80,29 +100,13 @@ class StepRecorder:
     # -- set-up ----------------------------------------------------------------------------
 
     def bind_model(self, model: Any) -> None:
-        """Install the record hook on every MoE router of ``model``; fix the geometry."""
+        """Allocate the step buffer and install the record op on every MoE router of ``model``
+        (before vLLM compiles it or captures a graph); fix the geometry."""
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         vcfg = self.runner.vllm_config
-        if vcfg.speculative_config is not None:
-            raise ConfigError("r3rdma's vLLM plug-in does not support speculative decoding yet (draft tokens would "
-                              "need the accepted-token mask per step); turn off speculative_config or routing replay")
-        if vcfg.parallel_config.pipeline_parallel_size > 1:
-            raise ConfigError("r3rdma's vLLM plug-in does not support pipeline parallelism yet "
-                              f"(pipeline_parallel_size={vcfg.parallel_config.pipeline_parallel_size}); each stage "
-                              "holds only its own MoE layers")
-        compiled = _name(getattr(vcfg.compilation_config, "mode", None))
-        graphs = _name(getattr(vcfg.compilation_config, "cudagraph_mode", None))
-        if compiled not in (None, "NONE") or graphs not in (None, "NONE"):
-            # A Python hook runs while torch.compile traces the model or a CUDA graph is captured,
-            # not in the compiled code or a replayed graph: those steps would have no rows (the
-            # capturer refuses such a step, which would stop the engine mid-rollout).
-            raise ConfigError(
-                "r3rdma's vLLM plug-in records routing in eager steps; this engine compiles the model "
-                f"(compilation mode {compiled}, cudagraph_mode {graphs}). Start it with enforce_eager=True "
-                "(--enforce-eager), or turn routing replay off"
-            )
+        check_engine(vcfg)
         runners: dict[int, Any] = {}
         for name, module in model.named_modules():
             if not isinstance(module, MoERunner):
@@ -133,10 +137,15 @@ class StepRecorder:
             raise ConfigError(f"MoE layers disagree on top-k: {sorted(top_ks)}")
         self.top_k = top_ks.pop()
         self.num_experts = int(vcfg.model_config.get_num_experts())
-        for layer, (_, _, router) in runners.items():
-            router.set_capture_fn(partial(self._record, layer))
-        log.info("r3rdma: recording %d MoE layers %s, top-%d of %d experts", len(self.layer_map), list(self.layer_map),
-                 self.top_k, self.num_experts)
+        max_tokens = _max_forward_tokens(self.runner)
+        self.step_buf = new_step_buffer(max_tokens=max_tokens, num_layers=len(self.layer_map), top_k=self.top_k,
+                                        num_experts=self.num_experts, device=self.runner.device)
+        for moe, layer in enumerate(self.layer_map):
+            runners[layer][2].set_capture_fn(record_hook(self.step_buf, moe))
+        log.info("r3rdma: recording %d MoE layers %s, top-%d of %d experts, up to %d tokens per forward "
+                 "(compilation mode %s, cudagraph mode %s)", len(self.layer_map), list(self.layer_map), self.top_k,
+                 self.num_experts, max_tokens, _name(getattr(vcfg.compilation_config, "mode", None)),
+                 _name(getattr(vcfg.compilation_config, "cudagraph_mode", None)))
 
     def build(self, kv_cache_config: Any) -> None:
         """Build the capturer once vLLM sized its KV cache: one table row per KV slot."""
@@ -157,6 +166,7 @@ class StepRecorder:
                 layer_map=self.layer_map, top_k=self.top_k, num_experts=self.num_experts, num_slots=num_slots,
                 sink=_ReportingSink(writer), rollout_id=self.config.rollout_id, device=self.runner.device,
                 pin_memory=self.config.pin_host_table, transfer_mode=self.config.transfer_mode, owns_sink=True,
+                step_buffer=self.step_buf,
             )
         except BaseException:
             writer.close()
@@ -171,8 +181,8 @@ class StepRecorder:
         t0 = time.perf_counter()
         batch = self.runner.input_batch
         n = batch.num_reqs
-        req_ids = list(batch.req_ids[:n])
-        counts = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
+        req_ids = batch.req_ids[:n]
+        counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
         starts = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
         self._pending = (req_ids, starts, counts, slots)
@@ -191,44 +201,54 @@ class StepRecorder:
         t0 = time.perf_counter()
         req_ids, starts, counts, slots = pending
         cap = self.capturer
-        for i, rid in enumerate(req_ids):
-            known = self._known.get(rid, 0)
-            if starts[i] > known:
-                # Positions this request holds in KV but never computed here: a prefix-cache
-                # hit, or blocks still cached when a preempted request resumed.
-                positions = np.arange(known, starts[i], dtype=np.int64)
-                cap.attach_cached(rid, positions, self._slots(np.full(positions.size, i), positions))
-                self.positions_attached += int(positions.size)
-            self._known[rid] = int(starts[i] + counts[i])
-        cap.begin_step(req_ids, starts, counts, slots)
-        self._step_tokens = int(slots.size)
+        known = np.fromiter(map(self._known.get, req_ids, repeat(0)), dtype=np.int64, count=len(req_ids))
+        for i in np.flatnonzero(starts > known).tolist():
+            # Positions this request holds in KV but never computed here: a prefix-cache hit,
+            # or blocks still cached when a preempted request resumed (rare: a loop over those).
+            positions = np.arange(known[i], starts[i], dtype=np.int64)
+            cap.attach_cached(req_ids[i], positions, self._slots(np.full(positions.size, i), positions))
+            self.positions_attached += int(positions.size)
+        self._known.update(zip(req_ids, (starts + counts).tolist()))
+        cap.begin_step(req_ids, starts, counts, slots, graphed=True)
+        total = int(slots.size)
+        self._step_tokens = total
+        if self._check_next_step and total:
+            self._sentinel = unwritten_sentinel(self.step_buf, self.num_experts)
+            if self._sentinel is not None:
+                self.step_buf[:total].fill_(self._sentinel)  # on the device, no sync
         self.host_seconds += time.perf_counter() - t0
 
     def end(self, ok: bool) -> None:
         if self._step_tokens is None:
             return
         t0 = time.perf_counter()
-        self._step_tokens = None
-        if ok:
-            self.capturer.end_step()
-        else:
+        total, self._step_tokens = self._step_tokens, None
+        if not ok:
             self.capturer.cancel_step()
+            return
+        if self._check_next_step and total:
+            self._check_next_step = False
+            self._check_layers_wrote(total)
+        self.capturer.end_step()
         self.host_seconds += time.perf_counter() - t0
 
-    def _record(self, layer: int, topk_ids: Any) -> None:
-        tokens = self._step_tokens
-        if tokens is None:
-            return  # profiling, warm-up, dummy batches: not a scheduled step
-        if topk_ids.shape[0] < tokens:
+    def _check_layers_wrote(self, total: int) -> None:
+        """Once, at the first real step: every hooked MoE layer wrote its rows (one host read).
+
+        A layer that did not means a forward path the hook is not on (a model that routes
+        outside vLLM's BaseRouter, a compiled artifact built without the hook): the engine
+        would store rows that are not routing, so it stops here, saying which layers."""
+        if self._sentinel is None:
+            return
+        unwritten = (self.step_buf[:total] == self._sentinel).all(dim=-1).any(dim=0).tolist()
+        missing = [layer for layer, bad in zip(self.layer_map, unwritten) if bad]
+        if missing:
+            self.capturer.cancel_step()
             raise ConfigError(
-                f"MoE layer {layer} routed {topk_ids.shape[0]} tokens in a step of {tokens}: its tokens are split "
-                "across ranks (sequence-parallel or expert-parallel MoE), which r3rdma's vLLM plug-in does not "
-                "support yet"
+                f"r3rdma: MoE layers {missing} of {list(self.layer_map)} did not record their routing in the first step "
+                "(the forward does not call the router hook r3rdma installed: a model whose MoE routes outside vLLM's "
+                "BaseRouter, or a torch.compile cache built without routing replay; try VLLM_DISABLE_COMPILE_CACHE=1)"
             )
-        # Rows past `tokens` are padding (CUDA-graph or data-parallel sizes): a view, no copy.
-        t0 = time.perf_counter()
-        self.capturer.record(layer, topk_ids[:tokens])
-        self.host_seconds += time.perf_counter() - t0
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -323,7 +343,7 @@ class _ReportingSink:
     A :class:`~r3rdma.write.writer.RoutingWriter` reports a failed commit by raising it from
     the next ``submit``, which would drop that next (good) request too. In an engine the
     failure is logged with the requests it names and the next request is queued as usual;
-    :meth:`StepRecorder.flush` returns the count. Everything else is the writer's.
+    :meth:`RunnerRecorder.flush` returns the count. Everything else is the writer's.
     """
 
     def __init__(self, writer: Any) -> None:
@@ -341,6 +361,13 @@ class _ReportingSink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
+
+
+def _max_forward_tokens(runner: Any) -> int:
+    """Tokens one forward can carry, padding included: vLLM sizes its input buffers (and so
+    every CUDA-graph capture size and dummy run) from ``max_num_tokens``."""
+    sched = runner.vllm_config.scheduler_config
+    return int(max(getattr(runner, "max_num_tokens", 0) or 0, sched.max_num_batched_tokens))
 
 
 def _name(value: Any) -> str | None:
