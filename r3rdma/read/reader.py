@@ -13,7 +13,9 @@ Errors say what happened, so a trainer can tell "retry" from "the data is damage
 token) and :class:`StoreError` (the node or the local disk failed the read: HTTP 5xx, I/O
 error) are not the data's fault; :class:`CorruptDataError` means bytes that arrived whole fail
 their checksum or the format; :class:`UnknownRolloutError` / :class:`UnknownRequestError`: not
-committed (or deleted). Bad id lists (unknown or repeated ids) fail before anything is read.
+committed (or deleted; right after the engine's response that names them, not committed yet:
+:meth:`RoutingReader.wait_committed` waits until they are). Bad id lists (unknown or repeated
+ids) fail before anything is read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -59,6 +62,13 @@ __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "Prefetcher", "to_to
 _log = logging.getLogger(__name__)
 
 _PROGRESS_MIN_ARRAYS = 16  # reads touching fewer arrays finish too fast for a progress bar
+# wait_committed polls the index after 10 ms, then backs off by 2x to one poll per 200 ms: a
+# commit lands tens to hundreds of ms after the response that names it, and each poll of an
+# unchanged index is one small GET per source.
+_WAIT_FIRST_S, _WAIT_MAX_S = 0.01, 0.2
+# The least time a poll gets, even at the deadline: a final look, bounded, at what was committed
+# during the last pause (a hung node holds the wait at most this long past its timeout).
+_WAIT_LAST_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +204,55 @@ class RoutingReader:
         Use as a context manager, or ``close()`` it to stop loading early.
         """
         return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory)
+
+    def wait_committed(self, rollout_id: str, request_ids: Iterable[str], *, timeout_s: float = 60.0) -> None:
+        """Return once every one of ``request_ids`` is committed and readable: a :meth:`get`,
+        :meth:`get_packed` or :meth:`prefetch` of them right after reads without
+        :class:`UnknownRolloutError` / :class:`UnknownRequestError`.
+
+        When routing becomes readable: the engine side queues a finished request and its
+        writer commits it in a batch within ``flush_interval_s`` (R3Config, 50 ms by default)
+        or once ``flush_bytes`` are queued; a store node acknowledges a batch only once it is
+        durable, and readers see it when the rollout's index counts it. The engine answers
+        before that: a vLLM server's response names where the routing goes
+        (``kv_transfer_params["r3_routing"]``) when the request finishes, typically a fraction
+        of a second before it is readable. Offline, ``flush_routing(llm)`` waits on the engine
+        side; a server client, which has no such call, waits here.
+
+        Polls the rollout's index (per source its entry point, and only the parts not seen
+        before) at once, then after 10 ms, backing off to every 200 ms. A rollout that does not exist yet,
+        and a store node that cannot be reached for a moment, are "not yet"; a refused token
+        or damaged data are raised. Past ``timeout_s`` seconds (a poll in flight gets up to a
+        second more): :class:`R3TimeoutError` naming the rollout, how many of the requests are
+        not committed and the first few. Bad or repeated ids fail at once; no ids: returns at
+        once.
+        """
+        validate_id(rollout_id, "rollout_id")
+        missing = _check_ids(request_ids)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ConfigError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
+        total = len(missing)
+        deadline = time.monotonic() + timeout_s
+        pause = _WAIT_FIRST_S
+        merged: _MergedIndex | None = None
+        not_yet: Exception | None = None  # why the last poll saw no index (unknown rollout, node down)
+        while missing:
+            try:
+                merged = self._index(rollout_id, refresh=True,
+                                     within_s=max(deadline - time.monotonic(), _WAIT_LAST_POLL_S))
+                not_yet = None
+            except (UnknownRolloutError, TransportError, R3TimeoutError, StoreError) as e:
+                not_yet = e  # not created yet, or a node restarting: look again
+            if not_yet is None:
+                assert merged is not None
+                missing = [rid for rid in missing if rid not in merged.owner]
+                if not missing:
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise R3TimeoutError(_not_committed(rollout_id, missing, total, timeout_s, merged, not_yet))
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _WAIT_MAX_S)
 
     def collect(self, rollout_id: str, request_ids: Iterable[str], *, poll_s: float = 0.1,
                 max_batch: int = 256) -> "ShareCollector":
@@ -366,7 +425,10 @@ class RoutingReader:
                 f"rollout {rollout_id!r}: requests {gone[:5]!r} were deleted while being read"
             ) from cause
 
-    def _index(self, rollout_id: str, *, refresh: bool = False) -> "_MergedIndex":
+    def _index(self, rollout_id: str, *, refresh: bool = False, within_s: float | None = None) -> "_MergedIndex":
+        """The rollout's merged index: the cached one, or with ``refresh`` each source's entry
+        point and the parts it has not seen. ``within_s``: the fetch as a whole ends within
+        this many seconds (else :class:`R3TimeoutError`), not only each wait on a node."""
         validate_id(rollout_id, "rollout_id")
         cached = self._merged.get(rollout_id)
         if cached is not None and not refresh:
@@ -374,8 +436,15 @@ class RoutingReader:
 
         async def load_all():
             # Index parts are small and many (one per commit): fetch them well past the read bound.
-            return await asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources),
-                                        return_exceptions=True)
+            work = asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources),
+                                  return_exceptions=True)
+            if within_s is None:
+                return await work
+            try:
+                return await asyncio.wait_for(work, within_s)
+            except TimeoutError as e:
+                raise R3TimeoutError(f"the index of rollout {rollout_id!r} was not fetched from "
+                                     f"{', '.join(s.name for s in self._sources)} within {within_s:.2f} s") from e
 
         with _gc_paused():
             return self._load_index(rollout_id, cached, sync(load_all()))
@@ -480,6 +549,27 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _not_committed(rollout_id: str, missing: list[str], total: int, timeout_s: float,
+                   merged: "_MergedIndex | None", not_yet: Exception | None) -> str:
+    """What :meth:`RoutingReader.wait_committed` says when its time is up."""
+    shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    text = (f"rollout {rollout_id!r}: {len(missing)} of the {total} requests waited for are not committed after "
+            f"{timeout_s} s ({shown})")
+    if isinstance(not_yet, UnknownRolloutError):
+        text += f"; the rollout does not exist yet ({not_yet})"
+    elif not_yet is not None:
+        text += f"; the last poll of the index failed (retryable): {not_yet}"
+    elif merged is not None:
+        text += f"; the rollout has {len(merged.owner)} committed request{'' if len(merged.owner) == 1 else 's'}"
+        pending = [rid for rid in missing if rid in merged.pending]
+        if pending:
+            text += f", {', '.join(repr(p) for p in pending[:5])} pending (stored segments do not cover every row yet)"
+        if merged.skipped:
+            text += (f"; {len(merged.skipped)} store nodes could not be reached and may hold the rest: "
+                     + "; ".join(f"{name}: {why}" for name, why in merged.skipped.items()))
+    return text
 
 
 def _check_ids(request_ids: Iterable[str]) -> list[str]:
