@@ -117,3 +117,39 @@ def test_training_is_seeded_and_reproducible(tmp_path):
     assert blobs[0] == blobs[1] and blobs[0] != blobs[2]
     assert metas[0]["heldout_loss_after"] == metas[1]["heldout_loss_after"]
     assert metas[0]["data"]["files_sha256"] == metas[2]["data"]["files_sha256"]
+
+
+def test_checkpoint_tokenizer_maps_text_to_the_ids_it_was_trained_on(quick_model):
+    """The checkpoint carries a tokenizer (vLLM and ``AutoTokenizer`` take text): a training
+    file's text becomes exactly the ids of the training stream, any text round-trips, and every
+    id is one the model has."""
+    from transformers import AutoTokenizer
+
+    _, out, meta = quick_model
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (train_tiny.BOS, train_tiny.EOS, train_tiny.PAD)
+    assert meta["tokenizer"]["bos"] == train_tiny.BOS and len(tok) == train_tiny.VOCAB_SIZE
+    s = train_tiny.QUICK
+    train_ids, _, _ = train_tiny.load_corpus(train_bytes=s.train_bytes, heldout_bytes=0)
+    _, files = train_tiny.stdlib_files()
+    training = [full for rel, full in files if not train_tiny.is_heldout(rel)]
+    with open(training[0], "rb") as f:  # the stream starts with the first training file's bytes
+        first = f.read()
+    assert tok(first.decode())["input_ids"] == train_ids[: len(first)].tolist()
+    for full in training:  # a file with non-ASCII text: its UTF-8 bytes, one id each
+        with open(full, "rb") as f:
+            data = f.read()
+        if len(data) < 20_000 and max(data, default=0) > 127:
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                continue
+            break
+    else:
+        pytest.skip("no small non-ASCII UTF-8 file in this standard library")
+    ids = tok(text)["input_ids"]
+    assert ids == list(data) and tok.decode(ids) == text
+    odd = "x\t= 'wörld 日本'\r\n</s><s>\x00\x7f"
+    assert tok(odd)["input_ids"] == list(odd.encode())  # special tokens written in text stay bytes
+    assert tok.decode(tok(odd)["input_ids"]) == odd
+    assert tok.decode([72, 105, train_tiny.EOS], skip_special_tokens=True) == "Hi"

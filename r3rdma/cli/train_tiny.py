@@ -4,7 +4,10 @@ The data ships with every Python installation: the ``.py`` files under
 ``sysconfig.get_paths()["stdlib"]`` (``site-packages`` / ``dist-packages`` excluded), read in
 sorted order of their relative paths. A file is held out when ``zlib.crc32(relative path) % 20
 == 0`` (about 5%); the rest is the training stream. The tokenizer is byte-level: ids 0-255 are
-bytes, 256 / 257 / 258 are BOS / EOS (between files) / PAD, so nothing is downloaded.
+bytes, 256 / 257 / 258 are BOS / EOS (between files) / PAD, so nothing is downloaded. It is
+saved with the model (``tokenizer.json``, :func:`r3rdma.integrations.vllm.checkpoint.write_byte_tokenizer`):
+a text's UTF-8 bytes are its ids, as the training text's were, so ``AutoTokenizer`` and vLLM
+take text prompts.
 
 The model is a ``Qwen3MoeForCausalLM`` (every layer MoE) trained with the router
 load-balancing loss on (``output_router_logits=True``, ``router_aux_loss_coef``), AdamW, a fixed
@@ -14,9 +17,11 @@ entropy, nats, on fixed evenly spaced windows of the held-out stream) and the ex
 layer on those windows (top-k counts; ``chi2_over_df``: chi-square against a uniform load
 divided by its degrees of freedom, ~1 or below for routing that ignores its input).
 
-Output: ``model.save_pretrained(OUT)`` (config + safetensors, fp32) and ``OUT/train_tiny.json``
-(tokenizer, data split, seed, hyper-parameters, losses, load statistics, versions). ``r3rdma
-verify --model OUT`` loads it with ``AutoModelForCausalLM.from_pretrained``.
+Output: ``model.save_pretrained(OUT)`` (config + safetensors, fp32), the byte tokenizer
+(``tokenizer.json``, ``tokenizer_config.json``) and ``OUT/train_tiny.json`` (tokenizer, data
+split, seed, hyper-parameters, losses, load statistics, versions). ``r3rdma verify --model OUT``
+loads it with ``AutoModelForCausalLM.from_pretrained``; ``vllm.LLM(model=OUT)`` serves it (on
+the CPU with ``--head-dim 32``: vLLM's CPU attention needs head size >= 32).
 
 Defaults are for one GPU (8 layers x 64 experts, top-8, ~10 min at most; ``--time-budget``
 caps the training loop: if the first steps project past it, the step count is lowered once,
@@ -431,12 +436,16 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
 
     progress_bars_on_terminal_only()  # "Writing model shards" only on a terminal
     model.save_pretrained(out_dir)
+    from r3rdma.integrations.vllm.checkpoint import write_byte_tokenizer
+
+    write_byte_tokenizer(out_dir, bos=BOS, eos=EOS, pad=PAD, vocab_size=VOCAB_SIZE)
     s = asdict(settings)
     s.pop("extra")
     meta = {
         "kind": "r3rdma train-tiny",
         "tokenizer": {"kind": "bytes", "vocab_size": VOCAB_SIZE, "bos": BOS, "eos": EOS, "pad": PAD,
-                      "note": "ids 0-255 are bytes; EOS between files"},
+                      "note": "ids 0-255 are bytes; EOS between files",
+                      "files": "tokenizer.json: text -> its UTF-8 bytes (AutoTokenizer.from_pretrained(path))"},
         "data": data_info,
         "seed": seed,
         "settings": {**s, "steps": steps, "steps_requested": settings.steps},
@@ -513,6 +522,6 @@ def main(args) -> int:
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     meta = train(settings, args.out, seed=args.seed, device=device, time_budget=args.time_budget, threads=args.threads,
                  log_every=25 if args.quick else 100, log=lambda m: print(m, flush=True))
-    print(f"saved {args.out} ({META_FILE}); try: r3rdma verify --model {args.out}")
+    print(f"saved {args.out} (model, byte tokenizer, {META_FILE}); try: r3rdma verify --model {args.out}")
     print(json.dumps(meta))
     return 0 if meta["heldout_loss_after"] < meta["heldout_loss_before"] else 1
