@@ -12,6 +12,11 @@ step is captured once per setting into a CUDA graph and replayed; capture then c
 its kernels inside the graph plus ``begin_step`` / ``end_step`` around the replay. Without,
 the step runs eagerly and the hooks run in Python each step.
 
+``--record-path op`` measures the path the vLLM plug-in installs instead of the Python hook:
+each router's hook calls :func:`r3rdma.kernels.record_op.record_hook` (one custom op writing
+a fixed step buffer the capturer was built with, ``step_buffer=``), so in a graph the op's one
+copy kernel per layer is captured, and every step begins ``graphed=True``.
+
 Host synchronisations are counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a
 separate pass of steps (each with capture on and off; the difference is the capturer's).
 
@@ -106,13 +111,13 @@ class _Loop:
 
         return np.arange(self.args.batch, dtype=np.int64) * self.max_len + self.args.prompt_len + step
 
-    def run_steps(self, n: int, capturer, graphed: bool) -> None:
+    def run_steps(self, n: int, capturer, graphed: bool, model_writes: bool = False) -> None:
         B = self.args.batch
         starts = None
         for s in range(n):
             if capturer is not None:
                 starts = [self.args.prompt_len + s] * B
-                if graphed:
+                if graphed or model_writes:  # the forward writes the step buffer itself
                     capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s), graphed=True)
                 else:
                     capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s))
@@ -122,6 +127,23 @@ class _Loop:
                 self.forward()
             if capturer is not None:
                 capturer.end_step()
+
+
+def _attach_record_op(routers, step_buf):
+    """The vLLM plug-in's record path on Hugging Face routers: one op per layer into ``step_buf``."""
+    from r3rdma.kernels.record_op import record_hook
+
+    def hook_for(moe: int):
+        record = record_hook(step_buf, moe)
+        return lambda _module, _args, output: record(output[2])  # indices [T, K]
+
+    handles = [r.module.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+
+    def detach() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return detach
 
 
 def _try_graph(loop, capturer, on: bool) -> str | None:
@@ -180,8 +202,15 @@ def run_capture_bench(args) -> dict:
     model, config = _build(args, device)
     loop = _Loop(model, config, args, device)
     routers = find_moe_routers(model)
+    op_path = args.record_path == "op"
+    step_buf = None
+    if op_path:
+        from r3rdma.kernels.record_op import new_step_buffer
+
+        step_buf = new_step_buffer(max_tokens=args.batch, num_layers=len(routers), top_k=args.top_k,
+                                   num_experts=args.experts, device=device)
     capturer = RoutingCapturer(layer_map=[r.layer_idx for r in routers], top_k=args.top_k, num_experts=args.experts,
-                               num_slots=args.batch * loop.max_len, device=device)
+                               num_slots=args.batch * loop.max_len, device=device, step_buffer=step_buf)
     build_s = time.perf_counter() - t0
     log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
     log(f"model built in {build_s:.1f} s on {device}: {args.layers} layers, {args.experts} experts, top-{args.top_k}, batch {args.batch}")
@@ -191,7 +220,7 @@ def run_capture_bench(args) -> dict:
     def set_capture(on: bool) -> None:
         nonlocal detach
         if on and detach is None:
-            detach = attach_capturer(model, capturer)
+            detach = _attach_record_op(routers, step_buf) if op_path else attach_capturer(model, capturer)
         elif not on and detach is not None:
             detach()
             detach = None
@@ -220,7 +249,7 @@ def run_capture_bench(args) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            loop.run_steps(args.steps, capturer if on else None, graphed)
+            loop.run_steps(args.steps, capturer if on else None, graphed, model_writes=op_path)
         if cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3 / args.steps
@@ -243,7 +272,7 @@ def run_capture_bench(args) -> dict:
                 set_capture(on and not graphed)
                 loop.reset()
                 with torch.no_grad():
-                    loop.run_steps(n, capturer if on else None, graphed)
+                    loop.run_steps(n, capturer if on else None, graphed, model_writes=op_path)
             return go
 
         syncs_off = _count_syncs(steps(False)) / n
@@ -262,6 +291,7 @@ def run_capture_bench(args) -> dict:
         "batch": args.batch,
         "steps_per_round": args.steps,
         "rounds": args.rounds,
+        "record_path": args.record_path,
         "cuda_graphs": graphed,
         "cuda_graphs_error": graph_error,
         "step_ms_off": round(step_off, 4),
@@ -294,6 +324,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per setting (interleaved)")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--record-path", choices=["hook", "op"], default="hook",
+                        help="hook: capturer.record from a Python hook; op: the vLLM plug-in's record op into a fixed "
+                             "step buffer (r3rdma.kernels.record_op)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test only; no timing meaning)")
     parser.add_argument("--quiet", dest="verbose", action="store_false")
 
