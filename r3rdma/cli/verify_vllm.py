@@ -6,7 +6,7 @@ prefill, its CPU or GPU MoE path) with r3rdma's vLLM plug-in recording the routi
 store; :func:`r3rdma.cli.verify.run_verify` then trains with the Hugging Face model on the same
 weights and compares. The checkpoint vLLM loads is the trainer's weights, rounded once to the
 rollout dtype, saved with ``save_pretrained``; prompts go in as token ids
-(``skip_tokenizer_init``: train-tiny's byte vocabulary has no tokenizer files), and each
+(``skip_tokenizer_init``: the trainer's token ids, exactly, whatever tokenizer the checkpoint has), and each
 sampled token's log-probability comes back from vLLM (``logprobs=0``).
 """
 
@@ -50,7 +50,8 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
     with tempfile.TemporaryDirectory(prefix="r3rdma-verify-ckpt-") as ckpt:
         model.save_pretrained(ckpt)
         t0 = time.perf_counter()
-        llm = LLM(model=ckpt, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, seed=seed,
+        # vLLM as RL teams run it: its default compilation (the plug-in records under it).
+        llm = LLM(model=ckpt, dtype=dtype, skip_tokenizer_init=True, seed=seed,
                   max_model_len=max(len(r.prompt) + r.max_new_tokens for r in requests) + 8,
                   max_num_seqs=batch_size, gpu_memory_utilization=0.3,
                   additional_config={"routing_replay": {"local_store_dir": root, "rollout_id": rollout_id}})
