@@ -28,6 +28,7 @@ from r3rdma.errors import ConfigError
 
 __all__ = [
     "SECRET_ENV",
+    "SECRET_FILE_ENV",
     "MIN_SECRET_BYTES",
     "NONCE_BYTES",
     "READ_TOKEN_LABEL",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 SECRET_ENV = "R3_STORE_TOKEN"
+SECRET_FILE_ENV = "R3_STORE_TOKEN_FILE"  # read by R3Config (store_token_file) and the commands, not here
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
@@ -66,7 +68,8 @@ def coerce_secret(secret: bytes | str) -> bytes:
 
 
 def load_secret(path: str | os.PathLike[str] | None = None) -> bytes:
-    """Load the shared secret: from the file ``path`` if given, else ``$R3_STORE_TOKEN``.
+    """Load the shared secret: from the file ``path`` if given, else ``$R3_STORE_TOKEN``
+    (callers resolve ``$R3_STORE_TOKEN_FILE`` into ``path``).
 
     A file's trailing newline is stripped. Raises :class:`ConfigError` when neither source
     is set, the file cannot be read, or the secret is shorter than 16 bytes.
@@ -81,8 +84,9 @@ def load_secret(path: str | os.PathLike[str] | None = None) -> bytes:
     if value:
         return coerce_secret(value)
     raise ConfigError(
-        f"no transport secret: pass a secret file path or set ${SECRET_ENV} "
-        "(both sides must share it)"
+        f"no transport secret (the push secret): set {SECRET_FILE_ENV} to the secret's file (or {SECRET_ENV} to the secret "
+        "itself), or pass the file's path (store_token_file=, --token-file); engines and store nodes "
+        "share it (scripts/start_store_nodes.sh writes one and names it in DIR/env)"
     )
 
 

@@ -156,7 +156,8 @@ async def server_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -
     expected = auth.client_proof(secret, version, client_nonce, server_nonce)
     if not auth.proofs_match(expected, answer.get("proof")):
         raise AuthenticationError(
-            "client proof does not match the shared secret (check R3_STORE_TOKEN on both sides)"
+            "client proof does not match the shared secret (both sides must hold the same secret: "
+            "R3_STORE_TOKEN_FILE, or R3_STORE_TOKEN, on the engines; --token-file on the store nodes)"
         )
     proof = auth.server_proof(secret, version, client_nonce, server_nonce)
     await send_message(conn, version, Kind.AUTH_OK, {"proof": proof}, timeout=t)

@@ -16,9 +16,16 @@ from r3rdma.errors import AuthenticationError, R3Error, R3TimeoutError, StoreErr
 __all__ = ["read_error", "status_error"]
 
 
-def status_error(node: str, what: str, status: int, text: str = "") -> R3Error:
+def status_error(node: str, what: str, status: int, text: str = "", *, token_sent: bool = True) -> R3Error:
     """The error for store node ``node`` answering ``what`` (e.g. ``GET /zarr/<key>``) with an
-    HTTP ``status`` the caller cannot use (a 404 that means "absent" is the caller's to handle)."""
+    HTTP ``status`` the caller cannot use (a 404 that means "absent" is the caller's to handle).
+    ``token_sent``: whether the request carried a token (a 401 then means the wrong one)."""
+    if status in (401, 403) and not token_sent:
+        return AuthenticationError(
+            f"store node {node} needs a read token and no token was sent ({what}: HTTP {status}); "
+            "pass token= to RoutingReader (the nodes' read token, derive_read_token(secret), or the "
+            "<secret file>.read a node writes), or --read-token-file / R3_STORE_READ_TOKEN_FILE to r3rdma commands"
+        )
     if status in (401, 403):
         # The node's text says no more than this; the token itself is never in a message.
         return AuthenticationError(
@@ -31,14 +38,14 @@ def status_error(node: str, what: str, status: int, text: str = "") -> R3Error:
     return StoreError(f"store node {node} {side} the read ({what}: HTTP {status}{' ' + detail if detail else ''})")
 
 
-def read_error(node: str, what: str, error: BaseException) -> R3Error | None:
+def read_error(node: str, what: str, error: BaseException, *, token_sent: bool = True) -> R3Error | None:
     """The :class:`R3Error` for ``error``, raised while reading ``what`` from store node
     ``node`` over HTTP (http.client, or aiohttp under zarr's fsspec store); None when it is
     not a failure to talk to the node (the caller decides: absent, corrupt, a bug).
 
     - R3Error: itself;
     - a refused token (401/403): AuthenticationError; 404: None (absent); another HTTP status:
-      see :func:`status_error`;
+      see :func:`status_error` (``token_sent``: whether the request carried a token);
     - a timeout: R3TimeoutError; a connection refused, reset or closed mid-body, a DNS failure,
       an unparsable HTTP response: TransportError. Both are worth a retry;
     - FileNotFoundError: fsspec raises it for a 404 (None here), and also for a status or
@@ -48,14 +55,18 @@ def read_error(node: str, what: str, error: BaseException) -> R3Error | None:
 
     if isinstance(error, R3Error):
         return error
-    obstore_error = _obstore_error(node, what, error)
+    obstore_error = _obstore_error(node, what, error, token_sent)
     if obstore_error is not None:
         return obstore_error
     if isinstance(error, FileNotFoundError):
         cause = error.__cause__
-        return None if cause is None or isinstance(cause, FileNotFoundError) else read_error(node, what, cause)
+        if cause is None or isinstance(cause, FileNotFoundError):
+            return None
+        return read_error(node, what, cause, token_sent=token_sent)
     if isinstance(error, aiohttp.ClientResponseError):
-        return None if error.status == 404 else status_error(node, what, error.status, error.message)
+        if error.status == 404:
+            return None
+        return status_error(node, what, error.status, error.message, token_sent=token_sent)
     if isinstance(error, TimeoutError):  # socket.timeout, asyncio's and aiohttp's timeouts
         return R3TimeoutError(f"store node {node} did not answer in time ({what}; retryable): {_describe(error)}")
     if isinstance(error, (OSError, http.client.HTTPException, aiohttp.ClientError)):
@@ -70,7 +81,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _obstore_error(node: str, what: str, error: BaseException) -> R3Error | None:
+def _obstore_error(node: str, what: str, error: BaseException, token_sent: bool) -> R3Error | None:
     """obstore's errors (zarr's ObjectStore over HTTPStore) carry the HTTP outcome in their
     type (a refused token) or only in their text (status, timeout, connection): read both."""
     try:
@@ -86,9 +97,10 @@ def _obstore_error(node: str, what: str, error: BaseException) -> R3Error | None
         first += f" ({os_error.group(1)}: {os_error.group(2)})"
     status = re.search(r"non-2xx status code: (\d{3})", text)
     if status:
-        return status_error(node, what, int(status.group(1)), first)
+        return status_error(node, what, int(status.group(1)), first, token_sent=token_sent)
     if isinstance(error, (obs.UnauthenticatedError, obs.PermissionDeniedError)):
-        return status_error(node, what, 401 if isinstance(error, obs.UnauthenticatedError) else 403, first)
+        return status_error(node, what, 401 if isinstance(error, obs.UnauthenticatedError) else 403, first,
+                            token_sent=token_sent)
     if re.search(r"\bTimedOut\b|timed out|kind: Timeout", text):
         return R3TimeoutError(f"store node {node} did not answer in time ({what}; retryable): {first}")
     return TransportError(f"connection to store node {node} failed ({what}; retryable): {first}")

@@ -51,7 +51,7 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.records import checksum
 from r3rdma.read.packed import PackedRouting, pack, to_torch
-from r3rdma.read.sources import Source
+from r3rdma.read.sources import Source, source_items
 from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex
 
 if TYPE_CHECKING:
@@ -90,7 +90,10 @@ class RoutingReader:
 
     ``sources`` is one source or a list: a local directory, an ``http(s)://host:port`` URL
     of a store node (its ``/zarr/`` tree is read with zarr's fsspec store; ``token`` is sent
-    as a bearer header), or any zarr ``StoreLike``. With several sources (the store nodes a
+    as a bearer header), or any zarr ``StoreLike``; a string of comma-separated URLs (as
+    ``$R3_STORE_HTTP_URLS`` holds them) is several. A source that cannot be one (a malformed
+    URL, ``host:port`` without ``http://``, a directory that does not exist) raises
+    :class:`ConfigError` naming it. With several sources (the store nodes a
     rollout's requests were spread over) their indexes are merged; a request found on several
     nodes (replicas, or re-pushed after a failover) must have the same checksum on each
     (checked when it is read: else :class:`CorruptDataError` naming both) and is read from any
@@ -118,14 +121,17 @@ class RoutingReader:
         timeout_s: float = 60.0,
     ) -> None:
         """``progress``: show a tqdm bar on reads of many ranges (None: only when stderr is a TTY)."""
-        items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        items = source_items(sources)
         if not items:
-            raise ConfigError("RoutingReader needs at least one source")
+            raise ConfigError(f"RoutingReader needs at least one source, got {sources!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ConfigError(f"max_workers must be an int >= 1, got {max_workers!r}")
         self._sources = [Source.of(item, token, float(timeout_s)) for item in items]
+        #: The sources' names, in order (URLs without a trailing slash, paths), as messages
+        #: and :attr:`last_skipped_nodes` name them.
+        self.source_names: tuple[str, ...] = tuple(source.name for source in self._sources)
         self._verify = verify
         self._concurrency = max_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")

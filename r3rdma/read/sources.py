@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ import zarr.errors
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
-from r3rdma.errors import CorruptDataError, R3Error, StoreError, UnknownRolloutError
+from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
 from r3rdma.read.http_errors import read_error
 from r3rdma.read.shard_ranges import ShardLayout, read_ranges, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
@@ -42,16 +43,58 @@ from r3rdma.store.rollout_index import (
     snapshot_name,
 )
 
-__all__ = ["Source", "http_store"]
+__all__ = ["Source", "http_store", "source_items", "check_url"]
+
+# host:port, which is what the engines' R3_STORE_URLS holds (UCX push addresses), not a URL.
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d+)$")
+
+
+def source_items(sources: Any) -> list[Any]:
+    """The reader's sources as a list: one source, a list or tuple of them, or a string of
+    comma-separated store node URLs (the form ``$R3_STORE_HTTP_URLS`` and the commands take).
+
+    A string is split on commas unless it names an existing directory (a path may hold one).
+    """
+    items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, str) and "," in item and not os.path.isdir(item):
+            out.extend(part.strip() for part in item.split(",") if part.strip())
+        else:
+            out.append(item)
+    return out
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is a usable store node URL (``http(s)://host[:port][/path]``), else
+    :class:`ConfigError` naming it and what is wrong."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() for c in url):
+        raise ConfigError(f"store node URL {url!r} holds whitespace; expected http://host:port")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        raise ConfigError(f"store node URL {url!r} is not a valid URL ({e}); expected http://host:port "
+                          "(several: a list, or one string with commas between URLs)") from e
+    if not parts.hostname:
+        raise ConfigError(f"store node URL {url!r} names no host; expected http://host:port")
+    if port == 0:
+        raise ConfigError(f"store node URL {url!r} has port 0; expected the node's HTTP port (--http-port)")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"store node URL {url!r} has a query or fragment; expected http://host:port")
+    return url
 
 
 class Source:
     """One store root: a zarr store plus how to name it in messages."""
 
-    def __init__(self, name: str, store: Any, remote: bool) -> None:
+    def __init__(self, name: str, store: Any, remote: bool, *, token_sent: bool = False) -> None:
         self.name = name
         self.store = store
         self.remote = remote
+        self.token_sent = token_sent  # a 401 without a token means "send one", not "wrong token"
         # Immutable once written, so kept for the reader's life: batch arrays (metadata) by
         # (rollout, uid, name), and each rollout's index by rollout id.
         self._arrays: dict[tuple[str, str, str], zarr.AsyncArray] = {}
@@ -61,11 +104,26 @@ class Source:
 
     @classmethod
     def of(cls, item: Any, token: str | None, timeout_s: float) -> "Source":
+        """The source ``item`` names: an ``http(s)://`` URL of a store node, a local store root
+        (an existing directory), or any zarr store. Anything else is a :class:`ConfigError`
+        saying what is wrong with it (a malformed URL, ``host:port`` without ``http://``, a
+        directory that does not exist), so a typo is not reported later as an unknown rollout."""
         if isinstance(item, str) and item.startswith(("http://", "https://")):
-            return cls(item.rstrip("/"), http_store(item, token, timeout_s), remote=True)
+            url = check_url(item)
+            try:
+                store = http_store(url, token, timeout_s)
+            except R3Error:
+                raise
+            except Exception as e:  # obstore refuses what urlsplit let through
+                raise ConfigError(f"store node URL {url!r} cannot be used: {type(e).__name__}: {e}") from e
+            return cls(url.rstrip("/"), store, remote=True, token_sent=bool(token))
         if isinstance(item, (str, os.PathLike)):
-            return cls(os.fspath(item), LocalStore(os.fspath(item), read_only=True), remote=False)
-        return cls(str(item), item, remote=not isinstance(item, LocalStore))
+            path = os.fspath(item)
+            if isinstance(path, bytes):
+                path = os.fsdecode(path)
+            _check_local_root(path)
+            return cls(path, LocalStore(path, read_only=True), remote=False)
+        return cls(str(item), item, remote=not isinstance(item, LocalStore), token_sent=bool(token))
 
     def failure(self, what: str, error: BaseException) -> R3Error | None:
         """The R3Error that says why reading ``what`` here failed, or None when ``error`` is
@@ -73,7 +131,7 @@ class Source:
         if isinstance(error, R3Error):
             return error
         if self.remote:
-            return read_error(self.name, what, error)
+            return read_error(self.name, what, error, token_sent=self.token_sent)
         if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
             return StoreError(f"{self.name}: {what} failed: {type(error).__name__}: {error}")
         return None
@@ -267,6 +325,26 @@ class Source:
             if isinstance(e, FileNotFoundError):
                 return None
             raise CorruptDataError(f"{self.name}: the size of {key} of rollout {rollout_id!r} cannot be read: {e}") from e
+
+
+def _check_local_root(path: str) -> None:
+    """A local source must be an existing directory; else :class:`ConfigError` saying what it is."""
+    if os.path.isdir(path):
+        return
+    if "://" in path:
+        scheme = path.split("://", 1)[0]
+        raise ConfigError(f"source {path!r}: store nodes are read over HTTP, expected http://host:port "
+                          f"(or https://), got the scheme {scheme!r}")
+    match = _HOST_PORT.match(path)
+    if match and not os.path.exists(path):
+        raise ConfigError(
+            f"source {path!r} is not a URL (and no such directory exists): did you mean http://{path}? "
+            "Readers take the store nodes' HTTP URLs (--http-port; $R3_STORE_HTTP_URLS), "
+            "not the UCX push addresses of R3_STORE_URLS"
+        )
+    if os.path.exists(path):
+        raise ConfigError(f"source {path!r} is not a directory: expected a local store root or http://host:port")
+    raise ConfigError(f"no such directory: {path!r} (expected a local store root, or a store node's http://host:port)")
 
 
 def http_store(url: str, token: str | None, timeout_s: float) -> Any:
