@@ -157,3 +157,68 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, make_record):
     finally:
         os.close(write_end)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.fixture
+def replicated_with_one_dead(tmp_path, make_record):
+    """Three store nodes, every request on two of them (replicas=2), then one node SIGKILLed:
+    (records, every node's URL, the dead one's URL, the read token file)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from r3rdma.transport import TransportLimits
+
+    token = new_token()
+    with ThreadPoolExecutor(3) as pool:
+        nodes = list(pool.map(lambda i: start_node(tmp_path / f"node{i}", token), range(3)))
+    try:
+        records = [make_record(f"q{i}", rows=8 + i, layers=2, k=2, num_experts=16) for i in range(12)]
+        with StoreNodesClient([n.push_url for n in nodes], secret=token, replicas=2,
+                              limits=TransportLimits(timeout_s=10)) as client:
+            client.commit(records)
+        nodes[0].kill()
+        token_file = tmp_path / "read-token"
+        token_file.write_text(nodes[1].read_token + "\n")
+        yield records, [n.http_url for n in nodes], nodes[0].http_url, token_file
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+@pytest.mark.timeout(180)
+def test_inspect_with_a_replica_node_dead_reads_the_live_ones(replicated_with_one_dead):
+    """Issue: with one of the nodes dead, `r3rdma inspect URLS ROLLOUT` exited 2 ("cannot size every
+    source", printed twice) although every request was on a live replica. Now it summarises the
+    rollout from the live nodes and names the dead one once."""
+    records, urls, dead, token_file = replicated_with_one_dead
+    proc = subprocess.run([sys.executable, "-m", "r3rdma", "inspect", ",".join(urls), "roll-0",
+                           "--read-token-file", str(token_file)],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["requests"] == 12 and last["tokens"] == sum(r.num_rows for r in records)
+    assert last["stored_bytes"] > 0 and list(last["unreachable"]) == [dead]
+    named = [line for line in proc.stderr.splitlines() if dead in line]
+    assert len(named) == 1 and "could not be reached" in named[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "cannot size" not in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_check_with_a_replica_node_dead_reports_the_nodes_read_and_their_bytes(replicated_with_one_dead, tmp_path):
+    """Issue: `r3rdma check` in the same state exited 0 saying "from 3 store nodes" with
+    "stored_bytes": 0. Now it counts the nodes it read from and sizes their data."""
+    records, urls, dead, token_file = replicated_with_one_dead
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    np.savez(shadow / "dp0.npz", **{r.request_id: r.ids_TLK.astype(np.int64) for r in records})
+    proc = subprocess.run([sys.executable, "-m", "r3rdma", "check", "--http-urls", ",".join(urls),
+                           "--read-token-file", str(token_file), "--rollout-id", "roll-0", "--shadow-dir", str(shadow)],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["roundtrip_exact"] is True and last["requests"] == 12
+    assert last["store_nodes"] == 2 and last["unreachable_nodes"] == [dead]
+    # Each request is stored twice, on the two live nodes or on one of them and the dead one.
+    assert last["stored_bytes"] > sum(r.ids_TLK.nbytes for r in records) // 2
+    assert "from 2 of 3 store nodes" in proc.stdout
+    assert len([line for line in proc.stderr.splitlines() if dead in line]) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr

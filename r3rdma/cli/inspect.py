@@ -2,7 +2,8 @@
 
 ``r3rdma inspect SOURCE ROLLOUT [--read-token-file F | --token-file SECRET] [--png load.png]``:
 SOURCE is a local store root or a store node's ``http://host:port`` (several, comma-separated,
-for a rollout spread over nodes). Over HTTP it sends the read token (from ``--read-token-file``,
+for a rollout spread over nodes; a node that cannot be reached is named once on stderr and the
+rollout is read from the others, its replicas). Over HTTP it sends the read token (from ``--read-token-file``,
 or derived here from the push secret file ``--token-file``; never the secret itself). Prints a summary (requests, tokens, stored bytes against raw uint8 / int32 /
 base64, layers, top-k, experts, per-layer expert load balance) and writes a heatmap of expert
 load per layer. The last line is JSON. A read that fails (token refused, node unreachable,
@@ -13,16 +14,21 @@ printed, then one line saying so, exit 2. Output into a closed pipe (``| head``)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["RolloutSummary", "inspect_rollout", "plot_expert_load", "add_arguments", "main"]
+if TYPE_CHECKING:
+    from r3rdma.read.reader import RoutingReader
+
+__all__ = ["RolloutSummary", "inspect_rollout", "plot_expert_load", "stored_bytes_reachable", "add_arguments", "main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,8 @@ class RolloutSummary:
     base64_int32_bytes: int
     max_load_over_mean: tuple[float, ...]  # per MoE layer: busiest expert's tokens / the mean
     unused_experts: tuple[int, ...]  # per MoE layer
+    # Sources that could not be reached (name -> why); the rollout was read from the others.
+    unreachable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,11 +66,11 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
 
     from r3rdma.read.reader import RoutingReader
 
-    if isinstance(sources, str):
-        sources = [s for s in sources.split(",") if s]
-    with RoutingReader(list(sources), token=token) as reader:
+    with RoutingReader(sources, token=token) as reader:
         info = reader.info(rollout_id)
-        stored = sum(reader.stored_bytes(rollout_id).values())
+        unreachable = dict(reader.last_skipped_nodes)
+        stored = sum(stored_bytes_reachable(reader, rollout_id, token=token).values())
+        names = reader.source_names
         load = np.zeros((info.num_layers, info.num_experts), dtype=np.int64)
         lengths: list[int] = []
         ids = list(info.request_ids)
@@ -82,7 +90,7 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
     mean = load.sum(axis=1, keepdims=True) / max(1, info.num_experts)
     summary = RolloutSummary(
         rollout_id=rollout_id,
-        sources=tuple(sources),
+        sources=names,
         requests=len(ids),
         tokens=tokens,
         rows_min=min(lengths, default=0),
@@ -100,8 +108,44 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
         base64_int32_bytes=4 * math.ceil(tokens * ids_per_token * 4 / 3),
         max_load_over_mean=tuple(round(float(m), 3) for m in (load.max(axis=1) / np.maximum(mean[:, 0], 1e-9))),
         unused_experts=tuple(int(n) for n in (load == 0).sum(axis=1)),
+        unreachable=unreachable,
     )
     return summary, load
+
+
+def stored_bytes_reachable(reader: "RoutingReader", rollout_id: str, *, token: str | None) -> dict[str, int]:
+    """Bytes each source of ``reader`` that its last index fetch reached stores for the rollout,
+    by name. :meth:`RoutingReader.stored_bytes` refuses to size a rollout while a source cannot
+    be reached; a rollout read from the replicas on the others is sized on those others (the
+    ones in :attr:`~RoutingReader.last_skipped_nodes` are left out)."""
+    from r3rdma.read.reader import RoutingReader
+
+    skipped = reader.last_skipped_nodes
+    if not skipped:
+        return reader.stored_bytes(rollout_id)
+    live = [name for name in reader.source_names if name not in skipped]
+    with RoutingReader(live, token=token) as alive:
+        return alive.stored_bytes(rollout_id)
+
+
+@contextlib.contextmanager
+def reader_warnings_quiet() -> Iterator[None]:
+    """The reader's per-fetch warnings (a source skipped, a read failed over) off while a command
+    runs: it says what was unreachable itself, once, instead of once per index fetch."""
+    logger = logging.getLogger("r3rdma.read.reader")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def unreachable_lines(command: str, unreachable: dict[str, str], total: int) -> list[str]:
+    """One stderr line per source that could not be reached, saying the rest were read."""
+    live = total - len(unreachable)
+    return [f"r3rdma {command}: store node {name} could not be reached; read from the other {live} "
+            f"(its replicas there): {why}" for name, why in unreachable.items()]
 
 
 def plot_expert_load(load: np.ndarray, path: str | os.PathLike[str], *, title: str = "",
@@ -182,12 +226,17 @@ def _main(args) -> int:
     try:
         remote = "://" in args.source  # a local root needs no token: the environment's is not read
         token = read_token(args.read_token_file, args.token_file) if remote or args.read_token_file or args.token_file else None
-        summary, load = inspect_rollout(args.source, args.rollout, token=token)
+        with reader_warnings_quiet():
+            summary, load = inspect_rollout(args.source, args.rollout, token=token)
     except R3Error as e:
         print(f"r3rdma inspect: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    for line in unreachable_lines("inspect", summary.unreachable, len(summary.sources)):
+        print(line, file=sys.stderr)
     s = summary
-    print(f"rollout {s.rollout_id} on {', '.join(s.sources)}")
+    live = [name for name in s.sources if name not in s.unreachable]
+    down = f" ({len(s.unreachable)} of {len(s.sources)} could not be reached)" if s.unreachable else ""
+    print(f"rollout {s.rollout_id} on {', '.join(live)}{down}")
     print(f"  requests:  {s.requests}  (rows per request min {s.rows_min}, median {s.rows_median:g}, max {s.rows_max})")
     print(f"  tokens:    {s.tokens}")
     print(f"  geometry:  {s.num_layers} MoE layers {list(s.layer_map)}, top-{s.top_k} of {s.num_experts} experts, {s.dtype}")
