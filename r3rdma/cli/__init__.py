@@ -3,6 +3,11 @@
 Each command module exposes ``add_arguments(parser)`` and ``main(args)``. Only the module of
 the command being run is imported (its heavy imports: torch, zarr, transformers), so
 ``r3rdma --help`` imports none of them.
+
+An :class:`~r3rdma.errors.R3Error` a command lets through (a bad ``--routing-replay-config``,
+a model that is not a MoE model, ``rollout`` outside torchrun) ends it as ``inspect`` and
+``check`` end theirs: one stderr line ``r3rdma <command>: <ErrorType>: <message>``, exit 2, no
+traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from r3rdma.errors import R3Error
 
 __all__ = ["main", "build_parser"]
 
@@ -66,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
+    except R3Error as e:
+        command = " ".join(w for w in (args.command, getattr(args, "subcommand", None)) if w)
+        message = " ".join(str(e).splitlines())  # one line, whatever the message holds
+        print(f"r3rdma {command}: {type(e).__name__}: {message}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # `r3rdma ... | head`: the reader went away; exit quietly like other CLIs (and keep
         # Python's exit-time flush of stdout from raising again).

@@ -158,10 +158,27 @@ def add_arguments(parser) -> None:
                         help="keep the temporary store root the demo makes without --root (default: removed at the end)")
 
 
+def _refuse_other_stores(config_json: str) -> None:
+    """:class:`ConfigError` when the config names a store other than a local root, before the
+    config is built: its own validation would otherwise ask for what that store needs (store
+    node URLs), which the demo would refuse anyway."""
+    try:
+        given = json.loads(config_json)
+    except ValueError:
+        return  # R3Config.from_json says what is wrong with it
+    if not isinstance(given, dict):
+        return
+    store = given.get("routing_store_type", os.environ.get("R3_ROUTING_STORE_TYPE") or "local")
+    if store != "local":
+        raise ConfigError("r3rdma demo reads its rollout back from a local root: expected routing_store_type "
+                          f"'local', got {store!r} (r3rdma rollout, scripts/demo.sh, pushes to store nodes)")
+
+
 def main(args) -> int:
     config = None
     root = args.root
     if args.routing_replay_config is not None:
+        _refuse_other_stores(args.routing_replay_config)
         config = R3Config.from_json(args.routing_replay_config)
         if root is not None:  # the flag is an argument too: it beats the JSON's local_store_dir
             config = dataclasses.replace(config, local_store_dir=root)

@@ -94,7 +94,9 @@ def main(args) -> int:
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
 
     if "RANK" not in os.environ:
-        raise ConfigError("r3rdma rollout runs under torchrun (scripts/launch_rollout.sh); RANK is not set")
+        raise ConfigError("r3rdma rollout is a torchrun worker and RANK is not set: launch it with "
+                          "scripts/launch_rollout.sh --nproc-per-node N -- [rollout flags] (a torchrun wrapper; "
+                          "scripts/demo.sh runs it with 2 store nodes)")
     r3_config = rollout_config(args)  # before any process group: a bad config fails fast on every rank
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

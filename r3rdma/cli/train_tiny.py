@@ -486,7 +486,8 @@ def read_meta(path: str) -> dict[str, Any] | None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="train-tiny-out", help="checkpoint directory (created)")
+    parser.add_argument("--out", default="train-tiny-out",
+                        help="checkpoint directory, created (default: train-tiny-out, in the current directory)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model (4 layers x 16 experts, top-4) on a 2 MB slice, CPU, ~1 minute")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick)")

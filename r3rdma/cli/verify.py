@@ -467,7 +467,27 @@ def load_trained(path: str):
         raise SystemExit(f"r3rdma verify: --model {path!r} is not a checkpoint directory (see r3rdma train-tiny)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     model.config.output_router_logits = False
+    _require_moe(model, path)
     return model.eval(), read_meta(path)
+
+
+def _require_moe(model: torch.nn.Module, path: str) -> None:
+    """:class:`ConfigError` when the checkpoint has no MoE router at all (a dense model): there is
+    no routing to record or replay, which is not a shape error of a MoE model."""
+    from r3rdma.errors import ConfigError, ShapeMismatchError
+    from r3rdma.integrations.hf_routers import find_moe_routers
+
+    try:
+        find_moe_routers(model)
+    except ShapeMismatchError as e:
+        if any(type(m).__name__.endswith(("TopKRouter", "TopkRouter")) for m in model.modules()):
+            raise  # a MoE model whose routers do not fit: the shape error is the right one
+        model_type = getattr(model.config, "model_type", type(model).__name__)
+        raise ConfigError(
+            f"--model {path!r} is not a Mixture-of-Experts model: its {model_type} ({type(model).__name__}) has no "
+            "MoE router, so there is no routing to record or replay. Expected a transformers MoE checkpoint "
+            "(Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, ...), e.g. one from r3rdma train-tiny --out DIR"
+        ) from e
 
 
 def add_arguments(parser) -> None:
