@@ -4,16 +4,19 @@
 waiting: backpressure instead of unbounded memory). A worker thread commits MB-sized batches
 to a store (anything with ``commit(records)`` that returns once the data is durable: the
 :class:`~r3rdma.store.local_store.LocalRoutingStore`, or a client of remote store nodes).
-An error in a commit is raised to the engine at its next ``submit`` or ``flush``; nothing is
-dropped silently: the raised error names every request that failed since the previous one
-(``error.failed_request_ids``, ``error.errors``), and :meth:`RoutingWriter.failed_requests`
-lists them all, so an engine can push them again. A batch that a store refuses for its data
-(a bad record, a segment conflict) is committed again record by record, so one bad record
-fails alone instead of taking its batch with it.
+A failed commit is logged when it fails, on the worker thread (logger ``r3rdma``, error:
+the requests it lost, first 10 and a count, and why), and raised to the engine at its next
+``submit`` or ``flush``; nothing is dropped silently: the raised error names every request
+that failed since the previous one (``error.failed_request_ids``, ``error.errors``), and
+:meth:`RoutingWriter.failures` lists every failed request with its reason
+(:class:`CommitFailure`), so an engine can report them or push them again. A batch that a
+store refuses for its data (a bad record, a segment conflict) is committed again record by
+record, so one bad record fails alone instead of taking its batch with it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -24,7 +27,35 @@ from typing import Protocol, Sequence, runtime_checkable
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
 from r3rdma.records import RequestRecord
 
-__all__ = ["DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
+__all__ = ["CommitFailure", "DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
+
+log = logging.getLogger("r3rdma")
+
+_MAX_REASON_CHARS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class CommitFailure:
+    """A request whose routing the store did not make durable, and why.
+
+    ``reason``: the error's type and message (``"TransportError: 3 of 3 requests cannot be
+    durable on 2 distinct store nodes: ..."``). Ids are None for a deferred record whose rows
+    could not even be produced."""
+
+    rollout_id: str | None
+    request_id: str | None
+    reason: str
+
+    @staticmethod
+    def reason_of(error: BaseException) -> str:
+        """``"<type>: <message>"`` of ``error``, at most 2000 characters (a store's message
+        names at most 10 requests and each node's error, far below that; an error that
+        embeds more is cut in the middle)."""
+        reason = f"{type(error).__name__}: {error}"
+        if len(reason) > _MAX_REASON_CHARS:
+            half = _MAX_REASON_CHARS // 2
+            reason = f"{reason[:half]} ... [{len(reason) - 2 * half} chars] ... {reason[-half:]}"
+        return reason
 
 
 class RecordStore(Protocol):
@@ -121,7 +152,7 @@ class RoutingWriter:
         self._error: BaseException | None = None  # the first error not yet raised to the engine
         self._errors: list[BaseException] = []  # every error since the last one raised
         self._unreported: list[tuple[str | None, str | None]] = []  # their requests, in order
-        self._failed: list[tuple[str | None, str | None]] = []  # every failed request, ever
+        self._failures: list[CommitFailure] = []  # every failed request, ever, with its reason
         self._closing = False
         self._flushers = 0
         self._first_enqueued = 0.0
@@ -220,7 +251,13 @@ class RoutingWriter:
         """``(rollout_id, request_id)`` of every request whose commit failed, in failure order
         (ids are None for a deferred record whose rows could not even be produced)."""
         with self._cond:
-            return list(self._failed)
+            return [(f.rollout_id, f.request_id) for f in self._failures]
+
+    def failures(self) -> list[CommitFailure]:
+        """Every request whose commit failed, with why (:class:`CommitFailure`), in failure
+        order; cumulative (the raised errors hand each failure to the engine only once)."""
+        with self._cond:
+            return list(self._failures)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -235,7 +272,7 @@ class RoutingWriter:
             error.add_note(
                 f"r3rdma: {len(failed)} requests failed to commit ({len(errors)} errors) since the last error raised: "
                 + ", ".join(f"{r}/{q}" for r, q in failed[:10]) + (" ..." if len(failed) > 10 else "")
-                + " (error.failed_request_ids lists them all; RoutingWriter.failed_requests() too)"
+                + " (error.failed_request_ids lists them all; RoutingWriter.failures() with the reasons)"
             )
             raise error
 
@@ -312,22 +349,30 @@ class RoutingWriter:
                 job.future.result()
             except BaseException as e:
                 job.failures.append((e, job.host))
-        failures = job.failures
+        failures = [(error, CommitFailure.reason_of(error), items) for error, items in job.failures]
+        if failures:
+            with self._cond:
+                for error, reason, items in failures:  # handed to the engine thread at its next call
+                    ids = [_ids_of(x) for x in items]
+                    self.commit_failures += 1
+                    self.requests_failed += len(ids)
+                    self._failures += [CommitFailure(r, q, reason) for r, q in ids]
+                    self._unreported += ids
+                    self._errors.append(error)
+                    if self._error is None:
+                        self._error = error
+        # Said now, from this thread: the engine's thread hears of it only at its next call,
+        # which may come much later (or never, at the end of a rollout). Logged once failures()
+        # lists it and before flush() returns, outside the lock (a handler may be slow).
+        for _, reason, items in failures:
+            log.error("r3rdma: routing of %d requests not committed: %s%s; %s", len(items),
+                      ", ".join(f"{r}/{q}" for r, q in map(_ids_of, items[:10])),
+                      f" and {len(items) - 10} more" if len(items) > 10 else "", reason)
         with self._cond:
             self._inflight_bytes -= job.size
             self._done += len(job.batch)
-            lost = sum(len(items) for _, items in failures)
-            self.requests_committed += len(job.batch) - lost
-            self.bytes_committed += job.size - sum(x.nbytes for _, items in failures for x in items)
-            for error, items in failures:  # handed to the engine thread at its next call
-                self.commit_failures += 1
-                ids = [_ids_of(x) for x in items]
-                self.requests_failed += len(ids)
-                self._failed += ids
-                self._unreported += ids
-                self._errors.append(error)
-                if self._error is None:
-                    self._error = error
+            self.requests_committed += len(job.batch) - sum(len(items) for *_, items in failures)
+            self.bytes_committed += job.size - sum(x.nbytes for *_, items in failures for x in items)
             self._cond.notify_all()
 
     def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:

@@ -8,7 +8,8 @@ engine by one config (:mod:`.settings`)::
                                                                 "rollout_id": "step-0042"}})
     outs = llm.generate(prompts, [SamplingParams(max_tokens=256, extra_args={"r3_request_id": f"s{i}"})
                                   for i in range(len(prompts))])
-    flush_routing(llm)                       # every finished request durable in the store
+    result = flush_routing(llm)              # every finished request durable in the store, or failed
+    assert result["failed"] == 0, result["failures"]
     routing_location(outs[0])                # [("step-0042", "s0")]
 
 The modules, by the vLLM process they act in: :mod:`.frontend` (stored ids, stop strings),
@@ -26,12 +27,25 @@ from r3rdma.integrations.vllm.settings import CONFIG_KEY, LOCATION_KEY, REQUEST_
 __all__ = ["SUPPORTED_VLLM", "CONFIG_KEY", "REQUEST_ARG", "ROLLOUT_ARG", "register", "flush_routing", "routing_location"]
 
 
-def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, int]:
+def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, Any]:
     """Wait until the routing of every request ``llm`` finished is durable (committed and
-    visible to readers); return the recording worker's counters (``stored``, ``aborted``,
-    ``failed``, cumulative). A request whose routing could not be stored is counted in
-    ``failed`` and named in the engine's log, not raised: check ``failed`` before training on
-    the step. ``llm``: a ``vllm.LLM`` with routing replay on."""
+    visible to readers) or its commit failed; return the recording worker's counters,
+    cumulative since the engine started (JSON-friendly).
+
+    ``stored`` (finished requests handed to the writer), ``aborted``, ``failed`` (requests
+    whose routing could not be stored) and ``failures``: each of those as
+    ``{"rollout_id": ..., "request_id": ..., "reason": "<error type>: <message>"}``. A failed
+    commit is not raised: the engine goes on serving, the writer logs it when it fails (logger
+    ``r3rdma``), and it is counted here. Check it before training on the step::
+
+        result = flush_routing(llm)
+        assert result["failed"] == 0, result["failures"]
+
+    On an engine that serves several steps, compare with the counts from before the step.
+    Returns once every commit succeeded or failed; with store nodes down, a commit that must
+    connect to one fails (or fails over) only after the push client's connect timeout.
+    ``timeout``: seconds to wait at most (raises past it); None waits for every commit.
+    ``llm``: a ``vllm.LLM`` with routing replay on."""
     core = llm.llm_engine.engine_core
     if hasattr(core, "call_utility"):  # the engine core in its own process (vLLM's default)
         results = core.call_utility("r3_flush", timeout)

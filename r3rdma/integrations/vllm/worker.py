@@ -299,37 +299,44 @@ class RunnerRecorder:
         except R3Error as e:
             # One request's rows cannot be stored: say which and why, keep serving the others.
             self.requests_failed += 1
+            cap.sink.refused(fin.rollout_id, fin.stored_id, e)
             log.error("r3rdma: routing of request %s (stored as %s/%s) not stored: %s", rid, fin.rollout_id,
                       fin.stored_id, e)
 
     # -- flush / close -----------------------------------------------------------------------
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
-        """Wait until every finished request is durable in the store; return the counters."""
+    def flush(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until every finished request is durable in the store, or its commit failed;
+        return :meth:`counters`. A failed commit is not raised: the writer logged it when it
+        failed, and the counters name it (``failed``, ``failures``)."""
         if self.capturer is not None:
             self.capturer.flush(timeout)
             try:
                 self.capturer.sink.flush(timeout)
             except R3Error as e:
-                # Requests whose commit failed (the writer raises them once): reported in the
-                # counters and the log below, not as an error that would stop the engine's caller.
+                # Requests whose commit failed (the writer raises them once): in the counters,
+                # not an error that would stop the engine's caller.
                 if getattr(e, "failed_request_ids", None) is None:
                     raise
-            failed = self.capturer.sink.failed_requests()
-            if failed:
-                log.error("r3rdma: %d requests could not be committed to the store: %s", len(failed), failed[:10])
         return self.counters()
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
+        """Cumulative since the engine started, JSON-friendly: ``stored`` (finished requests
+        handed to the writer), ``aborted``, ``failed`` (requests whose routing is not stored:
+        rows that could not be gathered, or a commit that failed) and ``failures`` (each of
+        those as ``{"rollout_id", "request_id", "reason"}``), ``preempted``,
+        ``cached_positions``, ``active``, ``steps``, ``host_seconds``."""
         cap = self.capturer
-        writer_failed = len(cap.sink.failed_requests()) if cap is not None else 0
+        failures = cap.sink.failures() if cap is not None else []
         return {"stored": self.requests_stored, "aborted": self.requests_aborted,
-                "failed": self.requests_failed + writer_failed,
+                "failed": len(failures) if cap is not None else self.requests_failed,
                 "preempted": cap.requests_preempted if cap is not None else 0,
                 "cached_positions": self.positions_attached,
                 "active": cap.active_requests if cap is not None else 0,
                 "steps": cap.steps if cap is not None else 0,
-                "host_seconds": self.host_seconds}
+                "host_seconds": self.host_seconds,
+                "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason}
+                             for f in failures]}
 
     def close(self) -> None:
         cap, self.capturer = self.capturer, None
@@ -338,26 +345,39 @@ class RunnerRecorder:
 
 
 class _ReportingSink:
-    """The writer, with its failures logged instead of refusing the next request.
+    """The writer, with its failures reported instead of refusing the next request.
 
     A :class:`~r3rdma.write.writer.RoutingWriter` reports a failed commit by raising it from
-    the next ``submit``, which would drop that next (good) request too. In an engine the
-    failure is logged with the requests it names and the next request is queued as usual;
-    :meth:`RunnerRecorder.flush` returns the count. Everything else is the writer's.
+    the next ``submit``, which would drop that next (good) request too. The writer already
+    logged the failure when it happened (naming the requests and why), so here the next
+    request is simply queued as usual. :meth:`failures` adds the requests whose record could
+    not even be built (:meth:`refused`, from :meth:`RunnerRecorder._finish`) to the writer's
+    failed commits; :meth:`RunnerRecorder.counters` reports them all. Everything else is the
+    writer's.
     """
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
+        self._refused: list = []  # CommitFailure
 
     def submit(self, record: Any) -> None:
         try:
             self._writer.submit(record)
         except R3Error as e:
-            failed = getattr(e, "failed_request_ids", None)
-            if failed is None:
+            if getattr(e, "failed_request_ids", None) is None:
                 raise  # about this record itself
-            log.error("r3rdma: %d requests could not be committed to the store (%s): %s", len(failed), e, failed[:10])
             self._writer.submit(record)  # the error was about earlier requests; it is cleared now
+
+    def refused(self, rollout_id: str | None, request_id: str | None, error: BaseException) -> None:
+        """Note a finished request whose routing never reached the writer, and why."""
+        from r3rdma.write.writer import CommitFailure
+
+        self._refused.append(CommitFailure(rollout_id, request_id, CommitFailure.reason_of(error)))
+
+    def failures(self) -> list:
+        """The requests refused before the writer, then the writer's failed commits
+        (:class:`~r3rdma.write.writer.CommitFailure`, each part in failure order)."""
+        return self._refused + self._writer.failures()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
