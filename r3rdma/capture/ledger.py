@@ -8,6 +8,19 @@ through the :class:`~r3rdma.capture.slot_table.SlotTable`), forgets aborted and 
 requests, and at finish resolves ``(request, start_row, rows) -> slots``, refusing positions
 never computed (:class:`MissingRowsError`) and slots rewritten since
 (:class:`StaleSlotError`). No device work happens here, except a fork's row copy.
+
+Storage is a paged arena, like the engine's own KV block table, so that committing a step is a
+few array operations whatever the number of requests in it (no per-request Python on the
+decode hot path):
+
+- each live request holds a *lane*, a row of the page table ``[lanes, pages]``;
+- page ``j`` of a lane holds positions ``j*P .. j*P + P - 1`` of that request, as one page of
+  the ``slots`` and ``gens`` pools (``P`` positions each, a power of two); the page table holds
+  each page's offset into the pools, so position ``p`` is at ``offset | (p & (P - 1))``;
+- page 0 is the *empty page*: never written, its generations all -1. A page-table entry that
+  was never given a page points at it, so a read of a position never computed needs no mask;
+- pages and lanes come from free lists and go back when a request finishes, aborts, is
+  preempted or forgotten; every array grows by doubling when a free list runs dry.
 """
 
 from __future__ import annotations
@@ -19,9 +32,11 @@ import torch
 
 from r3rdma.capture.slot_table import SlotTable, host_int64
 from r3rdma.capture.step import EndedStep
-from r3rdma.errors import CaptureStateError, MissingRowsError, OutOfRangeError, ShapeMismatchError, StaleSlotError
+from r3rdma.errors import CaptureStateError, ConfigError, MissingRowsError, OutOfRangeError, ShapeMismatchError, StaleSlotError
 
 __all__ = ["RequestLedger", "num_routing_rows"]
+
+_EMPTY_PAGE = 0  # never written: every generation -1 (a position never computed)
 
 
 def num_routing_rows(prompt_len: int, generated_len: int) -> int:
@@ -34,82 +49,198 @@ def num_routing_rows(prompt_len: int, generated_len: int) -> int:
     return prompt_len + max(generated_len, 1) - 1
 
 
-class _RequestState:
-    """Per request: slot and slot generation of each position (-1 = not computed)."""
+class _Lanes(dict):
+    """Request id -> lane; looking up an id without one gives it a free lane (a new request)."""
 
-    __slots__ = ("slots", "gens")
+    __slots__ = ("ledger",)
 
-    def __init__(self) -> None:
-        self.slots = np.full(64, -1, dtype=np.int64)
-        self.gens = np.full(64, -1, dtype=np.int64)
-
-    def ensure(self, size: int) -> None:
-        if size > self.slots.shape[0]:
-            new = max(size, 2 * self.slots.shape[0])
-            self.slots = np.concatenate([self.slots, np.full(new - self.slots.shape[0], -1, np.int64)])
-            self.gens = np.concatenate([self.gens, np.full(new - self.gens.shape[0], -1, np.int64)])
+    def __missing__(self, request_id: str) -> int:
+        return self.ledger._new_lane(request_id)
 
 
 class RequestLedger:
-    """Per-request positions -> (slot, generation), over one :class:`SlotTable`."""
+    """Per-request positions -> (slot, generation), over one :class:`SlotTable`.
 
-    def __init__(self, table: SlotTable) -> None:
+    Args:
+        table: the slot table whose generations the positions rely on.
+        page_positions: positions per page (``P``, a power of two).
+        lanes, pages: initial capacities (requests, pages of ``P`` positions); both grow on demand.
+    """
+
+    def __init__(self, table: SlotTable, *, page_positions: int = 128, lanes: int = 64, pages: int = 256) -> None:
+        if page_positions < 1 or page_positions & (page_positions - 1):
+            raise ConfigError(f"page_positions must be a power of two, got {page_positions}")
+        if lanes < 1 or pages < 1:
+            raise ConfigError(f"need lanes >= 1 and pages >= 1, got {lanes}, {pages}")
         self.table = table
-        self._requests: dict[str, _RequestState] = {}
+        self._P = page_positions
+        self._shift = page_positions.bit_length() - 1
+        self._mask = page_positions - 1
+        self._offsets = np.arange(page_positions, dtype=np.int64)  # positions within a page
+        self._lanes = _Lanes()
+        self._lanes.ledger = self
+        self._free_lanes = list(range(lanes - 1, -1, -1))
+        # lane, page index -> the page's offset into the pools (page * P; 0: the empty page)
+        self._page_table = np.zeros((lanes, 4), dtype=np.int64)
+        self._created: list[str] = []  # requests given a lane by the commit in progress
+        pages += 1  # and the empty page
+        self._slots = np.zeros(pages * page_positions, dtype=np.int64)
+        self._gens = np.full(pages * page_positions, -1, dtype=np.int64)
+        # Free pages, by offset into the pools (page * P): a stack, [:_num_free] are free.
+        self._free_pages = np.arange(pages - 1, 0, -1, dtype=np.int64) * page_positions
+        self._num_free = pages - 1
+
+    # -- bookkeeping ---------------------------------------------------------------------------
 
     @property
     def active_requests(self) -> int:
-        return len(self._requests)
+        return len(self._lanes)
 
     @property
     def tracked_positions(self) -> int:
-        return int(sum(state.slots.shape[0] for state in self._requests.values()))
+        """Positions held in pages by live requests (a page is held whole)."""
+        return (self._free_pages.shape[0] - self._num_free) * self._P
 
     def forget(self, request_id: str) -> bool:
         """Drop a request's state (abort, preempt); whether it had any."""
-        return self._requests.pop(request_id, None) is not None
+        lane = self._lanes.pop(request_id, None)
+        if lane is None:
+            return False
+        self._release_lane(lane)
+        return True
 
-    def _state_for(self, request_id: str, retired: frozenset[str]) -> _RequestState | None:
-        if request_id in retired:
-            # Finished, aborted or preempted while this step was in flight (overlap
-            # scheduling): its slots were written, but the request keeps no state.
-            return None
-        state = self._requests.get(request_id)
-        if state is None:
-            state = self._requests[request_id] = _RequestState()
-        return state
+    def _new_lane(self, request_id: str) -> int:
+        if not self._free_lanes:
+            have, width = self._page_table.shape
+            self._page_table = np.concatenate([self._page_table, np.zeros((have, width), np.int64)])
+            self._free_lanes.extend(range(2 * have - 1, have - 1, -1))
+        lane = self._lanes[request_id] = self._free_lanes.pop()
+        self._created.append(request_id)
+        return lane
+
+    def _release_lane(self, lane: int) -> None:
+        row = self._page_table[lane]
+        held = row[row != _EMPTY_PAGE]
+        if held.size:
+            self._free_pages[self._num_free : self._num_free + held.size] = held
+            self._num_free += held.size
+            row[:] = _EMPTY_PAGE
+        self._free_lanes.append(lane)
+
+    def _take_pages(self, n: int) -> np.ndarray:
+        """``n`` free pages (their offsets), every position marked never computed."""
+        if n > self._num_free:
+            P = self._P
+            have = self._gens.shape[0] // P  # pages in the pools, the empty page included
+            grown = max(2 * have, have + n)
+            self._slots = np.concatenate([self._slots, np.zeros((grown - have) * P, np.int64)])
+            self._gens = np.concatenate([self._gens, np.empty((grown - have) * P, np.int64)])
+            # The stack's free part is kept; the new pages go on top of it.
+            free = np.empty(grown - 1, np.int64)
+            free[: self._num_free] = self._free_pages[: self._num_free]
+            free[self._num_free : self._num_free + grown - have] = np.arange(grown - 1, have - 1, -1) * P
+            self._free_pages = free
+            self._num_free += grown - have
+        self._num_free -= n
+        pages = self._free_pages[self._num_free : self._num_free + n].copy()
+        # A reused page held another request's positions.
+        self._gens.reshape(-1, self._P)[pages >> self._shift] = -1
+        return pages
+
+    def _give_back(self, pages: np.ndarray) -> None:
+        self._free_pages[self._num_free : self._num_free + pages.size] = pages
+        self._num_free += pages.size
+
+    # -- positions ------------------------------------------------------------------------------
+
+    def _write(self, lane_T: np.ndarray, pos_T: np.ndarray, slots_T: np.ndarray, gens_T: np.ndarray) -> None:
+        """Position ``pos_T[i]`` of lane ``lane_T[i]`` -> ``(slots_T[i], gens_T[i])``; pages as needed.
+
+        Positions are >= 0 (the callers check). Tokens of one request come in runs of
+        consecutive positions (steps, prefix hits, forks), which the page allocation relies on
+        for speed, not for correctness.
+        """
+        index_T = pos_T >> self._shift
+        try:
+            page_T = self._page_table[lane_T, index_T]
+        except IndexError:  # a position past every lane's pages so far: widen the page table
+            lanes, width = self._page_table.shape
+            grown = max(2 * width, int(index_T.max()) + 1)
+            self._page_table = np.concatenate([self._page_table, np.zeros((lanes, grown - width), np.int64)], axis=1)
+            page_T = self._page_table[lane_T, index_T]
+        fresh = page_T == _EMPTY_PAGE
+        if fresh.any():
+            # A new page for each (lane, page index) without one. Keys repeat in runs (one run
+            # per prefill chunk crossing into a page), so dropping repeats of the previous key
+            # leaves each key once, without a sort; a key that still repeats (tokens out of
+            # order) gets several pages, of which the page table keeps one: the others go back.
+            fresh_keys = lane_T[fresh] * self._page_table.shape[1] + index_T[fresh]
+            keys = fresh_keys
+            if keys.size > 1:
+                keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+            pages = self._take_pages(keys.size)
+            table = self._page_table.reshape(-1)
+            table[keys] = pages
+            if keys.size > 1:
+                lost = table[keys] != pages
+                if lost.any():
+                    self._give_back(pages[lost])
+            page_T[fresh] = table[fresh_keys]
+        flat_T = page_T | (pos_T & self._mask)
+        self._slots[flat_T] = slots_T
+        self._gens[flat_T] = gens_T
+
+    def _read(self, lane: int, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots and generations of positions ``begin .. end - 1`` of ``lane`` (-1: never computed)."""
+        if end <= begin:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        first, last = begin >> self._shift, (end - 1) >> self._shift
+        pages = self._page_table[lane, first : last + 1]
+        if pages.shape[0] < last + 1 - first:  # positions past the lane's pages: the empty page
+            pages = np.concatenate([pages, np.zeros(last + 1 - first - pages.shape[0], np.int64)])
+        flat = (pages[:, None] + self._offsets).reshape(-1)[begin - (first << self._shift) : end - (first << self._shift)]
+        return self._slots[flat], self._gens[flat]
+
+    # -- the step -------------------------------------------------------------------------------
 
     def commit(self, step: EndedStep) -> None:
-        """Position -> (slot, generation) for each request's kept tokens of an ended step."""
-        slots, gens = step.slots, step.gens
-        if step.token_idx is None:
-            # Every token kept: request i's tokens are one contiguous run of positions, so
-            # plain slices do (this is the decode hot path: no per-token index arrays).
-            ends = np.cumsum(step.counts).tolist()
-            begin = 0
-            for rid, start, end in zip(step.request_ids, step.starts.tolist(), ends):
-                state = self._state_for(rid, step.retired)
-                if state is not None and end > begin:
-                    stop = start + end - begin
-                    state.ensure(stop)
-                    state.slots[start:stop] = slots[begin:end]
-                    state.gens[start:stop] = gens[begin:end]
-                begin = end
-            return
-        token_idx = step.token_idx
-        positions = np.repeat(step.starts, step.counts) + (
-            np.arange(step.total) - np.repeat(np.cumsum(step.counts) - step.counts, step.counts)
-        )
-        owner = np.repeat(np.arange(len(step.request_ids)), step.counts)[token_idx]
-        positions = positions[token_idx]
-        bounds = np.flatnonzero(np.diff(owner)) + 1
-        for chunk in np.split(np.arange(token_idx.size), bounds):
-            state = self._state_for(step.request_ids[owner[chunk[0]]], step.retired)
-            if state is not None:
-                pos = positions[chunk]
-                state.ensure(int(pos.max()) + 1)
-                state.slots[pos] = slots[chunk]
-                state.gens[pos] = gens[chunk]
+        """Position -> (slot, generation) for each request's kept tokens of an ended step.
+
+        A handful of array operations, whatever the number of requests: each request's lane
+        comes from one dict lookup per request (in C, through ``map``), every token's page and
+        offset from the page table.
+        """
+        ids, counts, n = step.request_ids, step.counts, len(step.request_ids)
+        self._created.clear()
+        if step.retired:
+            # Finished, aborted or preempted while this step was in flight (overlap
+            # scheduling): their slots were written, but these requests keep no state.
+            lanes = np.fromiter((-1 if r in step.retired else self._lanes[r] for r in ids), np.int64, n)
+        else:
+            lanes = np.fromiter(map(self._lanes.__getitem__, ids), np.int64, n)
+        if step.token_idx is None and step.fewest == 1 and step.total == n:
+            lane_T, pos_T = lanes, step.starts  # one token per request: the decode hot path
+        else:
+            first = np.cumsum(counts) - counts  # each request's first token in the step
+            lane_T = np.repeat(lanes, counts)
+            pos_T = np.arange(step.total, dtype=np.int64) + np.repeat(step.starts - first, counts)
+            if step.token_idx is not None:
+                lane_T, pos_T = lane_T[step.token_idx], pos_T[step.token_idx]
+        slots_T, gens_T = step.slots, step.gens
+        if step.retired:
+            kept = lane_T >= 0
+            lane_T, pos_T, slots_T, gens_T = lane_T[kept], pos_T[kept], slots_T[kept], gens_T[kept]
+        if self._created and (step.token_idx is not None or step.fewest == 0):
+            # A new request none of whose tokens was kept (all rejected drafts) or announced (0
+            # tokens) computed nothing: it gets no state.
+            used = np.zeros(self._page_table.shape[0], dtype=bool)
+            used[lane_T] = True
+            for rid in [r for r in self._created if not used[self._lanes[r]]]:
+                self._release_lane(self._lanes.pop(rid))
+        if lane_T.size:
+            self._write(lane_T, pos_T, slots_T, gens_T)
+
+    # -- requests -------------------------------------------------------------------------------
 
     def attach(self, request_id: str, positions: Sequence[int], slots: Sequence[int]) -> None:
         """A prefix-cache hit: ``positions`` of ``request_id`` reuse rows already in ``slots``."""
@@ -119,46 +250,43 @@ class RequestLedger:
             raise ShapeMismatchError(f"positions and slots differ in length: {pos.shape[0]} vs {slt.shape[0]}")
         if pos.size == 0:
             return
+        if pos.min() < 0:
+            raise OutOfRangeError(f"attach_cached({request_id!r}): positions must be >= 0, got {pos.min()}")
         self.table.check_slots(slt)
         self.table.check_attachable(request_id, slt)
-        state = self._requests.get(request_id)
-        if state is None:
-            state = self._requests[request_id] = _RequestState()
-        state.ensure(int(pos.max()) + 1)
-        state.slots[pos] = slt
-        state.gens[pos] = self.table.gen[slt]
+        lane = self._lanes[request_id]
+        self._write(np.full(pos.size, lane, np.int64), pos, slt, self.table.gen[slt])
 
     def fork(self, parent_id: str, child_id: str, num_positions: int,
              slots: Sequence[int] | np.ndarray | torch.Tensor | None) -> None:
         """``child_id`` starts with positions ``0 .. num_positions - 1`` of ``parent_id``
         (see :meth:`RoutingCapturer.fork_request`)."""
-        parent = self._requests.get(parent_id)
+        parent = self._lanes.get(parent_id)
         if parent is None:
             raise MissingRowsError(f"fork_request: parent {parent_id!r} has no computed positions")
-        if child_id in self._requests:
+        if child_id in self._lanes:
             raise CaptureStateError(f"fork_request: {child_id!r} already has positions")
-        parent.ensure(num_positions)
-        missing = np.flatnonzero(parent.gens[:num_positions] < 0)
+        if num_positions < 0:
+            raise ShapeMismatchError(f"fork_request: num_positions must be >= 0, got {num_positions}")
+        src, gens = self._read(parent, 0, num_positions)
+        missing = np.flatnonzero(gens < 0)
         if missing.size:
             raise MissingRowsError(
                 f"fork_request: positions {missing[:8].tolist()} of {parent_id!r} were never computed"
             )
-        src = parent.slots[:num_positions]
-        stale = self.table.stale(src, parent.gens[:num_positions])
+        stale = self.table.stale(src, gens)
         if stale.size:
             raise StaleSlotError(f"fork_request: slots of positions {stale[:8].tolist()} of {parent_id!r} were rewritten")
         dst = src.copy() if slots is None else host_int64(slots)
         if dst.shape != (num_positions,):
             raise ShapeMismatchError(f"fork_request: need {num_positions} slots, got {dst.shape[0]}")
         self.table.check_slots(dst)
-        child = _RequestState()
-        child.ensure(num_positions)
-        child.slots[:num_positions] = dst
-        child.gens[:num_positions] = parent.gens[:num_positions]
         copied = np.flatnonzero(dst != src)
         if copied.size:
-            child.gens[copied] = self.table.copy_rows(src[copied], dst[copied])
-        self._requests[child_id] = child
+            gens[copied] = self.table.copy_rows(src[copied], dst[copied])
+        child = self._lanes[child_id]
+        if num_positions:
+            self._write(np.full(num_positions, child, np.int64), np.arange(num_positions, dtype=np.int64), dst, gens)
 
     def resolve(self, request_id: str, *, start_row: int, prompt_len: int, generated_len: int) -> np.ndarray:
         """Release ``request_id``'s state and return the slots of its rows ``start_row .. rows - 1``.
@@ -167,26 +295,28 @@ class RequestLedger:
         ``start_row`` that leaves no row, :class:`MissingRowsError` for positions never
         computed, :class:`StaleSlotError` for slots rewritten or released since.
         """
-        state = self._requests.pop(request_id, None)
-        rows = num_routing_rows(prompt_len, generated_len)
-        if not 0 <= start_row < rows:
-            # A record of 0 rows would be stored as an array no Zarr reader can open; the
-            # request is refused here, before anything reaches the sink.
-            raise OutOfRangeError(
-                f"request {request_id!r}: start_row must be in 0..{rows - 1} so the record holds at least 1 row "
-                f"(prompt_len={prompt_len} + generated_len={generated_len} - 1 = {rows} rows), got start_row={start_row}"
-            )
-        if state is None:
-            raise MissingRowsError(f"request {request_id!r} finished with {rows} rows but no step ever computed it")
-        state.ensure(rows)
-        gens = state.gens[start_row:rows]
+        lane = self._lanes.pop(request_id, None)
+        try:
+            rows = num_routing_rows(prompt_len, generated_len)
+            if not 0 <= start_row < rows:
+                # A record of 0 rows would be stored as an array no Zarr reader can open; the
+                # request is refused here, before anything reaches the sink.
+                raise OutOfRangeError(
+                    f"request {request_id!r}: start_row must be in 0..{rows - 1} so the record holds at least 1 row "
+                    f"(prompt_len={prompt_len} + generated_len={generated_len} - 1 = {rows} rows), got start_row={start_row}"
+                )
+            if lane is None:
+                raise MissingRowsError(f"request {request_id!r} finished with {rows} rows but no step ever computed it")
+            slots, gens = self._read(lane, start_row, rows)
+        finally:
+            if lane is not None:
+                self._release_lane(lane)
         missing = np.flatnonzero(gens < 0) + start_row
         if missing.size:
             raise MissingRowsError(
                 f"request {request_id!r}: {missing.size} of {rows} positions were never computed "
                 f"(first: {missing[:8].tolist()}); prompt_len={prompt_len}, generated_len={generated_len}"
             )
-        slots = state.slots[start_row:rows]
         stale = self.table.stale(slots, gens)
         if stale.size:
             raise StaleSlotError(

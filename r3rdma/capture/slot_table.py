@@ -61,19 +61,47 @@ class SlotTable:
             self.table_SLK = _device_view_of_pinned(self.host_table, device)
         else:
             self.table_SLK = torch.zeros(shape, dtype=dtype, device=device)
+        # A CPU table is scattered into through numpy views of it and of the step buffer: the
+        # same bytes as write_step_rows (torch's index_copy_), over 20x faster at decode sizes
+        # (64-512 rows of 48x8 bytes, one thread: 2-9 us against 48-175 us).
+        self._table_np = self.table_SLK.numpy() if device.type == "cpu" else None
         self.step_buf = torch.zeros((0, num_layers, top_k), dtype=dtype, device=device)
         self.rows_buf = torch.zeros(0, dtype=torch.int64, device=device)  # graphed router_rows
         self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
         self.fixed_step_rows = 0  # > 0: the model writes a fixed step buffer of this many rows itself
         self.gen = np.zeros(num_slots, dtype=np.int64)  # writes so far, per slot
         self.valid = np.zeros(num_slots, dtype=bool)  # written and not released since
+        self._seen = np.zeros(num_slots, dtype=np.int32)  # scratch of check_distinct
 
     # -- indices ------------------------------------------------------------------------------
 
+    @property
+    def step_buf(self) -> torch.Tensor:
+        """The step buffer ``[rows, L, K]`` the routers write (grown by :meth:`reserve_step`)."""
+        return self._step_buf
+
+    @step_buf.setter
+    def step_buf(self, buf: torch.Tensor) -> None:
+        self._step_buf = buf
+        self._step_np = buf.numpy() if self._table_np is not None else None
+
     def check_slots(self, slots: np.ndarray) -> None:
         """Raise :class:`OutOfRangeError` unless every slot is in ``0 .. num_slots - 1``."""
-        if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+        # One reduction: as unsigned, a negative slot is larger than any valid one.
+        if slots.size and slots.view(np.uint64).max() >= self.num_slots:
             raise OutOfRangeError(f"slots must be in 0..{self.num_slots - 1}, got {slots.min()}..{slots.max()}")
+
+    def check_distinct(self, slots: np.ndarray) -> None:
+        """Raise :class:`ShapeMismatchError` if a slot appears twice (``slots`` already checked
+        in range). Without a sort: token ``t`` stamps its index on its slot, and a repeated slot
+        keeps one stamp only, so another token of that slot reads a stamp not its own."""
+        n = slots.size
+        if n < 2:
+            return
+        stamp = np.arange(n, dtype=np.int32)
+        self._seen[slots] = stamp
+        if (self._seen[slots] != stamp).any():
+            raise ShapeMismatchError("a slot appears twice in one step: each token writes its own KV slot")
 
     def to_device(self, values: np.ndarray) -> torch.Tensor:
         """Host int64 indices on the table's device without a host sync.
@@ -157,15 +185,20 @@ class SlotTable:
         Rows ``0 .. total - 1`` of the step buffer, or with ``token_idx`` only those tokens
         (speculative decoding: accepted tokens), one slot each.
         """
-        rows = self.step_buf[:total]
-        if token_idx is None:
-            write_step_rows(self.table_SLK, self.to_device(slots), rows)
+        if self._table_np is not None:  # CPU: numpy scatter, the bytes write_step_rows writes
+            rows = self._step_np[:total]
+            self._table_np[slots] = rows if token_idx is None else rows[token_idx]
+        elif token_idx is None:
+            write_step_rows(self.table_SLK, self.to_device(slots), self.step_buf[:total])
         else:  # one transfer for both index arrays
             both = self.to_device(np.concatenate([slots, token_idx]))
-            write_step_rows(self.table_SLK, both[: slots.size], rows, both[slots.size :])
-        self.gen[slots] += 1
+            write_step_rows(self.table_SLK, both[: slots.size], self.step_buf[:total], both[slots.size :])
+        # Slots of one step are distinct (begin_step checks), so one gather and one scatter do.
+        gens = self.gen[slots]
+        gens += 1
+        self.gen[slots] = gens
         self.valid[slots] = True
-        return self.gen[slots]
+        return gens
 
     def gather(self, slots: np.ndarray) -> torch.Tensor:
         """The rows of ``slots``, packed ``[len(slots), L, K]`` on the device (one kernel)."""

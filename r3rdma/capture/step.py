@@ -33,14 +33,16 @@ class EndedStep(NamedTuple):
     ``token_idx`` lists the kept tokens (speculative decoding), None when every token was kept;
     ``slots`` and ``gens`` are the kept tokens' slots and those slots' generations after this
     step's write; ``retired`` are requests that finished, aborted or were preempted while the
-    step was open (their tokens keep no state). A tuple: immutable, and cheap to make on the
-    decode hot path.
+    step was open (their tokens keep no state); ``fewest`` is the least tokens any request
+    announced (with ``total == len(request_ids)`` and 1, a decode step: token ``i`` is position
+    ``starts[i]`` of request ``i``). A tuple: immutable, and cheap to make on the decode hot path.
     """
 
     request_ids: tuple[str, ...]
     starts: np.ndarray
     counts: np.ndarray
     total: int
+    fewest: int
     token_idx: np.ndarray | None
     slots: np.ndarray
     gens: np.ndarray
@@ -55,19 +57,20 @@ _NONE_RETIRED: frozenset[str] = frozenset()
 
 
 class _OpenStep:
-    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "slots", "router_rows", "total", "recorded",
-                 "covered", "chunk", "base", "local")
+    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "fewest", "slots", "router_rows", "total",
+                 "recorded", "covered", "chunk", "base", "local")
 
-    def __init__(self, request_ids, starts, counts, slots, router_rows, num_layers) -> None:
+    def __init__(self, request_ids, starts, counts, fewest, slots, router_rows, num_layers, recorded) -> None:
         self.request_ids = request_ids
-        self.members = frozenset(request_ids)
-        self.retired: set[str] = set()
+        self.members: frozenset[str] | None = None  # built on the first retire (overlap scheduling)
+        self.retired: set[str] | None = None
         self.starts = starts
         self.counts = counts
+        self.fewest = fewest
         self.slots = slots
         self.router_rows = router_rows
         self.total = int(slots.shape[0])
-        self.recorded = [False] * num_layers
+        self.recorded = [recorded] * num_layers
         self.covered = [0] * num_layers  # tokens recorded so far per layer (chunked MoE)
 
 
@@ -116,13 +119,17 @@ class StepRecorder:
                 f"{len(request_ids)}, {len(start_positions)}, {len(num_tokens)}"
             )
         slots = host_int64(slots_T)
-        counts = np.asarray(num_tokens, dtype=np.int64)
-        total = int(counts.sum()) if counts.size else 0
+        counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+        starts = np.asarray(start_positions, dtype=np.int64).reshape(-1)
+        n = counts.shape[0]
+        total = int(counts.sum()) if n else 0
         if slots.shape != (total,):
             raise ShapeMismatchError(f"slots_T must have one slot per token: {total} tokens, got shape {tuple(slots.shape)}")
+        fewest = int(counts.min()) if n else 0
+        if fewest < 0 or (n and starts.min() < 0):
+            raise ShapeMismatchError(f"num_tokens and start_positions must be >= 0, got {counts.min()} and {starts.min()}")
         self.table.check_slots(slots)
-        if total and np.unique(slots).size != total:
-            raise ShapeMismatchError("a slot appears twice in one step: each token writes its own KV slot")
+        self.table.check_distinct(slots)
         if router_rows is not None and tuple(router_rows.shape) != (total,):
             raise ShapeMismatchError(f"router_rows must have shape ({total},), got {tuple(router_rows.shape)}")
         if graphed:
@@ -139,17 +146,18 @@ class StepRecorder:
             if captured != self.table.graph_key(router_rows is not None):
                 raise CaptureStateError("begin_step(graphed=True): the step buffers moved or router_rows use differs since "
                                         "graph_capture(); capture the graph again")
-        step = self._open_step(tuple(request_ids), np.asarray(start_positions, dtype=np.int64), counts, slots, router_rows, graphed)
+        # A replay writes every layer itself: the step starts with each one recorded.
+        step = self._open_step(tuple(request_ids), starts, counts, fewest, slots, router_rows, graphed, recorded=graphed)
         if graphed:
-            step.recorded = [True] * self.num_layers  # the replay writes every layer
             step.covered = [step.local] * self.num_layers
         self.open = step
 
-    def _open_step(self, request_ids, starts, counts, slots, router_rows, graphed: bool) -> _OpenStep:
+    def _open_step(self, request_ids, starts, counts, fewest, slots, router_rows, graphed: bool, *,
+                   recorded: bool = False) -> _OpenStep:
         total = int(slots.shape[0])
         chunk = -(-total // self.tp_size)  # tokens per TP rank (the last may have fewer)
         self.table.reserve_step(chunk * self.tp_size)
-        step = _OpenStep(request_ids, starts, counts, slots, router_rows, self.num_layers)
+        step = _OpenStep(request_ids, starts, counts, fewest, slots, router_rows, self.num_layers, recorded)
         # This rank's share of the step's tokens: all of them without TP.
         step.chunk = chunk
         step.base = self.tp_rank * chunk
@@ -175,7 +183,7 @@ class StepRecorder:
         rows = None
         if router_rows:
             rows = torch.arange(num_tokens, device=self.table.device)
-        step = self._open_step((), np.zeros(0, np.int64), np.zeros(0, np.int64), slots, rows, graphed=router_rows)
+        step = self._open_step((), np.zeros(0, np.int64), np.zeros(0, np.int64), 0, slots, rows, graphed=router_rows)
         self.open = step
         try:
             with graph_regime():
@@ -229,7 +237,13 @@ class StepRecorder:
         tokens there keep no state (overlap scheduling: the engine may launch step N+1 with the
         request in it before it learns the request finished at step N)."""
         step = self.open
-        if step is not None and request_id in step.members:
+        if step is None:
+            return
+        if step.members is None:
+            step.members = frozenset(step.request_ids)
+        if request_id in step.members:
+            if step.retired is None:
+                step.retired = set()
             step.retired.add(request_id)
 
     def cancel(self) -> None:
@@ -256,17 +270,21 @@ class StepRecorder:
             self.steps += 1
             if self.tp_group is not None:
                 self._gather(step)
-        keep = None
+        token_idx = None
+        slots = step.slots
         if accepted_T is not None:
             keep = np.asarray(accepted_T, dtype=bool)
             if keep.shape != (step.total,):
                 raise ShapeMismatchError(f"accepted_T must have {step.total} entries, got shape {keep.shape}")
-        token_idx = np.arange(step.total) if keep is None else np.flatnonzero(keep)
-        if token_idx.size == 0:
+            token_idx = np.flatnonzero(keep)
+            if token_idx.size == step.total:
+                token_idx = None  # every token accepted: the plain path
+            else:
+                slots = slots[token_idx]
+        if slots.size == 0:
             return None
-        slots = step.slots[token_idx]
-        gens = self.table.write_step(slots, step.total, None if keep is None else token_idx)
-        return EndedStep(step.request_ids, step.starts, step.counts, step.total, None if keep is None else token_idx,
+        gens = self.table.write_step(slots, step.total, token_idx)
+        return EndedStep(step.request_ids, step.starts, step.counts, step.total, step.fewest, token_idx,
                          slots, gens, frozenset(step.retired) if step.retired else _NONE_RETIRED)
 
     def _gather(self, step: _OpenStep) -> None:
