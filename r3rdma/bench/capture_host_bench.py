@@ -1,4 +1,4 @@
-"""`python -m r3rdma.bench.capture_host_bench`: the capturer's host time per engine step.
+"""`r3rdma bench capture-host`: the capturer's (and the vLLM plug-in's) host time per engine step.
 
 No model runs: a scheduler simulation drives a CPU :class:`RoutingCapturer` the way an engine
 plug-in does, and times only the capturer's calls. ``N`` requests run at all times; each step
@@ -14,6 +14,11 @@ Two record paths:
   buffer (:func:`r3rdma.kernels.record_op.new_step_buffer`) and each step is
   ``begin_step(..., graphed=True)`` + ``end_step()``; no ``record`` call.
 - ``eager`` (for reference): ``record(layer, topk_ids_TK)`` per MoE layer between them.
+
+- ``vllm_plugin``: the vLLM plug-in's whole step path (lifecycle, snapshot of the step,
+  begin, end, finishes committed by its writer to a local store), through stand-ins for vLLM's
+  input batch and scheduler output; its own clock, as ``r3rdma bench vllm`` reports it, and the
+  same on decode-only steps with no finish (the part that grows with running requests).
 
 Reported per step (microseconds, median and mean over the timed steps): ``begin``, ``end``,
 their sum (also over decode-only steps), ``record`` (eager), and ``finish`` (all finishes of
@@ -196,6 +201,68 @@ def _run(args, running: int, graphed: bool) -> dict:
     return out
 
 
+def _run_plugin(args, running: int) -> dict:
+    """The vLLM plug-in's whole step path (:class:`~r3rdma.integrations.vllm.worker.RunnerRecorder`:
+    lifecycle, prepare, begin, end; finished requests committed to a local store by its writer),
+    driven by the same scheduler through stand-ins for vLLM's input batch and scheduler output.
+    Its own clock (``host_seconds``, what ``bench vllm`` reports) per step."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+
+    from r3rdma.config import R3Config
+    from r3rdma.integrations.vllm.worker import FinishedRequest, RunnerRecorder
+    from r3rdma.kernels.record_op import new_step_buffer
+
+    torch.set_num_threads(1)
+    sim = _Sim(args, running, seed=args.seed)
+    max_tokens = running + args.prefill_budget
+    with tempfile.TemporaryDirectory(prefix="r3rdma-host-bench-") as root:
+        runner = SimpleNamespace(device=torch.device("cpu"), input_batch=None)
+        recorder = RunnerRecorder(runner, R3Config(local_store_dir=root, rollout_id="bench"))
+        recorder.layer_map, recorder.top_k, recorder.num_experts = tuple(range(args.layers)), args.top_k, args.experts
+        recorder.step_buf = new_step_buffer(max_tokens=max_tokens, num_layers=args.layers, top_k=args.top_k,
+                                            num_experts=args.experts, device="cpu")
+        recorder._check_next_step = False  # the first-step check reads the device once; no forward runs here
+        recorder.build(SimpleNamespace(num_blocks=sim.num_blocks,
+                                       kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))]))
+        finished: dict[str, FinishedRequest] = {}
+        per_step_us: list[float] = []
+        decode_us: list[float] = []  # steps of decodes only, no request finishing
+        try:
+            for step in range(args.warmup + args.steps):
+                lanes, counts = sim.schedule()
+                ids = [sim.rid[i] for i in lanes.tolist()]
+                output = SimpleNamespace(num_scheduled_tokens=dict(zip(ids, counts.tolist())),
+                                         finished_req_ids=set(finished), preempted_req_ids=set(), r3_finished=finished)
+                table = SimpleNamespace(block_size=BLOCK, block_table=SimpleNamespace(np=sim.block_table[lanes]))
+                runner.input_batch = SimpleNamespace(req_ids=ids, num_reqs=len(ids), block_table=[table],
+                                                     num_computed_tokens_cpu=sim.computed[lanes].copy())
+                before = recorder.host_seconds
+                recorder.lifecycle(output)  # execute_model: requests the scheduler freed since the last step
+                recorder.prepare(output)  # _prepare_inputs
+                recorder.begin()  # _model_forward (the model would write the step buffer here)
+                recorder.end(ok=True)
+                if step >= args.warmup:
+                    per_step_us.append((recorder.host_seconds - before) * 1e6)
+                    if not finished and int(counts.max()) == 1:  # the per-running-request part alone
+                        decode_us.append(per_step_us[-1])
+                finished = {}
+                for lane in sim.advance(lanes, counts):
+                    finished[sim.rid[lane]] = FinishedRequest(sim.rid[lane], "bench", int(sim.prompt[lane]),
+                                                              int(sim.gen[lane]))
+                    sim.retire(lane)
+            stored = recorder.flush(60)["stored"]
+        finally:
+            recorder.close()
+    return {"running": running, "record_path": "vllm_plugin",
+            "plugin_host_us": {"median": round(statistics.median(per_step_us), 2),
+                               "mean": round(statistics.fmean(per_step_us), 2)},
+            "plugin_host_us_decode_only_steps": round(statistics.median(decode_us or [0.0]), 2),
+            "requests_stored": stored}
+
+
 def run_capture_host_bench(args) -> dict:
     results = []
     for graphed in ([True, False] if args.eager else [True]):
@@ -203,6 +270,12 @@ def run_capture_host_bench(args) -> dict:
             results.append(_run(args, running, graphed))
             if args.verbose:
                 print(json.dumps(results[-1]), flush=True)
+    plugin = {}
+    if args.plugin:
+        for running in args.running:
+            plugin[running] = _run_plugin(args, running)
+            if args.verbose:
+                print(json.dumps(plugin[running]), flush=True)
     graphed = {r["running"]: r for r in results if r["record_path"] == "graphed"}
     summary = {
         "bench": "capture_host",
@@ -221,6 +294,20 @@ def run_capture_host_bench(args) -> dict:
                                      for n, r in graphed.items()},
         "results": results,
     }
+    if plugin:
+        summary["vllm_plugin_host_us_median"] = {n: r["plugin_host_us"]["median"] for n, r in plugin.items()}
+        summary["vllm_plugin_host_us_mean"] = {n: r["plugin_host_us"]["mean"] for n, r in plugin.items()}
+        summary["vllm_plugin_host_us_decode_only_steps_median"] = {
+            n: r["plugin_host_us_decode_only_steps"] for n, r in plugin.items()}
+        summary["goal_vllm_plugin_host_us_at_64"] = 150
+        if len(plugin) > 1:
+            lo, hi = min(plugin), max(plugin)
+            summary["vllm_plugin_host_us_per_extra_request"] = round(
+                (plugin[hi]["plugin_host_us"]["median"] - plugin[lo]["plugin_host_us"]["median"]) / (hi - lo), 3)
+            summary["vllm_plugin_decode_only_us_per_extra_request"] = round(
+                (plugin[hi]["plugin_host_us_decode_only_steps"] - plugin[lo]["plugin_host_us_decode_only_steps"])
+                / (hi - lo), 3)
+        summary["plugin_results"] = list(plugin.values())
     lo, hi = min(graphed), max(graphed)
     if hi > lo:
         summary["begin_end_us_per_extra_request"] = round(
@@ -242,6 +329,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk", type=int, default=128, help="most prefill tokens of one request per step")
     parser.add_argument("--prefill-budget", type=int, default=256, help="most prefill tokens per step")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager record() variant")
+    parser.add_argument("--no-plugin", dest="plugin", action="store_false",
+                        help="skip the vLLM plug-in's whole step path (RunnerRecorder)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", dest="verbose", action="store_false")
 

@@ -184,7 +184,10 @@ class RunnerRecorder:
         req_ids = batch.req_ids[:n]
         counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
         starts = batch.num_computed_tokens_cpu[:n].astype(np.int64)
-        slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
+        if int(counts.sum()) == n:  # decodes only (the common step): token i is request i's next position
+            slots = self._slots(np.arange(n), starts)
+        else:
+            slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
         self._pending = (req_ids, starts, counts, slots)
         self.host_seconds += time.perf_counter() - t0
 
