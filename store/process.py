@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from r3rdma.transport.auth import derive_admin_token, derive_read_token
+from r3rdma.transport.ucx_env import without_our_choices
 
 from .address import NodeAddress
 
@@ -116,7 +117,9 @@ def spawn_node(
             "sys.argv = ['r3rdma-store'] + sys.argv[1:]; runpy.run_module('r3rdma.store.cli', run_name='__main__')"
         )
         cmd = [sys.executable, "-c", boot, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The node makes its own UCX choices (STORE_NODE_UCX_ENV: blocking progress), as one started
+    # from a shell does, not the defaults this process applied for its own clients.
+    env = dict(without_our_choices(os.environ), PYTHONUNBUFFERED="1")
     env.pop("R3_STORE_TOKEN", None)
     if fsize_limit is not None:
         # UCX's posix shared-memory transport backs its pools with files, which the limit

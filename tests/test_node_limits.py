@@ -151,3 +151,59 @@ def test_announced_batches_without_checksums_are_refused_before_any_allocation(t
         assert node.alive
     finally:
         node.kill()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client_closes", [True, False])
+def test_a_fatal_error_frame_is_read_before_the_server_closes(client_closes):
+    """Issue 31, item 12: under load one stalled sender of the test above got
+    TransportError(... UCXXCanceledError ...) instead of its R3TimeoutError frame: the server
+    closed the connection right after sending the frame, and ucxx closes endpoints without
+    flushing, so the peer's waiting receive could be cancelled by the reset before the frame
+    was matched. The server now closes after a fatal frame only once the peer closed (or
+    timeout_s passed). Shown deterministically over the loopback transport (the same protocol
+    code): right after the sender reads the frame its connection is still open."""
+    import msgpack
+
+    from r3rdma.errors import R3TimeoutError
+    from r3rdma.transport import LoopbackClient, LoopbackServer
+    from r3rdma.transport.auth import coerce_secret
+    from r3rdma.transport.batch import RecordMeta, batch_header
+    from r3rdma.transport.frames import Kind, Preamble
+    from r3rdma.transport.session import client_handshake, recv_reply
+
+    secret = new_token()
+    limits = TransportLimits(timeout_s=1.0)
+
+    async def run():
+        async def handler(_records):
+            return None
+
+        server = LoopbackServer(handler, secret=secret, limits=limits)
+        await server.start()
+        conn = await LoopbackClient(server, secret=secret, limits=limits)._open()
+        version = await client_handshake(conn, coerce_secret(secret), limits)
+        meta = RecordMeta("stall", "s", 4096, 8, 4, "uint8", 64, tuple(range(8)), 0, 0x1234, 0)
+        header = msgpack.packb(batch_header(1, [meta.to_wire()], [meta.nbytes]))
+        # A batch announced with its table, and not one payload byte.
+        await conn.send(np.frombuffer(Preamble(version, Kind.BATCH, len(header), meta.nbytes).pack() + header, np.uint8))
+        with pytest.raises(R3TimeoutError, match="sender stalled") as caught:
+            await recv_reply(conn, version, 1, TransportLimits(ack_timeout_s=30))
+        assert caught.value.fatal
+        assert not conn.closed, "the server closed before the sender could read its error frame"
+        deadline = asyncio.get_running_loop().time() + 5 * limits.timeout_s
+        while server.inflight_bytes:  # the budget comes back while the server waits for the close
+            assert asyncio.get_running_loop().time() < deadline, "the stalled batch kept its budget"
+            await asyncio.sleep(0.001)
+        for _ in range(100):  # the server's next steps run (the old one closed within a few)
+            await asyncio.sleep(0)
+        assert not conn.closed, "the server closed before the sender closed"
+        if client_closes:
+            await conn.close()
+        else:  # a sender that never closes is closed by the server after timeout_s
+            while not conn.closed:
+                assert asyncio.get_running_loop().time() < deadline, "the server kept the connection open"
+                await asyncio.sleep(0.01)
+        await server.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))

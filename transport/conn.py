@@ -34,6 +34,15 @@ class Conn(ABC):
         received length); callers zero-fill and validate the contents.
         """
 
+    async def wait_incoming(self) -> None:
+        """Return once a message is waiting to be received, or the pipe closed (the receive
+        that follows then says so), without holding a receive posted meanwhile.
+
+        For waits of unbounded length between messages (a server waiting for a connection's
+        next batch), where a posted receive costs the pipe something while nothing comes
+        (UCXX: a core). The default returns at once: the receive itself waits.
+        """
+
     @abstractmethod
     async def close(self) -> None:
         """Close the pipe; idempotent, never raises."""

@@ -29,8 +29,13 @@ class _LoopbackConn(Conn):
     def __init__(self, peer: str) -> None:
         self.peer = peer
         self._inbox: asyncio.Queue[object] = asyncio.Queue()
+        self._arrived = asyncio.Event()  # set with every put into the inbox (wait_incoming)
         self._other: _LoopbackConn | None = None
         self._closed = False
+
+    def _put(self, item: object) -> None:
+        self._inbox.put_nowait(item)
+        self._arrived.set()
 
     @staticmethod
     def pair(client_name: str, server_name: str) -> tuple[_LoopbackConn, _LoopbackConn]:
@@ -50,14 +55,14 @@ class _LoopbackConn(Conn):
         if self._closed:
             raise TransportError(f"send to {self.peer}: connection closed by peer")
         assert self._other is not None
-        self._other._inbox.put_nowait(data)
+        self._other._put(data)
 
     async def recv_into(self, buf: np.ndarray) -> None:
         if self._closed and self._inbox.empty():
             raise TransportError(f"recv from {self.peer}: connection closed")
         msg = await self._inbox.get()
         if msg is _CLOSED:
-            self._inbox.put_nowait(_CLOSED)  # later receives fail too
+            self._put(_CLOSED)  # later receives fail too
             self._closed = True
             raise TransportError(f"recv from {self.peer}: connection closed by peer")
         assert isinstance(msg, bytes)
@@ -65,17 +70,22 @@ class _LoopbackConn(Conn):
             raise ProtocolError(f"message from {self.peer} is {len(msg)} bytes, {buf.nbytes} were announced")
         buf[: len(msg)] = np.frombuffer(msg, dtype=np.uint8)
 
+    async def wait_incoming(self) -> None:
+        while self._inbox.empty():  # a close queues a marker too: it ends the wait
+            self._arrived.clear()
+            await self._arrived.wait()
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put_nowait(_CLOSED)  # wake our own pending receive
+        self._put(_CLOSED)  # wake our own pending receive
         if self._other is not None and not self._other._closed:
             self._other._closed_by_peer()
 
     def _closed_by_peer(self) -> None:
         # Messages already queued stay receivable, as with UCX; sends fail from now on.
-        self._inbox.put_nowait(_CLOSED)
+        self._put(_CLOSED)
         self._closed = True
 
 

@@ -134,6 +134,7 @@ def _bytes_field(header: dict[str, Any], key: str, size: int, what: str) -> byte
 async def server_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -> int:
     """Run the server half of the hello; return the negotiated version."""
     t = limits.timeout_s
+    await timed(conn.wait_incoming(), t, f"waiting for HELLO from {conn.peer}")
     pre = await recv_preamble(conn, t, f"waiting for HELLO from {conn.peer}")
     expect(pre, (Kind.HELLO,), None)
     hello = await recv_header(conn, pre, HANDSHAKE_MAX_HEADER_BYTES, t, "receiving HELLO")
@@ -182,6 +183,9 @@ class ConnServer(TransportServer):
         self._sessions: set[_Session] = set()
         self._stopping = False
         self._address: ServerAddress | None = None
+        # Connections answered with a fatal ERROR frame: closed only once the peer closed (or
+        # timeout_s passed), so the frame is read before the connection goes (_linger).
+        self._answered_fatally: set[Conn] = set()
         # In-flight payload budget (limits.max_inflight_bytes), shared by all connections.
         self._inflight = 0
         self._inflight_changed: asyncio.Condition | None = None  # created in the serving loop
@@ -260,11 +264,30 @@ class ConnServer(TransportServer):
         self._sessions.add(session)
         try:
             await self._serve(conn, session)
+            if conn in self._answered_fatally:
+                await self._linger(conn)
         except asyncio.CancelledError:
             pass  # stop(): the connection is closed below; the client sees TransportError
         finally:
+            self._answered_fatally.discard(conn)
             self._sessions.discard(session)
             await conn.close()
+
+    async def _linger(self, conn: Conn) -> None:
+        """After a fatal ERROR frame: wait, at most ``timeout_s``, for the peer to close first
+        (or to send anything more), then let :meth:`serve` close.
+
+        Why: closing at once raced the frame. ucxx closes an endpoint with UCX's force mode
+        (nothing flushed), and a peer whose receive was still waiting saw the connection reset
+        and its receive cancelled (``TransportError(... UCXXCanceledError ...)``) instead of
+        the typed error the frame carried (a stalled sender under load, issue 31). A client
+        closes on a fatal error as soon as it has read it; one that does not holds only this
+        connection, for at most ``timeout_s``: its budget and buffer were released before.
+        """
+        try:
+            await timed(conn.wait_incoming(), self.limits.timeout_s, f"waiting for {conn.peer} to close")
+        except R3Error as e:
+            log.debug("closing %s after a fatal error: %s", conn.peer, e)
 
     async def _serve(self, conn: Conn, session: _Session) -> None:
         limits = self.limits
@@ -280,7 +303,10 @@ class ConnServer(TransportServer):
             return
         while not self._stopping:
             try:
-                pre = await recv_preamble(conn, limits.idle_timeout_s, f"idle connection from {conn.peer}")
+                # Wait for the next batch with no receive posted (Conn.wait_incoming: over UCXX a
+                # posted receive spins a core for as long as the client stays idle).
+                await timed(conn.wait_incoming(), limits.idle_timeout_s, f"idle connection from {conn.peer}")
+                pre = await recv_preamble(conn, limits.timeout_s, f"receiving a batch preamble from {conn.peer}")
             except (TransportError, R3TimeoutError, ProtocolError) as e:
                 # Peer gone, idle too long, or garbage where a preamble belongs.
                 if isinstance(e, ProtocolError):
@@ -408,13 +434,16 @@ class ConnServer(TransportServer):
     async def _send_error(
         self, conn: Conn, version: int, exc: BaseException, *, seq: int | None, fatal: bool
     ) -> bool:
-        """Best-effort ERROR frame; returns whether the connection is still usable."""
+        """Best-effort ERROR frame; returns whether the connection is still usable. After a
+        fatal one the connection closes once the peer has read it (:meth:`_linger`)."""
         try:
             await send_message(
                 conn, version, Kind.ERROR, error_header(exc, seq=seq, fatal=fatal), timeout=self.limits.timeout_s
             )
         except (TransportError, R3TimeoutError):
             return False
+        if fatal:
+            self._answered_fatally.add(conn)
         return not fatal
 
 

@@ -12,15 +12,19 @@ A value already present in the environment always wins: operators tune UCX (``UC
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType, ModuleType
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["UCX_ENV_DEFAULTS", "STORE_NODE_UCX_ENV", "configure_ucx_env", "import_ucxx", "stop_ucxx"]
+__all__ = ["UCX_ENV_DEFAULTS", "STORE_NODE_UCX_ENV", "configure_ucx_env", "import_ucxx", "next_progress", "stop_ucxx",
+           "without_our_choices"]
 
 #: Defaults applied with ``setdefault`` semantics (the user's environment wins).
 UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
@@ -46,11 +50,15 @@ UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
 #: processes keep "thread", where pushes run on their own loop thread beside the engine's and
 #: a worker must not be progressed from two threads. ucxx's blocking mode never re-armed the
 #: worker after its first event (a core spun from the first push until exit):
-#: :func:`import_ucxx` installs a fix. Known cost left (measured, 2026-11-23): ucxx awaits a
-#: request without Python futures by yielding to the loop in a loop, and a node always has a
-#: receive pending per connected client, so a node keeps ~1 core busy while any client stays
-#: connected, 0 otherwise. Python futures (``UCXPY_ENABLE_PYTHON_FUTURE=1``, thread mode only)
-#: remove that spin but kept the buffer of every batch a vanished client left half-sent
+#: :func:`import_ucxx` installs a fix. ucxx awaits a request without Python futures by yielding
+#: to the loop in a loop (``UCXRequest.wait_yield``), so a receive posted for a message that has
+#: not come spins a core: a node that posted one per connected client between batches kept a
+#: core busy while any client stayed connected (measured 61-100% of a core; 0 once it left). A
+#: node therefore waits for a connection's next message without a receive posted
+#: (:func:`next_progress`, ``_UcxxConn.wait_incoming``): its worker's epoll fd wakes the loop,
+#: the fix below resolves the waiters after each progress, and the receive is posted once the
+#: message is there. Python futures (``UCXPY_ENABLE_PYTHON_FUTURE=1``, thread mode only) would
+#: remove the spin too but kept the buffer of every batch a vanished client left half-sent
 #: (+24 MB per abandoned 48 MB batch, never released; blocking mode releases them), so not used.
 #:
 #: ``UCX_TCP_CM_REUSEADDR=y``: the listener (UCX's TCP connection manager) binds with
@@ -72,6 +80,7 @@ STORE_NODE_UCX_ENV: Mapping[str, str] = MappingProxyType(
 
 _lock = threading.Lock()
 _applied: dict[str, str] | None = None
+_set_here: dict[str, str] = {}  # what configure_ucx_env put into os.environ (absent before)
 
 
 def configure_ucx_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -99,8 +108,24 @@ def configure_ucx_env(overrides: Mapping[str, str] | None = None) -> dict[str, s
             )
         for key in missing:
             os.environ[key] = wanted[key]
+            _set_here[key] = wanted[key]
         _applied = {k: os.environ[k] for k in wanted}
         return dict(_applied)
+
+
+def without_our_choices(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` (e.g. ``os.environ`` for a child process) without the variables
+    :func:`configure_ucx_env` set in this process (its defaults, not the user's choices).
+
+    Why: a child that makes its own choices (a store node: :data:`STORE_NODE_UCX_ENV`) would
+    otherwise inherit this process's as if the user had set them, and the user's environment
+    wins. A test or bench that configured UCX for its clients (``UCXPY_PROGRESS_MODE=thread``)
+    and then started a node ran that node in thread mode, not the blocking mode a node started
+    from a shell runs in.
+    """
+    with _lock:
+        ours = {k for k, v in _set_here.items() if env.get(k) == v}
+    return {k: v for k, v in env.items() if k not in ours}
 
 
 def import_ucxx() -> ModuleType:
@@ -124,8 +149,42 @@ def import_ucxx() -> ModuleType:
     return ucxx
 
 
+# Event loops whose UCX worker is progressed in blocking mode (by the class below), and per loop
+# the futures waiting for its next progress. Both touched only from that loop's thread.
+_blocking_loops: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
+_progress_waiters: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[asyncio.Future[None]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def next_progress(loop: asyncio.AbstractEventLoop) -> "asyncio.Future[None] | None":
+    """A future resolved right after the next progress of the UCX worker that ``loop`` drives in
+    blocking mode (an event on the worker's fd, or the once-a-second safety progress); None where
+    UCX is not progressed that way in ``loop`` (thread mode: a progress thread, no such event).
+
+    What completes a UCX request or queues an incoming message happens in a progress, so a
+    coroutine that checks a condition (a message waiting: ``Endpoint.tag_probe``), finds it
+    false and awaits this sleeps until that condition can have changed, using no CPU meanwhile.
+    Call it from ``loop``'s thread; nothing can progress the worker between the check and the
+    call (both run in one step of the loop).
+    """
+    if loop not in _blocking_loops:
+        return None
+    future = loop.create_future()
+    _progress_waiters.setdefault(loop, []).append(future)
+    return future
+
+
+def _progressed(loop: asyncio.AbstractEventLoop) -> None:
+    waiters = _progress_waiters.pop(loop, None)
+    for future in waiters or ():
+        if not future.done():  # cancelled: its waiter timed out
+            future.set_result(None)
+
+
 def _rearming_blocking_mode() -> None:
-    """Make ucxx's "blocking" progress mode re-arm the worker after every event.
+    """Make ucxx's "blocking" progress mode re-arm the worker after every event, and tell
+    :func:`next_progress` waiters after every progress.
 
     ucxx 0.52's ``BlockingMode`` arms the UCX worker once, at start. Its epoll-fd callback
     progresses the worker but never arms it again (its predecessor ucx-py did), so after the
@@ -133,9 +192,10 @@ def _rearming_blocking_mode() -> None:
     node burned a whole core from its first push until it exited (measured: 1.0 core idle,
     before and after the client closed; 0.0 before any push). Its timeout task also cancels the
     arm task without starting a new one. This subclass starts a new arm task after each
-    progress from either path; ``_arm_worker`` itself (progress, wait until asyncio's next step is
-    epoll, ``ucp_worker_arm``, retry while busy) is ucxx's own. Installed where ucxx looks the
-    class up when it starts progress for an event loop.
+    progress from either path; ``_arm_worker`` (progress, wait until asyncio's next step is
+    epoll, ``ucp_worker_arm``, retry while busy) is ucxx's own, with the waiters told after each
+    of its progress calls too. Installed where ucxx looks the class up when it starts progress
+    for an event loop.
     """
     from ucxx._lib_async import application_context
     from ucxx._lib_async.continuous_ucx_progress import BlockingMode
@@ -146,25 +206,39 @@ def _rearming_blocking_mode() -> None:
     class RearmingBlockingMode(BlockingMode):
         _r3rdma_rearms = True
 
+        def __init__(self, worker, event_loop, *args, **kwargs) -> None:
+            _blocking_loops.add(event_loop)
+            super().__init__(worker, event_loop, *args, **kwargs)
+
+        def _progress(self) -> None:
+            self.last_progress_time = time.monotonic()
+            self.worker.progress()
+            _progressed(self.event_loop)
+
         def _rearm(self) -> None:
             if self.arm_task is None or self.arm_task.done():
                 self.arm_task = self.event_loop.create_task(self._arm_worker())
 
         def _fd_reader_callback(self) -> None:
-            self.worker.progress()
+            self._progress()
             self._rearm()
 
-        async def _progress_with_timeout(self) -> None:
-            import asyncio
-            import time
+        async def _arm_worker(self) -> None:
+            # ucxx's own loop (see BlockingMode._arm_worker), with _progress telling waiters.
+            while True:
+                self._progress()
+                # Returns once every task not waiting on I/O ran: asyncio's next step is epoll.
+                await self.event_loop.sock_recv(self.rsock, 1)
+                if self.worker.arm():
+                    break
 
+        async def _progress_with_timeout(self) -> None:
             while True:
                 worker = self.worker
                 if worker is None:
                     return
                 if time.monotonic() > self.last_progress_time + self._progress_timeout:
-                    self.last_progress_time = time.monotonic()
-                    worker.progress()
+                    self._progress()
                     self._rearm()
                 await asyncio.sleep(self._progress_timeout)
 
