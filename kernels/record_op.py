@@ -51,7 +51,10 @@ def _record_topk_impl(buf_TLK: torch.Tensor, topk_ids_TK: torch.Tensor, layer: i
 
 
 # One implementation for every device: the copy is a plain torch op (one kernel on CUDA),
-# which is what a CUDA graph should hold; launch cost does not exist inside a replay.
+# which is what a CUDA graph should hold; launch cost does not exist inside a replay. Not the
+# Triton record kernel of r3rdma.kernels: an engine warms up outside r3rdma's graph regime,
+# so Triton would JIT-load its first kernel inside the engine's stream capture; and on the
+# H200 (bench capture --record-path op, b64) it measured no less device time here.
 _lib.impl("record_topk", _record_topk_impl, "CompositeExplicitAutograd")
 
 
