@@ -321,7 +321,7 @@ def test_connect_timeout_or_refusal_is_typed():
         from r3rdma.transport import UcxxClient
 
         # Nothing listens on port 1: a typed error, not a hang or a raw UCX exception.
-        c = UcxxClient("127.0.0.1", 1, secret=SECRET, limits=TransportLimits(timeout_s=1.0))
+        c = UcxxClient("127.0.0.1", 1, secret=SECRET, limits=TransportLimits(timeout_s=1.0, connect_timeout_s=1.0))
         with pytest.raises((TransportError, R3TimeoutError)):
             await c.connect()
 

@@ -33,6 +33,12 @@ class TransportLimits:
     #: reservation and buffer released. Store nodes also close an HTTP connection that has
     #: not sent a complete request within it.
     timeout_s: float = 30.0
+    #: Client: deadline of opening a connection (UCX endpoint and peer-info exchange). Apart
+    #: from ``timeout_s`` because a dead node is found here: ucxx waits out the exchange even
+    #: after UCX reported the endpoint down, so a commit to a SIGKILLed node stalled 30 s before
+    #: failing over (measured on loopback); a healthy connect takes milliseconds. ucxx's own
+    #: default, 5 s, leaves room for a loaded host.
+    connect_timeout_s: float = 5.0
     #: Server: deadline of the handler (validation + durable write) for one batch.
     handler_timeout_s: float = 120.0
     #: Client: deadline from the start of a push to its ack (covers the server's handler).
@@ -54,7 +60,7 @@ class TransportLimits:
             raise ConfigError(
                 f"TransportLimits.max_header_bytes must fit the u32 preamble field, got {self.max_header_bytes}"
             )
-        for name in ("timeout_s", "handler_timeout_s", "ack_timeout_s", "idle_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s", "handler_timeout_s", "ack_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TransportLimits.{name} must be a number > 0, got {value!r}")

@@ -179,8 +179,8 @@ class UcxxClient(ConnClient):
         peer = f"{self._host}:{self._port}"
         try:
             ep = await timed(
-                ucxx.create_endpoint(self._host, self._port, connect_timeout=self.limits.timeout_s),
-                self.limits.timeout_s,
+                ucxx.create_endpoint(self._host, self._port, connect_timeout=self.limits.connect_timeout_s),
+                self.limits.connect_timeout_s + 1.0,  # ucxx's own deadline first; ours if it hangs past it
                 f"connecting to {peer}",
             )
         except ucxx.exceptions.UCXError as e:
