@@ -60,7 +60,7 @@ def server(tmp_path_factory):
             if url is not None:
                 break
             time.sleep(0.5)  # polling: the server announces its port (bound to 0) nowhere else
-        yield {"url": url, "model": model, "store": store}
+        yield {"url": url, "model": model, "store": store, "log": log_path}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -204,3 +204,16 @@ def test_an_id_a_running_request_has_is_a_400(server, reference):
                 second = None
     assert second is None and len(streamed) == 40
     _check(reference, _stored(server["store"], "srv", "busy"), prompt + streamed)
+
+
+def test_the_plug_in_says_it_is_on_in_vllms_own_log(server):
+    """At start, through vLLM's handler and format (not a bare ``INFO:r3rdma`` line, nor
+    nothing for want of a handler): which layers it records and where to."""
+    import re
+
+    text = server["log"].read_text()
+    recording = [line for line in text.splitlines() if "r3rdma: recording 3 MoE layers" in line]
+    assert recording, text[-3000:]
+    assert re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] r3rdma: recording", recording[0]), recording[0]
+    assert any("r3rdma: capturing into local" in line for line in text.splitlines())
+    assert "INFO:r3rdma" not in text and "ERROR:r3rdma" not in text
