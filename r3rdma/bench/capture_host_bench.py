@@ -36,6 +36,10 @@ import gc
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy is imported where it is used, so `--help` stays light
+    import numpy as np
 
 __all__ = ["run_capture_host_bench", "add_arguments", "main"]
 

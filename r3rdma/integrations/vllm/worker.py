@@ -42,7 +42,6 @@ request stored once". The mapping onto the capturer's calls:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from itertools import repeat
@@ -90,7 +89,6 @@ class RunnerRecorder:
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots) from _prepare_inputs
         self._known: dict[str, int] = {}  # request -> positions the capturer holds (0 .. n-1)
         self._early: set[str] = set()  # finished by a flush before their scheduler output came
-        self._lock = threading.Lock()
         self.requests_failed = 0
         self.requests_stored = 0
         self.requests_aborted = 0
