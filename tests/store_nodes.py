@@ -18,7 +18,9 @@ __all__ = ["RunningNode", "new_token", "start_node", "serve_in_thread"]
 def serve_in_thread(app: web.Application):
     """Serve ``app`` on 127.0.0.1 (port 0) from an event loop in a thread; yields its base URL."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
+    # Test handlers end when the test releases them; a connection the client left open must
+    # not hold the server's graceful stop for aiohttp's default 60 s.
+    runner = web.AppRunner(app, shutdown_timeout=2.0)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -29,6 +29,7 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
 from r3rdma.errors import CorruptDataError
+from r3rdma.read.gather import gather
 from r3rdma.records import buffer_checksum
 
 __all__ = ["ShardLayout", "read_ranges", "shard_indexes", "shard_index_of"]
@@ -154,9 +155,9 @@ async def read_ranges(store: Any, path: str, layout: ShardLayout, ranges: Sequen
                 for i in range(0, len(items), 2)
             ))
 
-        await asyncio.gather(*(group(g) for g in groups))
+        await gather(group(g) for g in groups)
 
-    await asyncio.gather(*(shard(s, chunks) for s, chunks in by_shard.items()))
+    await gather(shard(s, chunks) for s, chunks in by_shard.items())
     return outs
 
 
@@ -170,7 +171,7 @@ async def shard_indexes(store: Any, path: str, layout: ShardLayout, cache: dict[
     """Fetch (into ``cache``) the index of every shard of the array at ``path``: a reader does
     this for all arrays of a read at once, so each array's data GET does not wait behind it."""
     shards = -(-layout.rows // layout.shard_rows)
-    await asyncio.gather(*(_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards)))
+    await gather(_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards))
 
 
 async def _index(store: Any, key: str, layout: ShardLayout, shard_no: int, cache: dict[tuple[str, int], np.ndarray],

@@ -29,6 +29,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
 from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
+from r3rdma.read.gather import gather
 from r3rdma.read.http_errors import read_error
 from r3rdma.read.shard_ranges import ShardLayout, read_ranges, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
@@ -203,7 +204,7 @@ class Source:
                 raise StalePartError(rollout_id, self.name, seq)
             return check_part(rollout_id, seq, index.uid, parse_attrs(raw, rollout_id, self.name), self.name)
 
-        parts = await asyncio.gather(*(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1)))
+        parts = await gather(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1))
         for part in parts:
             index.apply(part)
         self._indexes[rollout_id] = index
@@ -310,7 +311,7 @@ class Source:
         for name in index.arrays:
             array = await self.array(rollout_id, index.uid, name)
             keys += [f"{name}/zarr.json"] + [f"{name}/{k}" for k in _shard_keys(array)]
-        sizes = await asyncio.gather(*(self._size(rollout_id, key) for key in keys))
+        sizes = await gather(self._size(rollout_id, key) for key in keys)
         if sizes[0] is None:
             raise UnknownRolloutError(f"rollout {rollout_id!r} is gone from {self.name} (deleted while being read?)")
         return sum(s or 0 for s in sizes)  # a shard zarr left out (all fill value) stores nothing
