@@ -15,13 +15,8 @@ import torch
 
 from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.records import checksum
-from r3rdma.capture.transfer import (
-    DeviceRows,
-    pack_device_rows,
-    probe_transfer_mode,
-    push_device_rows,
-    stage_to_host,
-)
+from r3rdma.capture.transfer import DeviceRows, stage_to_host
+from r3rdma.write.device_push import pack_device_rows, probe_transfer_mode, push_device_rows
 from r3rdma.transport import LoopbackClient, LoopbackServer, TransportLimits
 from r3rdma.transport.testing import LoopbackHarness, UcxxProcessHarness
 
@@ -153,7 +148,7 @@ def test_pushed_device_rows_carry_sender_checksums(mode):
 
 
 def test_checksum_packed_covers_each_request_and_checks_the_size():
-    from r3rdma.capture.transfer import checksum_packed
+    from r3rdma.write.device_push import checksum_packed
 
     items = _items("cpu", "roll")
     metas, payload = pack_device_rows(items)

@@ -62,7 +62,7 @@ class RecordMeta:
     ``crc32c`` is the sender's CRC-32C of the request's bytes, required on the wire: it is
     what makes a frame that arrived short (UCX does not report a shorter message) or a
     corrupted transfer fail as :class:`CorruptDataError` instead of being stored. ``None``
-    exists only between packing device rows and hashing them (``r3rdma.capture.transfer``);
+    exists only between packing device rows and hashing them (``r3rdma.write.device_push``);
     such a meta cannot be pushed. ``offset`` is the byte offset of the request in the payload.
     """
 
@@ -362,7 +362,7 @@ def packed_table(batch: PackedBatch) -> list[dict[str, Any]]:
         if meta.crc32c is None:
             raise ProtocolError(
                 f"PackedBatch.metas[{i}] ({meta.request_id}) has no crc32c: every payload needs the sender's "
-                "CRC-32C (device rows: r3rdma.capture.transfer.push_device_rows hashes a pinned copy)"
+                "CRC-32C (device rows: r3rdma.write.device_push.push_device_rows hashes a pinned copy)"
             )
         offset += meta.nbytes
     n = payload_nbytes(batch.payload)

@@ -7,7 +7,7 @@ or event that wrote the buffer before calling ``push``; otherwise UCX may read s
 
 Receivers always land payloads in host memory (the store writes them to disk), so only the
 send side ever sees a device buffer. A device payload still carries the sender's CRC-32C
-per request (the wire requires it); ``r3rdma.capture.transfer`` hashes a pinned host copy. The CPU test machine exercises the host path only.
+per request (the wire requires it); ``r3rdma.write.device_push`` hashes a pinned host copy. The CPU test machine exercises the host path only.
 """
 
 from __future__ import annotations

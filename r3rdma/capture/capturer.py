@@ -53,6 +53,7 @@ from r3rdma.capture.id_check import id_range_check
 from r3rdma.capture.ledger import RequestLedger, num_routing_rows
 from r3rdma.capture.slot_table import SlotTable, host_int64
 from r3rdma.capture.step import StepRecorder
+from r3rdma.capture.transfer import TRANSFER_MODES
 from r3rdma.errors import ConfigError, OutOfRangeError, ShapeMismatchError
 from r3rdma.ids import validate_id
 from r3rdma.records import RequestRecord, routing_dtype
@@ -171,6 +172,8 @@ class RoutingCapturer:
             raise ConfigError(f"{what} needs CUDA, but torch sees no CUDA device (torch {torch.__version__})")
         self._table = SlotTable(num_slots=self.num_slots, num_layers=len(self.layer_map), top_k=self.top_k,
                                 num_experts=self.num_experts, device=self.device, pin_memory=pin_memory)
+        if transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
         self.transfer_probe = None
         if transfer_mode == "auto":
             # Measured once, at start-up, against the sink's first store node when the sink can
@@ -179,8 +182,6 @@ class RoutingCapturer:
             if self._table.cuda and takes_device_rows(sink):
                 self.transfer_probe = sink.probe_transfer_mode(device=self.device)
                 transfer_mode = self.transfer_probe.mode
-        if transfer_mode not in ("staged", "gpu_direct"):
-            raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
         if transfer_mode == "gpu_direct" and not takes_device_rows(sink):
             raise ConfigError(
                 "transfer_mode 'gpu_direct' needs a sink that pushes device memory (a RoutingWriter over a "

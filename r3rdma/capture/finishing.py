@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from r3rdma.capture.slot_table import SlotTable
+from r3rdma.capture.transfer import DeviceRows, stage_to_host
 from r3rdma.records import RequestRecord
 
 __all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finisher", "StagedRecord", "make_record"]
@@ -171,8 +172,6 @@ class Finishing:
     def finish(self, slots: np.ndarray, meta: dict) -> RequestRecord | None:
         """The record (CPU, or without a sink), or None once the rows are on their way (CUDA)."""
         if self.table.cuda and self.sink is not None:
-            from r3rdma.capture.transfer import DeviceRows, stage_to_host
-
             self.raise_error()
             if self.transfer_mode == "gpu_direct":
                 # The gathered device rows are the payload; the pusher waits on `ready`

@@ -119,10 +119,10 @@ class StoreNodesClient:
 
     def probe_transfer_mode(self, device=None, **probe_kwargs):
         """Measure GPU-direct against staged pushes to the first store node; return a
-        :class:`~r3rdma.capture.transfer.ProbeResult`. The pushes are probe batches, which the
+        :class:`~r3rdma.write.device_push.ProbeResult`. The pushes are probe batches, which the
         node checks and acks without storing them. ``probe_kwargs`` (``probe_bytes``,
-        ``probe_rounds``, ``min_gain``) go to :func:`~r3rdma.capture.transfer.probe_transfer_mode`."""
-        from r3rdma.capture.transfer import probe_transfer_mode
+        ``probe_rounds``, ``min_gain``) go to :func:`~r3rdma.write.device_push.probe_transfer_mode`."""
+        from r3rdma.write.device_push import probe_transfer_mode
         from r3rdma.transport import UcxxClient
 
         async def run():
@@ -291,7 +291,7 @@ class StoreNodesClient:
         try:
             for chunk in batches_by_size(records, self._limits.max_payload_bytes, self._limits.max_records):
                 if device:
-                    from r3rdma.capture.transfer import push_device_rows
+                    from r3rdma.write.device_push import push_device_rows
 
                     await push_device_rows(client, chunk, "gpu_direct")
                 else:
