@@ -1,7 +1,11 @@
 """Prometheus metrics: engine-side collector (capturer, writer, push client) and store nodes."""
 
+import os
+import shutil
 import signal
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from r3rdma import R3Config, RoutingWriter
 from r3rdma.errors import ConfigError, StoreError
 from r3rdma.metrics import capture_registry, serve_capture_metrics
+from r3rdma.store.http_app import make_http_app
+from r3rdma.store.metrics import NodeMetrics
 from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient
 
-from .store_nodes import new_token, start_node
+from .store_nodes import new_token, serve_in_thread, start_node
 
 
 def _scrape(url, headers=None):
@@ -21,6 +27,14 @@ def _scrape(url, headers=None):
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _assert_disk_of(scraped, root):
+    """The node's disk gauges are those of the filesystem holding ``root`` (others write to it
+    meanwhile: within 256 MiB)."""
+    usage = shutil.disk_usage(root)
+    assert abs(scraped["r3rdma_store_disk_free_bytes"] - usage.free) < 256 << 20, (scraped, usage)
+    assert abs(scraped["r3rdma_store_disk_used_bytes"] - usage.used) < 256 << 20, (scraped, usage)
 
 
 class _FailingStore:
@@ -114,7 +128,7 @@ def test_push_client_and_store_node_metrics(tmp_path, make_record):
         assert store["r3rdma_store_commit_seconds_count"] >= 1
         assert store["r3rdma_store_connected_clients"] == 1  # the client is still connected
         assert store["r3rdma_store_root_bytes"] > 0
-        assert store["r3rdma_store_disk_free_bytes"] > 0
+        _assert_disk_of(store, tmp_path / "node")
     finally:
         node.stop(signal.SIGKILL)
 
@@ -135,3 +149,17 @@ def test_nodes_in_failover_cooldown_are_public_and_exported(tmp_path, make_recor
         assert engine["r3rdma_push_nodes"] == 2 and engine["r3rdma_push_nodes_down"] == 1
     finally:
         node.stop(signal.SIGKILL)
+
+
+def test_store_disk_gauges_follow_the_root(tmp_path):
+    """The disk gauges measure the filesystem of the node's root, not the process's working
+    directory: a root on a second filesystem (tmpfs /dev/shm, where it is one) reports that one."""
+    roots = [tmp_path / "root"]
+    roots[0].mkdir()
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as other:
+        if os.stat(other).st_dev != os.stat(tmp_path).st_dev:
+            roots.append(Path(other))
+        for root in roots:
+            app = make_http_app(root, read_token="t", admin_token=None, public_read=False, metrics=NodeMetrics())
+            with serve_in_thread(app) as url:
+                _assert_disk_of(_scrape(f"{url}/metrics", {"Authorization": "Bearer t"}), root)
