@@ -22,6 +22,7 @@ from .address import NodeAddress
 from .http_app import make_http_app
 from .metrics import NodeMetrics, bind_node_gauges
 from .read_workers import ReadWorkers, WorkerSettings, reuse_port_socket
+from .refusals import commit_each, retry_part_by_part
 
 __all__ = ["StoreNode", "NodeAddress"]
 
@@ -120,48 +121,42 @@ class StoreNode:
                 # Written now; durable once the future resolves (the store's publisher thread
                 # flushes it while the next group is written here).
                 durable = await asyncio.to_thread(self.store.commit_async, merged)
-            except R3Error:
-                # One batch may be refused (a conflicting duplicate, a geometry mismatch, a
-                # full disk): commit them one by one so that each client gets its own answer.
-                await self._commit_each(group)
-                continue
             except BaseException as e:
-                for _, done in group:
-                    if not done.done():
-                        done.set_exception(e)
+                await self._refused(group, e)
                 continue
             task = asyncio.create_task(self._answer(group, asyncio.wrap_future(durable)))
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
 
     async def _answer(self, group, durable: asyncio.Future) -> None:
-        """Ack a group's batches once its commit is durable (or answer each on its own if the
-        flush failed: the store then starts again from the disk)."""
+        """Ack a group's batches once its commit is durable; if the flush failed, each batch
+        gets that failure (not the data's fault; the store then starts again from the disk)."""
         try:
             result = await durable
-        except R3Error:
-            await self._commit_each(group)
-            return
         except BaseException as e:
-            for _, done in group:
-                if not done.done():
-                    done.set_exception(e)
+            await self._refused(group, e)
             return
         for i, (_, done) in enumerate(group):
             if not done.done():
                 # Metrics count per batch: credit the group's totals to its first batch.
                 done.set_result(result if i == 0 else CommitResult(0, 0, 0))
 
-    async def _commit_each(self, group) -> None:
-        for records, done in group:
-            try:
-                result = await asyncio.to_thread(self.store.commit, records)
-            except BaseException as e:
-                if not done.done():
-                    done.set_exception(e)
+    async def _refused(self, group, error: BaseException) -> None:
+        """Answer a group whose commit raised ``error``: one batch refused for its data (a
+        conflicting duplicate, a geometry mismatch) has the batches committed one by one, so
+        each client gets its own answer; any other error (a failing disk) is every batch's
+        answer (store/refusals.py)."""
+        if retry_part_by_part(error, len(group)):
+            outcomes = await asyncio.to_thread(commit_each, self.store.commit, [records for records, _ in group])
+        else:
+            outcomes = [error] * len(group)
+        for (_, done), outcome in zip(group, outcomes):
+            if done.done():
+                continue
+            if isinstance(outcome, BaseException):
+                done.set_exception(outcome)
             else:
-                if not done.done():
-                    done.set_result(result)
+                done.set_result(outcome)
 
     async def start(self) -> NodeAddress:
         ucx = await self._server.start()

@@ -26,6 +26,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
 from r3rdma.records import RequestRecord
+from r3rdma.store.refusals import commit_each, retry_part_by_part
 
 __all__ = ["CommitFailure", "DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
 
@@ -326,10 +327,10 @@ class RoutingWriter:
                     job.future, job.host = commit_async(host), host
                     job.future.add_done_callback(self._wake)
                 except BaseException as e:
-                    if len(host) == 1 or not isinstance(e, ValueError):
-                        job.failures.append((e, host))
-                    else:
+                    if retry_part_by_part(e, len(host)):
                         job.failures += self._commit_each(self.store.commit, host)
+                    else:
+                        job.failures.append((e, host))
             elif host:
                 job.failures += self._commit(self.store.commit, host)
             if device:
@@ -376,26 +377,21 @@ class RoutingWriter:
             self._cond.notify_all()
 
     def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:
-        """Commit ``items``; on a refusal of the data (a ValueError: a bad record, a segment
-        conflict) commit them again one by one, so only the bad ones fail. I/O and transport
-        errors fail the whole batch (the same cause would fail each record again)."""
+        """Commit ``items``; if the data is refused, again one by one, so only the bad ones fail
+        (:mod:`r3rdma.store.refusals`)."""
         try:
             commit(items)
             return []
         except BaseException as e:
-            if len(items) == 1 or not isinstance(e, ValueError):
+            if not retry_part_by_part(e, len(items)):
                 return [(e, list(items))]
         return self._commit_each(commit, items)
 
     @staticmethod
     def _commit_each(commit, items: list) -> list[tuple[BaseException, list]]:
-        failures = []
-        for item in items:
-            try:
-                commit([item])
-            except BaseException as e:
-                failures.append((e, [item]))
-        return failures
+        parts = [[item] for item in items]
+        return [(outcome, part) for part, outcome in zip(parts, commit_each(commit, parts))
+                if isinstance(outcome, BaseException)]
 
 
 @dataclass(eq=False)
