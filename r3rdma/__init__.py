@@ -37,7 +37,7 @@ _LAZY = {
     "LocalRoutingStore": "r3rdma.store.local_store",
     "RoutingReader": "r3rdma.read",
     "PackedRouting": "r3rdma.read",
-    "RouterReplay": "r3rdma.replay",
+    "RouterReplay": "r3rdma.integrations.hf_router_replay",
     "ReplayBatch": "r3rdma.replay",
 }
 

@@ -10,7 +10,8 @@ from r3rdma.integrations.hf_replay import gate_weights_fn, register_gate_weights
 from r3rdma.integrations.hf_routers import find_moe_routers
 from r3rdma.integrations.hf_models import build_model, tiny_deepseek_v3, tiny_olmoe, tiny_qwen3_moe
 from r3rdma.read.reader import PackedRouting
-from r3rdma.replay.router_replay import ReplayBatch, RouterReplay, routing_agreement
+from r3rdma.integrations.hf_router_replay import RouterReplay
+from r3rdma.replay import ReplayBatch, routing_agreement
 
 FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": tiny_deepseek_v3, "olmoe": tiny_olmoe}
 
