@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 import r3rdma.errors as errors
 from r3rdma import RoutingReader
-from r3rdma.bench import reliability_bench as rb
+from r3rdma.store.process import new_token, spawn_node
+from r3rdma.testing import fuzz
+from r3rdma.testing.fuzz import fuzz_http, gen_frame
+from r3rdma.testing.harness import _visible, make_record, token_leaks
 from r3rdma.errors import CorruptDataError, R3Error
 from r3rdma.store.local_store import LocalRoutingStore
 
@@ -27,7 +30,7 @@ EXAMPLES = 20  # 10,000 frames
 @pytest.fixture(scope="module")
 def fuzz_node(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz") / "root"
-    node = rb.spawn_node(root, rb.new_token(), "--max-payload-mb", "8", "--timeout-s", "1")
+    node = spawn_node(root, new_token(), "--max-payload-mb", "8", "--timeout-s", "1")
     totals = {"frames": 0}
     yield node, totals
     node.kill()
@@ -44,8 +47,8 @@ def test_protocol_fuzz_never_crashes_answers_typed_keeps_serving(fuzz_node, seed
     # message) would overflow hypothesis' own choice buffer with st.randoms().
     rng = random.Random(seed)
     node, totals = fuzz_node
-    frames = [rb.gen_frame(rng, totals["frames"] + i) for i in range(FRAMES_PER_EXAMPLE)]
-    stats = rb.fuzz_node(node, frames, concurrency=32)
+    frames = [gen_frame(rng, totals["frames"] + i) for i in range(FRAMES_PER_EXAMPLE)]
+    stats = fuzz.fuzz_node(node, frames, concurrency=32)
     totals["frames"] += stats.frames
     assert not stats.node_crashed
     assert stats.frames == FRAMES_PER_EXAMPLE
@@ -74,20 +77,20 @@ def test_protocol_fuzz_total_and_store_consistent(fuzz_node):
     # may legitimately store a batch's bytes under another valid id); the honest client's
     # requests are bit-exact.
     with RoutingReader(str(node.root)) as reader:
-        for rollout in rb._visible([node.root]):
+        for rollout in _visible([node.root]):
             ids = list(reader.info(rollout).request_ids)
             got = reader.get_numpy(rollout, ids)  # raises CorruptDataError on any CRC mismatch
             if rollout == "legit":
                 for rid in ids:
-                    assert np.array_equal(got[rid], rb.make_record(rollout, rid).ids_TLK)
+                    assert np.array_equal(got[rid], make_record(rollout, rid).ids_TLK)
 
 
 def test_http_fuzz(fuzz_node):
     node, _ = fuzz_node
-    out = rb.fuzz_http(node, 2000, seed=11, rollout="legit", concurrency=16)
+    out = fuzz_http(node, 2000, seed=11, rollout="legit", concurrency=16)
     assert out["failures"] == [], out["failures"][:10]
     assert not out["node_crashed"]
-    assert rb.token_leaks(node) == []
+    assert token_leaks(node) == []
 
 
 # -- corrupted Zarr files: detected and reported, never returned as data ------------------------
@@ -96,7 +99,7 @@ def test_http_fuzz(fuzz_node):
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine") / "root"
-    recs = [rb.make_record("cor", f"r{i}", rows=50 + 7 * i) for i in range(6)]
+    recs = [make_record("cor", f"r{i}", rows=50 + 7 * i) for i in range(6)]
     with LocalRoutingStore(root, chunk_rows=64) as store:
         store.commit(recs[:3])
         store.commit(recs[3:])

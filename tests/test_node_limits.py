@@ -9,7 +9,8 @@ import socket
 import numpy as np
 import pytest
 
-from r3rdma.bench import reliability_bench as rb
+from r3rdma.testing.failover import announce_and_stall, stall_while_pushing
+from r3rdma.testing.harness import _visible, free_port, make_record
 from r3rdma.records import RequestRecord
 from r3rdma.transport import TransportLimits, configure_ucx_env
 from r3rdma.write.push_client import StoreNodesClient
@@ -22,12 +23,12 @@ def test_restart_on_fixed_port_right_after_sigkill(tmp_path):
     leaves them in TIME_WAIT / FIN_WAIT on its port, and a restart must still bind at once
     (UCX_TCP_CM_REUSEADDR=y in STORE_NODE_UCX_ENV)."""
     configure_ucx_env()
-    port, token = rb.free_port(), new_token()
+    port, token = free_port(), new_token()
     node = start_node(tmp_path / "root", token, "--ucx-port", str(port), "--timeout-s", "10")
     try:
         assert node.ucx_port == port
         with StoreNodesClient([node.push_url], secret=token, limits=TransportLimits(timeout_s=10)) as client:
-            client.commit([rb.make_record("restart", "before")])
+            client.commit([make_record("restart", "before")])
             node.kill()  # SIGKILL with the connection open: the node's side closes first
     finally:
         node.kill()
@@ -35,8 +36,8 @@ def test_restart_on_fixed_port_right_after_sigkill(tmp_path):
     try:
         assert again.ucx_port == port
         with StoreNodesClient([again.push_url], secret=token, limits=TransportLimits(timeout_s=10)) as client:
-            client.commit([rb.make_record("restart", "after")])
-        assert set(rb._visible([again.root])["restart"]) == {"before", "after"}
+            client.commit([make_record("restart", "after")])
+        assert set(_visible([again.root])["restart"]) == {"before", "after"}
     finally:
         again.kill()
 
@@ -103,7 +104,7 @@ def test_stalled_senders_cost_no_memory_get_a_typed_timeout_and_release_the_budg
         rng = np.random.default_rng(0)
         normal = RequestRecord("stall", "normal", rng.integers(0, 64, (512, 8, 4), dtype=np.uint8), tuple(range(8)), 64)
 
-        run = rb.stall_while_pushing(node, normal, connections=6, payload_mb=255)
+        run = stall_while_pushing(node, normal, connections=6, payload_mb=255)
         ack, pushed_while_stalled, outcomes = asyncio.run(asyncio.wait_for(run, 120))
         assert ack.requests == 1 and pushed_while_stalled
         # Four fit the 1 GiB budget and stall on their payload; two wait for room. All six are
@@ -117,7 +118,7 @@ def test_stalled_senders_cost_no_memory_get_a_typed_timeout_and_release_the_budg
         big = RequestRecord("stall", "big", np.ones((rows, 8, 4), np.uint8), tuple(range(8)), 64)
         with StoreNodesClient([node.push_url], secret=node.token, limits=TransportLimits(timeout_s=10)) as c:
             c.commit([big])
-        assert set(rb._visible([node.root])["stall"]) == {"normal", "big"}
+        assert set(_visible([node.root])["stall"]) == {"normal", "big"}
     finally:
         node.kill()
 
@@ -134,7 +135,7 @@ def test_announced_batches_without_checksums_are_refused_before_any_allocation(t
         base = node.rss()
 
         async def run():
-            stallers = [await rb.announce_and_stall(node, 255, with_crc=False) for _ in range(6)]
+            stallers = [await announce_and_stall(node, 255, with_crc=False) for _ in range(6)]
             # Answered at once (well before the 3 s stall deadline would answer anything).
             outcomes = await asyncio.gather(
                 *(asyncio.wait_for(recv_reply(c, v, 1, TransportLimits()), 2.5) for c, v in stallers),

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from r3rdma import RoutingReader
-from r3rdma.bench import reliability_bench as rb
+from r3rdma.store.process import new_token, spawn_node
+from r3rdma.testing.crash import crash_cycles, disk_full, load
+from r3rdma.testing.fuzz import _message, fuzz_http
+from r3rdma.testing.harness import _visible, make_record, token_leaks
 from r3rdma.errors import AuthenticationError
 from r3rdma.records import RequestRecord
 from r3rdma.write.push_client import StoreNodesClient
@@ -20,7 +23,7 @@ from r3rdma.transport import TransportLimits, UcxxClient, configure_ucx_env
 
 
 def test_crash_cycles_short(tmp_path):
-    stats = rb.crash_cycles(tmp_path, 3, clients=4, seed=1)
+    stats = crash_cycles(tmp_path, 3, clients=4, seed=1)
     assert stats["errors"] == []
     assert stats["kill_cycles"] == 3
     assert stats["acked_lost"] == 0 and stats["phantom"] == 0 and stats["corrupt"] == 0
@@ -30,7 +33,7 @@ def test_crash_cycles_short(tmp_path):
 
 @pytest.mark.slow
 def test_crash_cycles_soak(tmp_path):
-    stats = rb.crash_cycles(tmp_path, 24, clients=8, seed=7)
+    stats = crash_cycles(tmp_path, 24, clients=8, seed=7)
     print(stats)
     assert stats["errors"] == []
     assert stats["kill_cycles"] == 24
@@ -40,7 +43,7 @@ def test_crash_cycles_soak(tmp_path):
 
 
 def test_disk_full_clear_error_no_partial_data_and_recovery(tmp_path):
-    out = rb.disk_full(tmp_path)
+    out = disk_full(tmp_path)
     assert out["error"] and "StoreError" in out["error"] and "File too large" in out["error"]
     assert out["big_visible"] is False
     assert out["orphans"] == 0 and out["temp_files"] == 0
@@ -48,7 +51,7 @@ def test_disk_full_clear_error_no_partial_data_and_recovery(tmp_path):
 
 
 def _spawn_node(tmp_path, timeout_s: int):
-    return rb.spawn_node(tmp_path / "root", rb.new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
+    return spawn_node(tmp_path / "root", new_token(), "--max-payload-mb", "64", "--max-inflight-mb", "64",
                          "--timeout-s", str(timeout_s))
 
 
@@ -61,17 +64,17 @@ def node(tmp_path):
 
 def test_wrong_token_refused_before_any_payload_and_never_logged(node, tmp_path):
     wrong = secrets.token_hex(32)
-    rec = rb.make_record("auth", "a")
+    rec = make_record("auth", "a")
     with StoreNodesClient([node.push_url], secret=wrong, limits=TransportLimits(timeout_s=5)) as client:
         with pytest.raises(AuthenticationError):
             client.commit([rec])
-    assert rb._visible([node.root]) == {}  # nothing was accepted
+    assert _visible([node.root]) == {}  # nothing was accepted
     with StoreNodesClient([node.push_url], secret=node.token, limits=TransportLimits(timeout_s=5)) as client:
         client.commit([rec])
-    http = rb.fuzz_http(node, 300, seed=3, rollout="auth")
+    http = fuzz_http(node, 300, seed=3, rollout="auth")
     assert http["failures"] == [] and not http["node_crashed"]
     node.stop()
-    assert rb.token_leaks(node, wrong) == []
+    assert token_leaks(node, wrong) == []
 
 
 def test_secret_never_on_the_wire(node):
@@ -94,7 +97,7 @@ def test_secret_never_on_the_wire(node):
     async def run():
         c = Recording(node.host, node.ucx_port, secret=node.token, limits=TransportLimits(timeout_s=5))
         try:
-            await c.push([rb.make_record("wire", "w")])
+            await c.push([make_record("wire", "w")])
         finally:
             await c.close()
 
@@ -131,7 +134,7 @@ def _half_sent_batch(node, total_mb: int):
     rec = RequestRecord("vanish", f"v{secrets.token_hex(4)}", np.zeros((rows, 8, 4), np.uint8), tuple(range(8)), 64)
     table, _ = encode_records([rec], max_frames=8)
     half = rec.nbytes // 2
-    header = rb._message(int(Kind.BATCH), __import__("msgpack").packb(batch_header(1, table, [half, rec.nbytes - half])),
+    header = _message(int(Kind.BATCH), __import__("msgpack").packb(batch_header(1, table, [half, rec.nbytes - half])),
                          [], payload_len=rec.nbytes)
 
     async def run():
@@ -194,11 +197,11 @@ def test_inflight_budget_bounds_memory_under_concurrent_big_batches(patient_node
     asyncio.run(asyncio.wait_for(run(), 240))
     # 4 x 24 MiB = 96 MiB offered at once; the budget admits 2 at a time (~3x each in memory).
     assert node.peak_rss() - base < 64 * 3 * 2**20 + (96 << 20), ((node.peak_rss() - base) >> 20)
-    assert len(rb._visible([node.root])["budget"]) == 4
+    assert len(_visible([node.root])["budget"]) == 4
 
 
 def test_load_short(tmp_path):
-    out = rb.load(tmp_path, clients=8, duration_s=4, batch=16, inflight_mb=32, timeout_s=30)
+    out = load(tmp_path, clients=8, duration_s=4, batch=16, inflight_mb=32, timeout_s=30)
     assert out["push_failure_count"] == 0, out["push_failures"]
     assert out["acked_lost"] == 0 and out["corrupt"] == 0 and out["phantom"] == 0
     assert out["requests"] > 0
@@ -206,7 +209,7 @@ def test_load_short(tmp_path):
 
 @pytest.mark.slow
 def test_load_32_clients_60s(tmp_path):
-    out = rb.load(tmp_path, clients=32, duration_s=60, batch=32, inflight_mb=64, timeout_s=60, verify_bytes=True)
+    out = load(tmp_path, clients=32, duration_s=60, batch=32, inflight_mb=64, timeout_s=60, verify_bytes=True)
     print(out)
     assert out["push_failure_count"] == 0, out["push_failures"]
     assert out["acked_lost"] == 0 and out["corrupt"] == 0 and out["phantom"] == 0

@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from r3rdma import RoutingReader
-from r3rdma.bench import reliability_bench as rb
+from r3rdma.store.process import new_token, spawn_node
+from r3rdma.testing.harness import make_record, token_leaks
 from r3rdma.cli import main as cli_main
 from r3rdma.errors import (
     AuthenticationError,
@@ -30,22 +31,22 @@ from .store_nodes import serve_in_thread
 
 def test_local_delete_older_than(tmp_path):
     with LocalRoutingStore(tmp_path) as store:
-        store.commit([rb.make_record("old", "a"), rb.make_record("new", "b")])
+        store.commit([make_record("old", "a"), make_record("new", "b")])
         past = time.time() - 3600
         os.utime(tmp_path / "old" / "zarr.json", (past, past))
         assert store.delete_older_than(600) == ["old"]
         assert sorted(store.rollouts()) == ["new"]
         with pytest.raises(UnknownRolloutError):
             store.delete_rollout("old")
-        store.commit([rb.make_record("old", "a2")])  # the id can be used again
+        store.commit([make_record("old", "a2")])  # the id can be used again
     with RoutingReader(str(tmp_path)) as reader:
         assert reader.info("old").request_ids == ("a2",)
 
 
 @pytest.fixture
 def two_nodes(tmp_path):
-    token = rb.new_token()
-    nodes = [rb.spawn_node(tmp_path / f"n{i}", token) for i in range(2)]
+    token = new_token()
+    nodes = [spawn_node(tmp_path / f"n{i}", token) for i in range(2)]
     yield nodes
     for n in nodes:
         n.kill()
@@ -53,7 +54,7 @@ def two_nodes(tmp_path):
 
 def test_delete_rollout_on_every_node_and_by_age(two_nodes, tmp_path):
     a, b = two_nodes
-    recs = [rb.make_record(ro, f"q{i}") for ro in ("r1", "r2", "keep") for i in range(12)]
+    recs = [make_record(ro, f"q{i}") for ro in ("r1", "r2", "keep") for i in range(12)]
     with StoreNodesClient([a.push_url, b.push_url], secret=a.token, limits=TransportLimits(timeout_s=5)) as client:
         client.commit(recs)
     urls = [a.http_url, b.http_url]
@@ -63,7 +64,7 @@ def test_delete_rollout_on_every_node_and_by_age(two_nodes, tmp_path):
     reader.get_numpy("r1", ["q0"])
 
     with pytest.raises(AuthenticationError):
-        delete_rollout(urls, "r1", token=rb.new_token())
+        delete_rollout(urls, "r1", token=new_token())
     # Neither the push secret nor a reader's token deletes: only the admin token.
     with pytest.raises(AuthenticationError, match="HTTP 401"):
         delete_rollout(urls, "r1", token=a.token)
@@ -89,15 +90,15 @@ def test_delete_rollout_on_every_node_and_by_age(two_nodes, tmp_path):
         assert sorted(p.name for p in n.root.iterdir()) == [".r3rdma.lock", "zarr.json"]
     # The nodes keep ingesting afterwards.
     with StoreNodesClient([a.push_url, b.push_url], secret=a.token, limits=TransportLimits(timeout_s=5)) as client:
-        client.commit([rb.make_record("r1", "again")])
+        client.commit([make_record("r1", "again")])
     assert RoutingReader(urls, token=a.read_token).info("r1").request_ids == ("again",)
 
 
 def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
-    node = rb.spawn_node(tmp_path / "pub", rb.new_token(), "--public-read")
+    node = spawn_node(tmp_path / "pub", new_token(), "--public-read")
     try:
         with StoreNodesClient([node.push_url], secret=node.token, limits=TransportLimits(timeout_s=5)) as client:
-            client.commit([rb.make_record("p", "x")])
+            client.commit([make_record("p", "x")])
         with pytest.raises(AuthenticationError):
             delete_rollout([node.http_url], "p", token="wrong" * 8)
         with pytest.raises(AuthenticationError, match="HTTP 403"):  # public reads, but not deletes
@@ -111,7 +112,7 @@ def test_delete_needs_the_token_even_with_public_read(tmp_path, capsys):
         assert cli_main(["delete", "--nodes", node.http_url, "--older-than-s", "0", "--token-file", str(token_file)]) == 0
     finally:
         node.kill()
-    assert rb.token_leaks(node) == []
+    assert token_leaks(node) == []
 
 
 # -- a node that fails the delete: each failure says what it was ------------------------------

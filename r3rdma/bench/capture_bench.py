@@ -27,10 +27,11 @@ The last line is JSON: ``step_ms_off``, ``step_ms_on``, ``overhead_pct``, ``over
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import time
 import warnings
+
+from r3rdma.bench.support import emit
 
 __all__ = ["run_capture_bench", "add_arguments", "main"]
 
@@ -228,16 +229,13 @@ def run_capture_bench(args) -> dict:
     graphed = False
     graph_error = None
     if cuda and args.cuda_graphs != "off":
-        if not hasattr(capturer, "graph_capture"):
-            graph_error = "RoutingCapturer has no graph_capture()"
-        else:
+        set_capture(False)
+        graph_error = _try_graph(loop, capturer, False)
+        if graph_error is None:
+            set_capture(True)
+            graph_error = _try_graph(loop, capturer, True)
             set_capture(False)
-            graph_error = _try_graph(loop, capturer, False)
-            if graph_error is None:
-                set_capture(True)
-                graph_error = _try_graph(loop, capturer, True)
-                set_capture(False)
-            graphed = graph_error is None
+        graphed = graph_error is None
         if args.cuda_graphs == "on" and not graphed:
             raise SystemExit(f"--cuda-graphs on: capture failed: {graph_error}")
         log(f"cuda graphs: {graphed}" + (f" ({graph_error})" if graph_error else ""))
@@ -332,5 +330,4 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run_capture_bench(args)))
-    return 0
+    return emit(run_capture_bench(args))

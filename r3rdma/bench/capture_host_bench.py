@@ -38,6 +38,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from r3rdma.bench.support import emit
+
 if TYPE_CHECKING:  # numpy is imported where it is used, so `--help` stays light
     import numpy as np
 
@@ -340,8 +342,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run_capture_host_bench(args)))
-    return 0
+    return emit(run_capture_host_bench(args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ records ``"topk_sorted": true`` (see docs/FORMAT.md). The last line is JSON.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -36,6 +35,7 @@ import numpy as np
 
 from r3rdma.records import RequestRecord, batches_by_size
 from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.bench.support import emit
 
 __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_arguments", "main"]
 
@@ -160,24 +160,39 @@ def _batches(records: Sequence[RequestRecord], flush_bytes: int) -> list[np.ndar
     return [np.concatenate([r.ids_TLK for r in batch]) for batch in batches_by_size(records, flush_bytes)]
 
 
+def _new_store():
+    """Where a codec's arrays are written: memory (nothing on disk to clean up or to wait for)."""
+    from zarr.storage import MemoryStore
+
+    return MemoryStore()
+
+
 def _write(data: np.ndarray, compressors: list[Any], chunk_rows: int):
+    """``data`` as one sharded array, as the store lays a batch out; the array and the bytes of
+    its files (shards and metadata) as the store listed them."""
     import zarr
     from zarr.codecs import Crc32cCodec
-    from zarr.storage import MemoryStore
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
 
     rows, layers, top_k = data.shape
     chunk = max(1, min(chunk_rows, rows))
-    store = MemoryStore()
+    store = _new_store()
     array = zarr.create_array(store, name="a", data=data, chunks=(chunk, layers, top_k),
                               shards=(-(-rows // chunk) * chunk, layers, top_k),
                               compressors=[*compressors, Crc32cCodec()], fill_value=0)
-    nbytes = sum(len(v.to_bytes()) for k, v in store._store_dict.items() if k.startswith("a/"))
-    return array, nbytes
+
+    async def stored() -> int:
+        return sum([len((await store.get(key, default_buffer_prototype())).to_bytes())
+                    async for key in store.list_prefix("a/")])
+
+    return array, sync(stored())
 
 
 def measure(records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows: int = 1024,
             flush_bytes: int = 8 << 20, repeats: int = 1) -> dict[str, Any]:
-    """Bytes per token and encode/decode throughput of one codec choice on ``records``."""
+    """Bytes per token and encode/decode throughput of one codec choice on ``records``; every
+    array read back must equal what was written (raises ``AssertionError`` otherwise)."""
     batches = _batches(records, flush_bytes)
     if codec.sort_topk:
         batches = [np.sort(b, axis=-1) for b in batches]
@@ -191,10 +206,9 @@ def measure(records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows:
         enc_s = min(enc_s, time.perf_counter() - t0)
         stored = sum(n for _, n in written)
         t0 = time.perf_counter()
-        for (array, _), b in zip(written, batches):
-            back = array[:]
-            assert back.shape == b.shape
+        back = [array[:] for array, _ in written]
         dec_s = min(dec_s, time.perf_counter() - t0)
+        assert all(np.array_equal(got, b) for got, b in zip(back, batches)), f"{codec.name}: decoded bytes differ"
     return {"tokens": tokens, "raw_bytes": raw, "stored_bytes": stored, "bytes_per_token": stored / tokens,
             "encode_mbps": raw / enc_s / 1e6, "decode_mbps": raw / dec_s / 1e6}
 
@@ -294,5 +308,4 @@ def main(args) -> int:
                              routing=args.routing, routing_only=args.routing_only)
     if args.markdown:
         print(markdown_table(result))
-    print(json.dumps(result))
-    return 0
+    return emit(result)

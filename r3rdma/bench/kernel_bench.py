@@ -15,9 +15,10 @@ A custom kernel "wins" an operation when it is faster in the regime that operati
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
+
+from r3rdma.bench.support import emit
 
 __all__ = ["run_kernel_bench", "add_arguments", "main"]
 
@@ -163,5 +164,4 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     result = run_kernel_bench(layers=args.layers, top_k=args.top_k, num_slots=args.num_slots,
                               calls=args.calls, repeats=args.repeats)
-    print(json.dumps(result))
-    return 0
+    return emit(result)

@@ -20,87 +20,65 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import http.client
-import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
-from r3rdma.store.process import new_token, spawn_node
+from r3rdma.bench.support import FileGetter, emit, rounds_bar as _rounds
 from r3rdma.bench.synthetic import synthetic_records
-from r3rdma.bench._progress import rounds_bar as _rounds
+from r3rdma.store.process import new_token, spawn_node
 
 __all__ = ["run_read_bench", "add_arguments", "main"]
 
 
 class _PlainGets:
-    """GETs of whole files with ``http.client``, each into a buffer of its Content-Length (no
-    copies), ``concurrency`` at a time; with ``keep_alive`` threads and connections outlive a call."""
+    """Whole-file GETs with ``http.client`` (:class:`FileGetter`, one per thread, kept-alive
+    connections), ``concurrency`` at a time from one thread pool."""
 
-    def __init__(self, base: str, token: str, concurrency: int, keep_alive: bool) -> None:
-        self._url = urllib.parse.urlsplit(base)
-        self._headers = {"Authorization": f"Bearer {token}"}
-        self._concurrency = concurrency
-        self._keep_alive = keep_alive
-        self._pool = ThreadPoolExecutor(concurrency) if keep_alive else None
+    def __init__(self, base: str, token: str, concurrency: int) -> None:
+        self._base, self._token = base, token
+        self._pool = ThreadPoolExecutor(concurrency)
         self._local = threading.local()
+        self._getters: list[FileGetter] = []
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
+        for getter in self._getters:
+            getter.close()
 
     def _one(self, path: str) -> int:
-        conn = getattr(self._local, "conn", None) if self._keep_alive else None
-        if conn is None:
-            conn = http.client.HTTPConnection(self._url.hostname, self._url.port, timeout=60)
-        try:
-            conn.request("GET", f"/zarr/{path}", headers=self._headers)
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"GET {path}: HTTP {response.status}")
-            size = int(response.getheader("Content-Length"))
-            view = memoryview(np.empty(size, dtype=np.uint8))
-            got = 0
-            while got < size:
-                n = response.readinto(view[got:])
-                if not n:
-                    raise RuntimeError(f"GET {path}: body ended after {got} of {size} bytes")
-                got += n
-            response.read()  # the response is done: the connection can carry the next request
-        except BaseException:
-            conn.close()
-            self._local.conn = None
-            raise
-        if self._keep_alive:
-            self._local.conn = conn
-        else:
-            conn.close()
-        return got
+        getter = getattr(self._local, "getter", None)
+        if getter is None:
+            getter = self._local.getter = FileGetter(self._token)
+            self._getters.append(getter)
+        return getter.get(self._base, path)
 
     def get_all(self, paths: list[str]) -> int:
-        if self._pool is not None:
-            return sum(self._pool.map(self._one, paths))
-        with ThreadPoolExecutor(self._concurrency) as pool:
-            return sum(pool.map(self._one, paths))
+        return sum(self._pool.map(self._one, paths))
 
 
-async def _raw_get_all(session, base: str, paths: list[str], concurrency: int) -> int:
-    """GET each file whole with aiohttp (``concurrency`` at a time)."""
+async def _aiohttp_gets(session, token: str, url: str, paths: list[str], concurrency: int = 10) -> int:
+    """GET each file whole with aiohttp, ``concurrency`` at a time: on the kept session (warm), or
+    on a session of its own (``session`` None: fresh)."""
+    own = session is None
+    if own:
+        session = await _session(token)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(path: str) -> int:
-        async with sem, session.get(f"{base}/zarr/{path}") as response:
+        async with sem, session.get(f"{url}/zarr/{path}") as response:
             response.raise_for_status()
             return len(await response.read())
 
-    return sum(await asyncio.gather(*(one(p) for p in paths)))
+    try:
+        return sum(await asyncio.gather(*(one(p) for p in paths)))
+    finally:
+        if own:
+            await session.close()
 
 
 def run_read_bench(
@@ -132,9 +110,9 @@ def run_read_bench(
     warm = mode == "warm"
     ids = [r.request_id for r in records]
     reader = RoutingReader(url, token=token) if warm else None
-    plain = _PlainGets(url, token, concurrency=10, keep_alive=warm)
+    plain = _PlainGets(url, token, concurrency=10) if warm else None
     loop = asyncio.new_event_loop()
-    session = loop.run_until_complete(_new_session(token)) if warm else None
+    session = loop.run_until_complete(_session(token)) if warm else None
     try:
         reader_s, client_s, aiohttp_s = [], [], []
         for rnd in _rounds(rounds, "read"):
@@ -148,10 +126,15 @@ def run_read_bench(
             reader_s.append(time.perf_counter() - t0)
             assert sum(a.nbytes for a in got.values()) == sum(r.nbytes for r in records)
             t0 = time.perf_counter()
-            assert plain.get_all(files[rollout]) == file_bytes[rollout]
+            gets = plain or _PlainGets(url, token, concurrency=10)  # fresh: new threads and connections
+            try:
+                assert gets.get_all(files[rollout]) == file_bytes[rollout]
+            finally:
+                if plain is None:
+                    gets.close()
             client_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            moved = loop.run_until_complete(_aiohttp_round(session, token, url, files[rollout]))
+            moved = loop.run_until_complete(_aiohttp_gets(session, token, url, files[rollout]))
             assert moved == file_bytes[rollout], (moved, file_bytes[rollout])
             aiohttp_s.append(time.perf_counter() - t0)
             if progress:
@@ -161,7 +144,8 @@ def run_read_bench(
     finally:
         if reader is not None:
             reader.close()
-        plain.close()
+        if plain is not None:
+            plain.close()
         if session is not None:
             loop.run_until_complete(session.close())
         loop.close()
@@ -182,18 +166,10 @@ def run_read_bench(
     }
 
 
-async def _new_session(token: str):
+async def _session(token: str):
     import aiohttp
 
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"})
-
-
-async def _aiohttp_round(session, token: str, url: str, paths: list[str]) -> int:
-    """One round of aiohttp GETs: on the kept session (warm), or on a session of its own."""
-    if session is not None:
-        return await _raw_get_all(session, url, paths, concurrency=10)
-    async with await _new_session(token) as own:
-        return await _raw_get_all(own, url, paths, concurrency=10)
 
 
 def add_arguments(parser) -> None:
@@ -207,5 +183,5 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run_read_bench(requests=args.requests, rounds=args.rounds, root=args.root, zstd_level=args.zstd_level, mode=args.mode)))
-    return 0
+    return emit(run_read_bench(requests=args.requests, rounds=args.rounds, root=args.root, zstd_level=args.zstd_level,
+                               mode=args.mode))

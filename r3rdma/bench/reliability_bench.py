@@ -8,8 +8,7 @@ This module is the driver (options, the run, the JSON); the scenarios live besid
 module per group: :mod:`~r3rdma.testing.crash` (crash cycles, disk full, load),
 :mod:`~r3rdma.testing.fuzz` (protocol and HTTP fuzzers),
 :mod:`~r3rdma.testing.failover` (replicas, bad records, multi-turn, restarts, stalled
-senders, replicas ingest) over :mod:`~r3rdma.testing.harness` (records, checks). Their
-names are re-exported here, where the tests find them.
+senders, replicas ingest) over :mod:`~r3rdma.testing.harness` (records, checks).
 
 - :func:`crash_cycles`: two nodes; clients push while one node is SIGKILLed at a random
   moment; after the restart every acknowledged request reads back bit-exact, nothing partial
@@ -24,8 +23,8 @@ names are re-exported here, where the tests find them.
   the batch goes in and earlier data is intact.
 - :func:`load`: N clients push for T seconds to two nodes; zero loss, ack latency, throughput,
   node peak RSS against the configured in-flight budget.
-- :func:`issue19` (``--quick``: smaller sizes): :func:`node_lost` (three nodes, ``replicas=2``,
-  one SIGKILLed and its root deleted: every acknowledged request still reads over HTTP),
+- :func:`~r3rdma.testing.failover.failover_figures` (``--quick``: smaller sizes): :func:`node_lost`
+  (three nodes, ``replicas=2``, one SIGKILLed and its root deleted: every acknowledged request still reads over HTTP),
   :func:`bad_records` (bad records offered at the capturer, ``RequestRecord``, the writer, the
   store and a node: each refused typed, the good ones of the same batches stored),
   :func:`multiturn` (turns committed later-first: all readable in the end),
@@ -37,50 +36,20 @@ names are re-exported here, where the tests find them.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from r3rdma.bench.support import emit
+from r3rdma.store.process import new_token, spawn_node
 from r3rdma.testing.crash import crash_cycles, disk_full, load
-from r3rdma.testing.fuzz import FuzzFrame, FuzzStats, _message, fuzz_http, fuzz_node, gen_frame
-from r3rdma.testing.harness import (
-    EXPERTS, LAYERS, TOP_K, _visible, free_port, make_record, token_leaks, unchecked_record,
-)
-from r3rdma.testing.failover import (
-    announce_and_stall, bad_records, issue19, multiturn, node_lost, replicas_ingest_ratio, restart_same_port,
-    stall_while_pushing, stalled_announce,
-)
-from r3rdma.store.process import NodeProcess, new_token, spawn_node
+from r3rdma.testing.failover import failover_figures
+from r3rdma.testing.fuzz import fuzz_http, fuzz_node, gen_frame
+from r3rdma.testing.harness import token_leaks
 
-__all__ = [
-    "make_record",
-    "crash_cycles",
-    "fuzz_node",
-    "fuzz_http",
-    "disk_full",
-    "load",
-    "free_port",
-    "unchecked_record",
-    "announce_and_stall",
-    "node_lost",
-    "bad_records",
-    "multiturn",
-    "restart_same_port",
-    "stalled_announce",
-    "replicas_ingest_ratio",
-    "issue19",
-    "token_leaks",
-    "gen_frame",
-    "stall_while_pushing",
-    "add_arguments",
-    "main",
-]
-
-# Re-exported for the tests: scenario helpers they drive directly.
-_REEXPORTED = (FuzzFrame, FuzzStats, _message, _visible, NodeProcess, new_token, EXPERTS, LAYERS, TOP_K)
+__all__ = ["add_arguments", "main"]
 
 
 # -- CLI -------------------------------------------------------------------------------------
@@ -97,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--quick", action="store_true",
-                        help="smaller sizes for the issue-19 parts (replicas, bad records, multi-turn, restart, "
+                        help="smaller sizes for the failover parts (replicas, bad records, multi-turn, restart, "
                              "stalled senders, replicas ingest ratio): under a minute; the other parts take "
                              "their own options above")
 
@@ -127,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         ld = load(work / "load", clients=args.clients, duration_s=args.duration_s, inflight_mb=args.inflight_mb,
                   seed=args.seed)
         log(f"load: {ld}")
-        i19 = issue19(work / "issue19", quick=args.quick, seed=args.seed, log=log)
+        failover = failover_figures(work / "failover", quick=args.quick, seed=args.seed, log=log)
     result = {
         "bench": "reliability",
         "kill_cycles": crash["kill_cycles"],
@@ -156,8 +125,7 @@ def main(args: argparse.Namespace) -> int:
         "load_push_failures": ld["push_failure_count"],
         "inflight_budget_mb": ld["inflight_budget_mb"],
         "node_rss_growth_mb": ld["node_rss_growth_mb"],
-        **i19,
+        **failover,
         "total_seconds": round(time.perf_counter() - t0, 1),
     }
-    print(json.dumps(result))
-    return 0
+    return emit(result)

@@ -69,27 +69,23 @@ test suite running beside it). ``verify`` (tests): each rank hashes every reques
 
 from __future__ import annotations
 
-import http.client
 import inspect
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from r3rdma.bench.scale_bench import _cpu_seconds, _spawn_nodes, stop_all
-from r3rdma.bench.scale_readers import ReaderWorker, run_phase, span_rate
+from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
+from r3rdma.bench.support import Worker, bar, cpu_seconds, emit, log, node_samples, preset, stop_all, worker_context
 
-__all__ = ["run_rlstep_bench", "plan_rollout", "disk_write_gbps", "zstd_gbps_all_cores", "add_arguments", "main",
-           "QUICK", "FULL"]
+__all__ = ["run_rlstep_bench", "plan_rollout", "contiguous_runs", "disk_write_gbps", "zstd_gbps_all_cores",
+           "add_arguments", "main", "QUICK", "FULL"]
 
 #: ``FULL``: a 16-core GPU host (~10 GB decoded, ~21 GB written with 2 replicas). ``QUICK``: the
 #: 2-core CPU machine (~0.3 GB decoded).
@@ -99,11 +95,6 @@ QUICK = {"requests": 4096, "min_rows": 16, "max_rows": 2000, "median_rows": 120,
          "trainers": 4, "rollout_seconds": 20.0, "batch_mb": 2.0, "rounds": 1}
 
 ROLLOUT_ID = "rlstep-0"
-
-
-def _log(progress: bool, message: str) -> None:
-    if progress:
-        print(f"[bench rlstep] {message}", file=sys.stderr, flush=True)
 
 
 def _store_defaults() -> tuple[int, int]:
@@ -198,36 +189,17 @@ def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> 
     return total / seconds / 1e9
 
 
-def _node_counter(node, name: str) -> float:
-    """A counter's value on a node's ``/metrics`` (prometheus-client's own text parser)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = urllib.parse.urlsplit(node.http_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    try:
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {node.read_token}"})
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            return sum(s.value for s in family.samples if s.name == f"{name}_total")
-    raise KeyError(f"{name} not on {node.http_url}/metrics")
+def _bytes_ingested(node) -> float:
+    """Decoded bytes the node made durable so far (its ``r3rdma_store_bytes_ingested`` counter)."""
+    return node_samples(node)["r3rdma_store_bytes_ingested_total"]
 
 
-def _contiguous_runs(order: list[str], size: dict[str, int], share_bytes: list[int]) -> list[list[str]]:
+def contiguous_runs(order: list[str], size: dict[str, int], share_bytes: list[int]) -> list[list[str]]:
     """``order`` cut into consecutive runs, run ``r`` about ``share_bytes[r]`` bytes (within one request)."""
     cum = np.cumsum([size[rid] for rid in order])
     cuts = [0] + [min(len(order), int(np.searchsorted(cum, t)) + 1) for t in np.cumsum(share_bytes)[:-1]] + [len(order)]
     cuts = [max(c, p) for c, p in zip(cuts, [0] + cuts[:-1])]  # non-decreasing
     return [order[a:b] for a, b in zip(cuts, cuts[1:])]
-
-
-def _bar(progress: bool, total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="proc", file=sys.stderr, leave=False,
-                disable=not (progress and sys.stderr.isatty()))
 
 
 def run_rlstep_bench(
@@ -263,9 +235,10 @@ def run_rlstep_bench(
     process."""
     from multiprocessing.connection import wait as wait_any
 
-    from r3rdma.bench.rlstep_workers import BenchProcess, engine_main, trainer_main, worker_context, WARM_ROLLOUT
+    from r3rdma.bench.rlstep_workers import WARM_ROLLOUT, engine_main, trainer_main
     from r3rdma.bench.synthetic import TiledRollout
     from r3rdma.store.process import new_token
+    from r3rdma.testing.harness import spawn_nodes
 
     if min(nodes, engines, trainers, micro_batch, rounds) < 1 or requests < trainers or not 1 <= replicas <= nodes:
         raise ValueError(f"need nodes, engines, trainers, micro_batch, rounds >= 1, requests >= trainers and "
@@ -291,19 +264,20 @@ def run_rlstep_bench(
     base.mkdir(parents=True, exist_ok=True)
     token = new_token()
     node_procs: list = []
-    procs: list[BenchProcess] = []
-    pending: dict[Any, tuple[str, BenchProcess]] = {}  # during the step: processes not done yet
+    procs: list[Worker] = []
+    pending: dict[Any, tuple[str, Worker]] = {}  # during the step: processes not done yet
+    say = lambda message: log("rlstep", progress, message)  # noqa: E731
     try:
-        _log(progress, f"starting {nodes} store nodes, {engines} engines, {D} trainer ranks")
-        node_procs = _spawn_nodes(base, token, nodes, str(http_workers))
+        say(f"starting {nodes} store nodes, {engines} engines, {D} trainer ranks")
+        node_procs = spawn_nodes([base / f"node{i}" for i in range(nodes)], token, "--http-workers", str(http_workers))
         result["http_workers"] = node_procs[0].http_workers
         read_token = node_procs[0].read_token
         urls = [n.http_url for n in node_procs]
         push_urls = [n.push_url for n in node_procs]
         ctx = worker_context()
-        engine_procs = [BenchProcess(ctx, e, engine_main, (e, push_urls, token, replicas, rollout_kw, schedules[e], batch_mb),
-                                     f"r3rdma-rlstep-engine-{e}") for e in range(engines)]
-        trainer_procs = [BenchProcess(ctx, r, trainer_main, (r, urls, read_token), f"r3rdma-rlstep-trainer-{r}")
+        engine_procs = [Worker(ctx, e, engine_main, (e, push_urls, token, replicas, rollout_kw, schedules[e], batch_mb),
+                               f"r3rdma-rlstep-engine-{e}") for e in range(engines)]
+        trainer_procs = [Worker(ctx, r, trainer_main, (r, urls, read_token), f"r3rdma-rlstep-trainer-{r}")
                          for r in range(D)]
         procs = engine_procs + trainer_procs
         rollout = TiledRollout(**rollout_kw)  # here: sizes, the expected CRCs, the yardsticks' bytes
@@ -318,12 +292,12 @@ def run_rlstep_bench(
         for p in trainer_procs:
             p.recv(timeout)
         result["phase_seconds"] = phases = {"start": round(time.perf_counter() - began, 1)}
-        _log(progress, f"{requests} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
+        say(f"{requests} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
                        f"{result['rows_p99']}), {rollout.total_bytes / 1e9:.3f} GB decoded over a {rollout_seconds} s rollout")
 
         # -- the step ----------------------------------------------------------------------
-        ingested0 = [_node_counter(n, "r3rdma_store_bytes_ingested") for n in node_procs]
-        cpu0, wall0 = sum(_cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
+        ingested0 = [_bytes_ingested(n) for n in node_procs]
+        cpu0, wall0 = sum(cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
         for r, p in enumerate(trainer_procs):  # the step begins: each rank names its share
             p.send({"cmd": "collect", "rollout": ROLLOUT_ID, "ids": shares[r], "poll_s": poll_s, "verify": verify,
                     "timeout": timeout})
@@ -333,7 +307,7 @@ def run_rlstep_bench(
         answers: dict[str, dict[int, dict[str, Any]]] = {"engine": {}, "trainer": {}}
         pending = {p.conn: ("engine", p) for p in engine_procs} | {p.conn: ("trainer", p) for p in trainer_procs}
         deadline = time.monotonic() + timeout
-        with _bar(progress, len(pending), "rl step") as bar:
+        with bar(progress, len(pending), "rl step", unit="proc") as shown:
             while pending:
                 ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
@@ -341,12 +315,12 @@ def run_rlstep_bench(
                 for conn in ready:
                     kind, p = pending.pop(conn)
                     answers[kind][p.rank] = answer = p.recv(timeout)
-                    bar.update(1)
+                    shown.update(1)
                     at = (answer["done"] if kind == "trainer" else answer["acks"][-1][0]) - t0
-                    _log(progress, f"  {kind} {p.rank} done at {at:.2f} s")
-        node_cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
+                    say(f"  {kind} {p.rank} done at {at:.2f} s")
+        node_cpu = sum(cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
         step_wall = time.perf_counter() - wall0
-        ingested = [_node_counter(n, "r3rdma_store_bytes_ingested") - b for n, b in zip(node_procs, ingested0)]
+        ingested = [_bytes_ingested(n) - b for n, b in zip(node_procs, ingested0)]
         phases["step"] = round(step_wall, 1)
 
         eng = [answers["engine"][e] for e in range(engines)]
@@ -384,54 +358,46 @@ def run_rlstep_bench(
                     verified += 1
                     mismatched += rid not in size or crc != rollout.record(int(rid[1:])).crc32c
             result.update(verified_requests=verified, verify_mismatches=mismatched)
-        _log(progress, f"rollout {rollout_s:.2f} s, stall {stall:.3f} s, ingest {ingest:.3f} GB/s per node")
+        say(f"rollout {rollout_s:.2f} s, stall {stall:.3f} s, ingest {ingest:.3f} GB/s per node")
 
         # -- a fresh reader in a fresh process opens the rollout ---------------------------
         mark = time.perf_counter()
-        opener = ReaderWorker(ctx, D, urls, read_token)
+        opener = reader_worker(ctx, D, urls, read_token)
         try:
             assert opener.recv(timeout)["event"] == "ready"
-            opener.send({"cmd": "open", "rollout": ROLLOUT_ID, "repeat": 3})
-            opened = opener.recv(timeout)
+            result.update(open_index_ms(opener, ROLLOUT_ID, requests, timeout))
         finally:
             opener.stop()
-        assert opened["requests"] == requests, (opened["requests"], requests)
-        result.update(index_open_ms=round(statistics.median(opened["ms"]), 2), index_open_ms_first=round(opened["ms"][0], 2))
         phases["open"] = round(time.perf_counter() - mark, 1)
 
         # -- after the step: scattered shares vs contiguous runs, the same reads ------------
         mark = time.perf_counter()
         order = [rid for _, rid in sorted((t, rid) for a in eng for t, ids in a["acks"] for rid in ids)]  # commit order
         assert sorted(order) == sorted(size), "acknowledged requests differ from those planned"
-        contiguous = _contiguous_runs(order, size, share_bytes)
+        contiguous = contiguous_runs(order, size, share_bytes)
 
         def read_cmd(ids: list[str]) -> dict[str, Any]:
             return {"cmd": "read", "rollout": ROLLOUT_ID, "seconds": 0, "verify": False,
                     "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]}
 
-        totals = {name: {"bytes": 0, "span": 0.0, "rates": []} for name in ("scattered", "contiguous")}
+        reads = ReadPhases(node_procs, timeout)
         rank_bytes, rank_seconds = [0] * D, [0.0] * D
         for _ in range(rounds):
             for name, assignment in (("scattered", shares), ("contiguous", contiguous)):
-                _log(progress, f"read phase {name}: {D} ranks")
-                got = run_phase(trainer_procs, [read_cmd(ids) for ids in assignment], timeout)
-                gbps, span, moved = span_rate(got)
-                totals[name]["bytes"] += moved
-                totals[name]["span"] += span
-                totals[name]["rates"].append(gbps)
+                say(f"read phase {name}: {D} ranks")
+                got, (gbps, span, _) = reads.run(name, trainer_procs, [read_cmd(ids) for ids in assignment])
                 if name == "scattered":
                     for r, a in enumerate(got):
                         rank_bytes[r] += a["bytes"]
                         rank_seconds[r] += a["end"] - a["start"]
-                _log(progress, f"  {gbps:.3f} GB/s over {span:.2f} s")
-        scattered_gbps, contiguous_gbps = (totals[n]["bytes"] / max(totals[n]["span"], 1e-9) / 1e9
-                                           for n in ("scattered", "contiguous"))
+                say(f"  {gbps:.3f} GB/s over {span:.2f} s")
+        scattered_gbps, contiguous_gbps = reads.gbps("scattered"), reads.gbps("contiguous")
+        rates = [reads.totals[n]["rates"] for n in ("scattered", "contiguous")]
         result.update(
             rank_read_gbps=[round(b / max(s, 1e-9) / 1e9, 4) for b, s in zip(rank_bytes, rank_seconds)],
             scattered_read_gbps=round(scattered_gbps, 4), contiguous_read_gbps=round(contiguous_gbps, 4),
             scattered_vs_contiguous=round(scattered_gbps / contiguous_gbps, 3),
-            scattered_vs_contiguous_per_round=[round(s / c, 3) for s, c in
-                                               zip(totals["scattered"]["rates"], totals["contiguous"]["rates"])],
+            scattered_vs_contiguous_per_round=[round(s / c, 3) for s, c in zip(*rates)],
             contiguous_bytes_per_rank=[sum(size[rid] for rid in run) for run in contiguous],
             share_bytes_per_rank=share_bytes,
         )
@@ -449,7 +415,7 @@ def run_rlstep_bench(
             p.request_stop()
         per_node = int(statistics.fmean(ingested))
         level, chunk_rows = _store_defaults()
-        _log(progress, f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
+        say(f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
         disk = disk_write_gbps(base / "yardstick.bin", per_node, rollout.pool)
         zstd, ratio = zstd_gbps_all_cores(rollout.pool, per_node, chunk_rows=chunk_rows, level=level)
         store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=int(batch_mb * 2**20))
@@ -476,7 +442,7 @@ def run_rlstep_bench(
             # timeout; an engine may be pushing. Neither has anything left to report.
             p.proc.kill()
         stop_all(procs, node_procs, base if root is None else None)
-        _log(progress, f"stopped in {time.perf_counter() - mark:.1f} s")
+        say(f"stopped in {time.perf_counter() - mark:.1f} s")
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -515,12 +481,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    preset = QUICK if args.quick else FULL
-    pick = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
-    result = run_rlstep_bench(**pick, sigma=args.sigma, layers=args.layers, top_k=args.top_k, experts=args.experts,
-                              replicas=args.replicas, micro_batch=args.micro_batch, poll_s=args.poll_s, root=args.root,
-                              seed=args.seed, verify=args.verify, quick=args.quick, http_workers=args.http_workers)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    result = run_rlstep_bench(**preset(args, QUICK, FULL), sigma=args.sigma, layers=args.layers, top_k=args.top_k,
+                              experts=args.experts, replicas=args.replicas, micro_batch=args.micro_batch,
+                              poll_s=args.poll_s, root=args.root, seed=args.seed, verify=args.verify, quick=args.quick,
+                              http_workers=args.http_workers)
+    return emit(result, args.json_out)

@@ -9,9 +9,7 @@ share up front with :meth:`RoutingReader.collect <r3rdma.read.reader.RoutingRead
 assembles its replay batch once the share is whole; after the step it serves
 :mod:`r3rdma.bench.scale_readers`' timed read command (the scattered / contiguous yardstick).
 
-Both fork from the forkserver of :func:`r3rdma.bench.scale_readers.reader_context` and speak
-its pipe protocol (``ready``, commands, ``done`` or ``error``), so
-:class:`~r3rdma.bench.scale_readers.ReaderWorker` drives them.
+Both run as :class:`r3rdma.bench.support.Worker` processes and speak its pipe protocol.
 """
 
 from __future__ import annotations
@@ -20,51 +18,12 @@ import os
 import time
 from typing import Any
 
-from r3rdma.bench.scale_readers import ReaderWorker, reader_context, serve
+from r3rdma.bench.support import serve
 
-__all__ = ["worker_context", "BenchProcess", "engine_main", "trainer_main", "WARM_ROLLOUT"]
+__all__ = ["engine_main", "trainer_main", "WARM_ROLLOUT"]
 
 #: Where engines push their warm-up records (connections up before the clock), apart from the step.
 WARM_ROLLOUT = "rlstep-warm"
-
-
-def worker_context():
-    """scale_readers' forkserver context, this module preloaded too (the engines' UCX stack is
-    not: ucxx is imported in each engine, after the fork)."""
-    ctx = reader_context()
-    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.scale_readers", __name__])
-    return ctx
-
-
-class BenchProcess(ReaderWorker):
-    """A process running ``target(conn, *args)``, driven like a :class:`ReaderWorker` (its
-    ``send`` / ``recv`` / ``request_stop`` / ``stop``); only what runs in it differs."""
-
-    def __init__(self, ctx, rank: int, target, args: tuple, name: str) -> None:
-        # ReaderWorker's own __init__ is not called: it would start a reader process.
-        self.rank = rank
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-        self._stopping = False
-
-
-# -- engines -------------------------------------------------------------------------------
-
-
-class _AckClock:
-    """The writer's store: a StoreNodesClient whose every acknowledged batch is noted with its
-    wall-clock ack time (``time.time()``: trainers in other processes compare against it)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.acks: list[tuple[float, list[str]]] = []  # (ack time, request ids), in ack order
-
-    def commit(self, records):
-        result = self.inner.commit(records)
-        self.acks.append((time.time(), [r.request_id for r in records]))
-        return result
 
 
 def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int, rollout_kw: dict[str, Any],
@@ -75,26 +34,15 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
     os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
     import traceback
 
+    from r3rdma.bench.support import TimedCommits, warm_connections
     from r3rdma.bench.synthetic import TiledRollout
-    from r3rdma.records import RequestRecord
     from r3rdma.write import RoutingWriter, StoreNodesClient
 
     client = None
     try:
         rollout = TiledRollout(**rollout_kw)
         client = StoreNodesClient(push_urls, secret=token, replicas=replicas)
-        # Connections up before the clock: records of a rollout of its own until every node took one.
-        covered: set[str] = set()
-        warm_ids: list[str] = []
-        for j in range(1000):
-            if len(covered) == len(client.nodes):
-                break
-            warm = RequestRecord(WARM_ROLLOUT, f"e{rank}-w{j}", rollout.ids(j % len(rollout)), rollout.layer_map,
-                                 rollout.num_experts)
-            if not set(client.replica_set(warm)) <= covered:
-                client.commit([warm])
-                covered.update(client.replica_set(warm))
-                warm_ids.append(warm.request_id)
+        warm_ids = warm_connections(client, rollout, WARM_ROLLOUT, f"e{rank}-")
     except BaseException:
         conn.send({"event": "error", "error": traceback.format_exc()})
         if client is not None:
@@ -105,7 +53,7 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
 
         def go(cmd: dict[str, Any]) -> None:
             t0 = cmd["t0"]
-            clock = _AckClock(client)
+            clock = TimedCommits(client)
             batch_bytes = max(1, int(batch_mb * (1 << 20)))
             writer = RoutingWriter(clock, flush_bytes=batch_bytes, max_inflight_bytes=max(8 * batch_bytes, 512 << 20))
             late = 0.0
@@ -123,8 +71,8 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
                 writer.flush()
             finally:
                 writer.close()
-            conn.send({"event": "done", "first_submit": first, "acks": clock.acks, "late_s": late,
-                       "requests": len(schedule), "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
+            conn.send({"event": "done", "first_submit": first, "acks": [(acked, ids) for _, acked, ids in clock.log],
+                       "late_s": late, "requests": len(schedule), "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
                        "cpu_s": time.process_time() - cpu0})
 
         serve(conn, {"go": go})
@@ -132,15 +80,12 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
         client.close()
 
 
-# -- trainer ranks ---------------------------------------------------------------------------
-
-
 def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
     """One trainer rank. Commands: ``warm`` (read a few records of the warm-up rollout:
     connections and buffers up), ``collect`` (the step: collect the share, pack it, report the
     moment it was whole), ``read`` (scale_readers' timed micro-batch reads)."""
     os.dup2(2, 1)
-    from r3rdma.bench.scale_readers import _worker_read
+    from r3rdma.bench.scale_readers import worker_read
     from r3rdma.read.reader import RoutingReader
     from r3rdma.records import checksum
 
@@ -170,6 +115,6 @@ def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
         conn.send(answer)
 
     try:
-        serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: _worker_read(reader, cmd, conn)})
+        serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: worker_read(reader, cmd, conn)})
     finally:
         reader.close()

@@ -47,20 +47,16 @@ The reader processes live in :mod:`r3rdma.bench.scale_readers`.
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from r3rdma.bench.scale_readers import ReaderWorker, reader_context, run_phase, span_rate
+from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
+from r3rdma.bench.support import bar, log, preset, emit, run_phase, span_rate, stop_all, worker_context
 
 __all__ = ["run_scale_bench", "add_arguments", "main", "QUICK", "FULL"]
 
@@ -70,58 +66,6 @@ FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "
         "rounds": 3}
 
 _CURVE_POINTS = 128  # commit-time curves are binned to at most this many points in the JSON
-
-
-def _log(progress: bool, message: str) -> None:
-    if progress:
-        print(f"[bench scale] {message}", file=sys.stderr, flush=True)
-
-
-def _bar(progress: bool, total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False,
-                disable=not (progress and sys.stderr.isatty()), mininterval=0.5)
-
-
-# -- push and commit -------------------------------------------------------------------------
-
-
-class _TimedStore:
-    """The writer's store: a StoreNodesClient whose every commit (push until acked) is timed."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.log: list[tuple[int, float]] = []  # (requests already pushed, ms)
-        self.batches: list[list[str]] = []
-        self._stored = 0
-
-    def commit(self, records):
-        t0 = time.perf_counter()
-        result = self.inner.commit(records)
-        self.log.append((self._stored, (time.perf_counter() - t0) * 1e3))
-        self.batches.append([r.request_id for r in records])
-        self._stored += len(records)
-        return result
-
-
-def _node_commit_seconds(nodes, token: str) -> tuple[float, float]:
-    """Sum of (seconds, batches) of the nodes' ``r3rdma_store_commit_seconds`` histograms."""
-    total = count = 0.0
-    for node in nodes:
-        url = urllib.parse.urlsplit(node.http_url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-        try:
-            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"})
-            text = conn.getresponse().read().decode()
-        finally:
-            conn.close()
-        for line in text.splitlines():
-            if line.startswith("r3rdma_store_commit_seconds_sum"):
-                total += float(line.split()[-1])
-            elif line.startswith("r3rdma_store_commit_seconds_count"):
-                count += float(line.split()[-1])
-    return total, count
 
 
 def _growth(log: list[tuple[int, float]]) -> dict[str, float]:
@@ -142,52 +86,6 @@ def _curve(log: list[tuple[int, float]]) -> list[list[float]]:
         return []
     size = -(-len(log) // _CURVE_POINTS)
     return [[log[i][0], round(statistics.fmean(m for _, m in log[i : i + size]), 3)] for i in range(0, len(log), size)]
-
-
-def _spawn_nodes(base: Path, token: str, count: int, http_workers: str):
-    from r3rdma.store.process import spawn_node
-
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(lambda i: spawn_node(base / f"node{i}", token, "--http-workers", http_workers), range(count)))
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its live children (a node and its read workers; Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            continue  # gone meanwhile, or no /proc here
-    return total
-
-
-def _stop_node(node) -> None:
-    try:
-        node.stop()
-    except Exception:
-        node.kill()
-
-
-def stop_all(workers, node_procs, remove: Path | None) -> None:
-    """A bench's teardown: its worker processes asked to stop (all at once, then waited for),
-    its store nodes stopped in parallel, and ``remove`` (a temporary base directory) deleted."""
-    for worker in workers:
-        worker.request_stop()
-    for worker in workers:
-        worker.stop()
-    if node_procs:
-        with ThreadPoolExecutor(len(node_procs)) as pool:
-            list(pool.map(_stop_node, node_procs))
-    if remove is not None:
-        shutil.rmtree(remove, ignore_errors=True)
 
 
 def _balanced(items: list[tuple[int, Any]], parts: int) -> list[list[Any]]:
@@ -234,6 +132,7 @@ def run_scale_bench(
     contiguous reads alternate this many times; rates are over all rounds."""
     from r3rdma.bench.synthetic import TiledRollout
     from r3rdma.store.process import new_token
+    from r3rdma.testing.harness import spawn_nodes
 
     if readers < 1 or nodes < 1 or requests < readers or micro_batch < 1 or rounds < 1:
         raise ValueError(f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1, rounds >= 1; got "
@@ -244,102 +143,78 @@ def run_scale_bench(
     rollout_id = "scale-0"
     token = new_token()
     node_procs: list = []
-    workers: list[ReaderWorker] = []
+    workers: list = []
     result: dict[str, Any] = {"bench": "scale", "quick": quick, "cpu_count": os.cpu_count()}
+    say = lambda message: log("scale", progress, message)  # noqa: E731
     try:
-        _log(progress, f"starting {nodes} store nodes and {readers} reader processes")
-        node_procs = _spawn_nodes(base, token, nodes, str(http_workers))
-        read_token = node_procs[0].read_token
+        say(f"starting {nodes} store nodes and {readers} reader processes")
+        node_procs = spawn_nodes([base / f"node{i}" for i in range(nodes)], token, "--http-workers", str(http_workers))
         urls = [n.http_url for n in node_procs]
-        ctx = reader_context()
-        workers = [ReaderWorker(ctx, r, urls, read_token) for r in range(readers)]  # they start while we generate
+        ctx = worker_context()
+        workers = [reader_worker(ctx, r, urls, node_procs[0].read_token) for r in range(readers)]  # start while we generate
         rollout = TiledRollout(requests, min_rows=min_rows, max_rows=max_rows, num_layers=layers, top_k=top_k,
                                num_experts=experts, rollout_id=rollout_id, seed=seed)
         total_bytes = rollout.total_bytes
         for worker in workers:
             assert worker.recv(timeout)["event"] == "ready"
         phases_s = {"start": round(time.perf_counter() - began, 1)}
-        _log(progress, f"{requests} requests, {int(rollout.lengths.sum())} rows, {total_bytes / 1e9:.3f} GB decoded")
+        say(f"{requests} requests, {int(rollout.lengths.sum())} rows, {total_bytes / 1e9:.3f} GB decoded")
 
         # 1. push through RoutingWriter -> StoreNodesClient -> nodes
-        ingest = _push(rollout, node_procs, token, replicas, batch_mb, progress)
-        node_s, node_n = ingest.pop("node_commit")
+        push_log, batches, push_s, (node_s, node_n) = _push(rollout, node_procs, token, replicas, batch_mb, progress)
         result["http_workers"] = node_procs[0].http_workers
         result.update(requests=requests, tokens=int(rollout.lengths.sum()), bytes=total_bytes,
                       layers=layers, top_k=top_k, experts=experts, min_rows=min_rows, max_rows=max_rows,
                       nodes=nodes, replicas=replicas, readers=readers, batch_mb=batch_mb, micro_batch=micro_batch)
-        timed: _TimedStore = ingest.pop("timed")
-        push = _growth(timed.log)
+        push = _growth(push_log)
         result.update(
-            commits=len(timed.log), ingest_seconds=round(ingest["seconds"], 3),
-            ingest_gbps=round(total_bytes / ingest["seconds"] / 1e9, 4),
+            commits=len(push_log), ingest_seconds=round(push_s, 3), ingest_gbps=round(total_bytes / push_s / 1e9, 4),
             push_ms_first=push["first"], push_ms_last=push["last"], push_growth=push["growth"],
             push_growth_median=push["growth_median"],
             push_ms_median=push["median"], node_ack_ms_mean=round(node_s / node_n * 1e3, 3) if node_n else None,
         )
-        _log(progress, f"pushed in {ingest['seconds']:.1f} s ({result['ingest_gbps']} GB/s), {len(timed.log)} batches, "
-                       f"ack ms first {push['first']} last {push['last']}")
+        say(f"pushed in {push_s:.1f} s ({result['ingest_gbps']} GB/s), {len(push_log)} batches, "
+            f"ack ms first {push['first']} last {push['last']}")
 
         # 2. the same batches committed in-process, each commit timed
         mark = time.perf_counter()
-        commit_log = _commit_inprocess(rollout, timed.batches, base / "inproc", progress)
+        commit_log = _commit_inprocess(rollout, batches, base / "inproc", progress)
         commit = _growth(commit_log)
         phases_s["commit"] = round(time.perf_counter() - mark, 1)
         mark = time.perf_counter()
         result.update(commit_ms_first=commit["first"], commit_ms_last=commit["last"], commit_growth=commit["growth"],
                       commit_growth_median=commit["growth_median"], commit_ms_median=commit["median"])
-        _log(progress, f"in-process commits: first {commit['first']} ms, last {commit['last']} ms, growth {commit['growth']}")
+        say(f"in-process commits: first {commit['first']} ms, last {commit['last']} ms, growth {commit['growth']}")
 
         # 3. a fresh reader opening the committed rollout
-        workers[0].send({"cmd": "open", "rollout": rollout_id, "repeat": 3})
-        opened = workers[0].recv(timeout)
-        assert opened["requests"] == requests, (opened["requests"], requests)
-        result["index_open_ms"] = round(statistics.median(opened["ms"]), 2)
-        result["index_open_ms_first"] = round(opened["ms"][0], 2)
+        result.update(open_index_ms(workers[0], rollout_id, requests, timeout))
 
         # 4. reads: scattered DP shares vs contiguous, D processes, then one alone
-        order = [rid for batch in timed.batches for rid in batch]  # commit order
+        from r3rdma.bench.rlstep_bench import contiguous_runs
+
+        order = [rid for batch in batches for rid in batch]  # commit order
         assert sorted(order) == [rollout.request_id(i) for i in range(requests)]
         size = {rollout.request_id(i): rollout.nbytes(i) for i in range(requests)}
         D = readers
 
-        def mbs(ids: list[str]) -> list[list[str]]:
-            return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
-
         def read_cmd(ids: list[str]) -> dict[str, Any]:
-            return {"cmd": "read", "rollout": rollout_id, "batches": mbs(ids), "seconds": read_seconds, "verify": verify}
+            return {"cmd": "read", "rollout": rollout_id, "seconds": read_seconds, "verify": verify,
+                    "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]}
 
         scattered = [order[r::D] for r in range(D)]
         contiguous = [order[r * requests // D : (r + 1) * requests // D] for r in range(D)]
         share0 = sum(size[rid] for rid in scattered[0])
-        prefix, acc = [], 0
-        for rid in order:  # the same bytes as rank 0's share, consecutive
-            if acc >= share0:
-                break
-            prefix.append(rid)
-            acc += size[rid]
+        prefix = contiguous_runs(order, size, [share0, total_bytes - share0])[0]  # rank 0's bytes, consecutive
         # Scattered and contiguous alternate, round after round: a phase lasts a few seconds on a
         # GPU host, and one slow second of a shared host moved a single pair's ratio by 0.2.
         phases = [phase for _ in range(rounds) for phase in (("dp", workers, scattered), ("contiguous", workers, contiguous))]
         phases += [("single_scattered", workers[:1], [scattered[0]]), ("single_contiguous", workers[:1], [prefix])]
         verified = mismatched = 0
-        totals: dict[str, dict[str, float]] = {}
+        reads = ReadPhases(node_procs, timeout)
         for name, group, assignment in phases:
-            _log(progress, f"read phase {name}: {len(group)} process(es)")
-            cpu0, wall0 = sum(_cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
-            answers = run_phase(group, [read_cmd(ids) for ids in assignment], timeout)
-            node_cpu = sum(_cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
-            gbps, span, moved = span_rate(answers)
+            say(f"read phase {name}: {len(group)} process(es)")
             wanted = sum(size[rid] for ids in assignment for rid in ids)
-            t = totals.setdefault(name, {"node_cpu": 0.0, "wall": 0.0, "reader_cpu": 0.0, "span": 0.0, "moved": 0,
-                                         "wanted": 0, "rates": []})
-            t["node_cpu"] += node_cpu
-            t["wall"] += time.perf_counter() - wall0
-            t["reader_cpu"] += sum(a["cpu_s"] for a in answers)
-            t["span"] += span
-            t["moved"] += moved
-            t["wanted"] += wanted
-            t["rates"].append(gbps)
+            answers, (gbps, span, moved) = reads.run(name, group, [read_cmd(ids) for ids in assignment], wanted)
             result["reader_api"] = answers[0]["api"]
             if name in ("dp", "contiguous"):
                 result[f"{name}_per_reader"] = [{"requests": a["requests"], "bytes": a["bytes"]} for a in answers]
@@ -347,19 +222,19 @@ def run_scale_bench(
                 for rid, crc in answer["crcs"].items():
                     verified += 1
                     mismatched += crc != rollout.record(int(rid[1:])).crc32c
-            _log(progress, f"  {gbps:.3f} GB/s over {span:.2f} s ({moved / wanted:.0%} of {wanted / 1e9:.3f} GB)")
-        for name, t in totals.items():
+            say(f"  {gbps:.3f} GB/s over {span:.2f} s ({moved / wanted:.0%} of {wanted / 1e9:.3f} GB)")
+        for name, t in reads.totals.items():
             # Over all rounds of a phase: bytes over the summed spans, cores the nodes (their
             # read workers included) and the readers kept busy, readers' CPU per decoded GB.
-            gbps = t["moved"] / max(t["span"], 1e-9) / 1e9
-            result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(gbps, 4)
+            result[f"{name}_read_gbps" if name in ("dp", "contiguous") else f"{name}_gbps"] = round(reads.gbps(name), 4)
             result[f"{name}_seconds"] = round(t["span"], 3)
             result[f"{name}_fraction"] = round(t["moved"] / t["wanted"], 4)
             result[f"{name}_node_cores"] = round(t["node_cpu"] / max(t["wall"], 1e-9), 2)
             result[f"{name}_reader_cores"] = round(t["reader_cpu"] / max(t["span"], 1e-9), 2)
             result[f"{name}_reader_cpu_s_per_gb"] = round(t["reader_cpu"] / max(t["moved"] / 1e9, 1e-9), 3)
         result["read_rounds"] = rounds
-        result["dp_ratio_per_round"] = [round(d / c, 3) for d, c in zip(totals["dp"]["rates"], totals["contiguous"]["rates"])]
+        rates = [reads.totals[n]["rates"] for n in ("dp", "contiguous")]
+        result["dp_ratio_per_round"] = [round(d / c, 3) for d, c in zip(*rates)]
         result["dp_ratio"] = round(result["dp_read_gbps"] / result["contiguous_read_gbps"], 3)
         result["single_ratio"] = round(result["single_scattered_gbps"] / result["single_contiguous_gbps"], 3)
         result["single_bytes"] = share0
@@ -373,25 +248,23 @@ def run_scale_bench(
         files: list[tuple[int, tuple[str, str]]] = []
         warm: dict[str, str] = {}
         for node in node_procs:
-            rollout_dir = node.root / rollout_id
-            for path in rollout_dir.rglob("*"):
+            for path in (node.root / rollout_id).rglob("*"):
                 if path.is_file() and not path.name.startswith("."):
                     files.append((path.stat().st_size, (node.http_url, str(path.relative_to(node.root)))))
             warm[node.http_url] = "zarr.json"  # the root's group document: connects without touching the rollout
         stored = sum(s for s, _ in files)
-        _log(progress, f"raw GET: {len(files)} files, {stored / 1e9:.3f} GB")
-        shares = _balanced(files, D)
+        say(f"raw GET: {len(files)} files, {stored / 1e9:.3f} GB")
         answers = run_phase(workers, [{"cmd": "raw", "files": share, "warm": warm, "seconds": read_seconds}
-                                       for share in shares], timeout)
+                                       for share in _balanced(files, D)], timeout)
         gbps, span, moved = span_rate(answers)
         result.update(raw_get_gbps=round(gbps, 4), raw_get_seconds=round(span, 3), raw_get_fraction=round(moved / stored, 4),
                       raw_get_files=len(files), stored_bytes=stored,
                       dp_vs_raw=round(result["dp_read_gbps"] * stored / total_bytes / gbps, 3))
         phases_s["raw_get"] = round(time.perf_counter() - mark, 1)
-        phases_s["push"] = round(ingest["seconds"], 1)
+        phases_s["push"] = round(push_s, 1)
         result["phase_seconds"] = phases_s
         result["commit_curve"] = _curve(commit_log)
-        result["push_curve"] = _curve(timed.log)
+        result["push_curve"] = _curve(push_log)
         result["seconds"] = round(time.perf_counter() - began, 1)
         result["root"] = str(base) if root else None
         result["seed"] = seed
@@ -399,61 +272,63 @@ def run_scale_bench(
     finally:
         mark = time.perf_counter()
         stop_all(workers, node_procs, base if root is None else None)
-        _log(progress, f"stopped in {time.perf_counter() - mark:.1f} s")
+        say(f"stopped in {time.perf_counter() - mark:.1f} s")
 
 
-def _push(rollout, node_procs, token: str, replicas: int, batch_mb: float, progress: bool) -> dict[str, Any]:
-    from r3rdma.records import RequestRecord
+def _push(rollout, node_procs, token: str, replicas: int, batch_mb: float, progress: bool):
+    """The rollout through one RoutingWriter -> StoreNodesClient: each batch's ``(requests
+    already pushed, ack ms)``, the batches' request ids in ack order, the seconds from first
+    submit to flushed, and the nodes' own commit ``(seconds, batches)`` over the push."""
+    from r3rdma.bench.support import TimedCommits, node_samples, warm_connections
     from r3rdma.write import RoutingWriter, StoreNodesClient
+
+    def node_commits() -> tuple[float, float]:
+        samples = [node_samples(n) for n in node_procs]
+        return tuple(sum(s.get(f"r3rdma_store_commit_seconds_{k}", 0.0) for s in samples) for k in ("sum", "count"))
 
     client = StoreNodesClient([n.push_url for n in node_procs], secret=token, replicas=replicas)
     try:
-        # Connections up before the clock: one record per node, in a rollout of its own.
-        covered: set[str] = set()
-        for j in range(1000):
-            if len(covered) == len(node_procs):
-                break
-            warm = RequestRecord("scale-warm", f"w{j}", rollout.ids(j % len(rollout)), rollout.layer_map, rollout.num_experts)
-            if client.owner(warm) not in covered:
-                client.commit([warm])
-                covered.update(client.replica_set(warm))
-        node_before = _node_commit_seconds(node_procs, node_procs[0].read_token)
-        timed = _TimedStore(client)
+        warm_connections(client, rollout, "scale-warm", "")
+        before = node_commits()
+        timed = TimedCommits(client)
         batch_bytes = max(1, int(batch_mb * (1 << 20)))
         writer = RoutingWriter(timed, flush_bytes=batch_bytes, max_inflight_bytes=max(8 * batch_bytes, 512 << 20))
-        with _bar(progress, len(rollout), "push") as bar:
+        with bar(progress, len(rollout), "push") as shown:
             t0 = time.perf_counter()
             for i in range(len(rollout)):
                 writer.submit(rollout.record(i))
                 if i % 256 == 255:
-                    bar.update(256)
+                    shown.update(256)
             writer.flush()
             seconds = time.perf_counter() - t0
         writer.close()
-        node_after = _node_commit_seconds(node_procs, node_procs[0].read_token)
+        after = node_commits()
     finally:
         client.close()
-    return {"timed": timed, "seconds": seconds,
-            "node_commit": (node_after[0] - node_before[0], node_after[1] - node_before[1])}
+    log_ms, stored = [], 0
+    for started, acked, ids in timed.log:
+        log_ms.append((stored, (acked - started) * 1e3))
+        stored += len(ids)
+    return log_ms, [ids for _, _, ids in timed.log], seconds, (after[0] - before[0], after[1] - before[1])
 
 
 def _commit_inprocess(rollout, batches: list[list[str]], path: Path, progress: bool) -> list[tuple[int, float]]:
     from r3rdma.store.local_store import LocalRoutingStore
 
-    log: list[tuple[int, float]] = []
+    log_ms: list[tuple[int, float]] = []
     stored = 0
     try:
-        with LocalRoutingStore(path) as store, _bar(progress, len(rollout), "commit") as bar:
+        with LocalRoutingStore(path) as store, bar(progress, len(rollout), "commit") as shown:
             for batch in batches:
                 records = [rollout.record(int(rid[1:])) for rid in batch]  # CRCs computed outside the clock
                 t0 = time.perf_counter()
                 store.commit(records)
-                log.append((stored, (time.perf_counter() - t0) * 1e3))
+                log_ms.append((stored, (time.perf_counter() - t0) * 1e3))
                 stored += len(records)
-                bar.update(len(records))
+                shown.update(len(records))
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return log
+    return log_ms
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -490,20 +365,14 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    preset = QUICK if args.quick else FULL
-    pick = {k: getattr(args, k) if getattr(args, k) is not None else preset[k] for k in preset}
     result = run_scale_bench(
-        **pick, layers=args.layers, top_k=args.top_k, experts=args.experts, nodes=args.nodes, replicas=args.replicas,
-        micro_batch=args.micro_batch, root=args.root, seed=args.seed, verify=args.verify, quick=args.quick,
-        http_workers=args.http_workers,
+        **preset(args, QUICK, FULL), layers=args.layers, top_k=args.top_k, experts=args.experts, nodes=args.nodes,
+        replicas=args.replicas, micro_batch=args.micro_batch, root=args.root, seed=args.seed, verify=args.verify,
+        quick=args.quick, http_workers=args.http_workers,
     )
     if args.png:
         from r3rdma.bench.plots import plot_scale
 
         label = args.label or f"{os.cpu_count()} cores, {'--quick' if args.quick else 'full'}"
         result["png"] = plot_scale(result, Path(args.png), label)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
-
+    return emit(result, args.json_out)

@@ -13,116 +13,60 @@ machine the ratio shows the CPU (or disk) limit, not the store's. The last line 
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import secrets
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from r3rdma.bench.support import Worker, emit, run_phase, serve, stop_all, wait_go, worker_context
+
 __all__ = ["run_scaling_bench", "add_arguments", "main"]
 
 
-def _client_records(client: int, total_bytes: int, seed: int):
-    from r3rdma.records import RequestRecord
-    from r3rdma.bench.synthetic import synthetic_records
-
-    # Gumbel sampling of big arrays is slow: draw a small pool once and reuse its rows under new ids.
-    pool = synthetic_records(4, min_rows=1024, max_rows=2048, seed=seed)
-    records, size, i = [], 0, 0
-    while size < total_bytes:
-        base = pool[i % len(pool)]
-        records.append(RequestRecord(f"scale-c{client}", f"r{i:06d}", base.ids_TLK, base.layer_map, base.num_experts))
-        size += base.nbytes
-        i += 1
-    return records
-
-
-async def _client_main(address: str, token_file: str, client: int, total_bytes: int, batch_bytes: int) -> None:
-    from r3rdma.transport import TransportLimits, UcxxClient, load_secret
+def _client_main(conn, push_url: str, token: str, client: int, total_bytes: int, batch_bytes: int) -> None:
+    """A pushing client: its records made and its connection up (one warm-up push), then on
+    ``go`` every batch pushed, each acknowledged once durable, before the next."""
+    os.dup2(2, 1)  # the parent's stdout ends with its JSON line
+    from r3rdma.bench.support import records_of_size
     from r3rdma.records import batches_by_size
-    from r3rdma.write.push_client import parse_node_url
+    from r3rdma.write import StoreNodesClient
 
-    host, port = parse_node_url(address)
-    records = _client_records(client, total_bytes, seed=client)
-    warm = _client_records(client, 1, seed=client)[:1]
-    warm = [type(warm[0])(f"scale-warm-c{client}", "w0", warm[0].ids_TLK, warm[0].layer_map, warm[0].num_experts)]
-    limits = TransportLimits(max_payload_bytes=256 << 20, timeout_s=300)
-    async with UcxxClient(host, port, secret=load_secret(token_file), limits=limits) as ucx:
-        await ucx.push(warm)
-        print(json.dumps({"event": "ready"}), flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    records = records_of_size(total_bytes, seed=client, rollout_id=f"scale-c{client}")
+    nodes = StoreNodesClient([push_url], secret=token)
+
+    def push(_cmd) -> None:
+        nodes.commit(records_of_size(1, seed=client, rollout_id=f"scale-warm-c{client}"))
+        wait_go(conn)
         start = time.time()
         for batch in batches_by_size(records, batch_bytes, 10_000):
-            await ucx.push(batch)
-        end = time.time()
-    print(json.dumps({"event": "done", "start": start, "end": end, "bytes": sum(r.nbytes for r in records),
-                      "requests": len(records)}), flush=True)
+            nodes.commit(batch)
+        conn.send({"event": "done", "start": start, "end": time.time(), "bytes": sum(r.nbytes for r in records),
+                   "requests": len(records)})
 
-
-def _read_json_line(proc: subprocess.Popen, timeout: float, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(f"{what}: no answer in {timeout} s")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{what} exited with {proc.wait()}")
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue
-
-
-def _run_n(n: int, base: Path, token_file: Path, total_bytes: int, batch_bytes: int, timeout: float) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    nodes: list[subprocess.Popen] = []
-    clients: list[subprocess.Popen] = []
+    conn.send({"event": "ready"})
     try:
-        addresses = []
-        for i in range(n):
-            root = base / f"n{n}" / f"node{i}"
-            proc = subprocess.Popen([sys.executable, "-m", "r3rdma.store.cli", "--root", str(root), "--token-file", str(token_file)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env)
-            nodes.append(proc)
-        for i, proc in enumerate(nodes):
-            info = _read_json_line(proc, timeout, f"store node {i}")
-            addresses.append(f"{info['host']}:{info['ucx_port']}")
-        for i, address in enumerate(addresses):
-            clients.append(subprocess.Popen(
-                [sys.executable, "-m", "r3rdma.bench.scaling_bench", "--client", address, str(token_file), str(i),
-                 str(total_bytes), str(batch_bytes)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
-        for i, proc in enumerate(clients):
-            _read_json_line(proc, timeout, f"client {i}")
-        for proc in clients:  # all start together
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        done = [_read_json_line(proc, timeout, f"client {i}") for i, proc in enumerate(clients)]
+        serve(conn, {"push": push})
     finally:
-        for proc in clients:
-            if proc.poll() is None:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        for proc in nodes:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in nodes:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(base / f"n{n}", ignore_errors=True)
+        nodes.close()
+
+
+def _run_n(n: int, base: Path, token: str, total_bytes: int, batch_bytes: int, timeout: float) -> dict[str, Any]:
+    from r3rdma.testing.harness import spawn_nodes
+
+    nodes, clients = [], []
+    try:
+        nodes = spawn_nodes([base / f"n{n}" / f"node{i}" for i in range(n)], token)
+        ctx = worker_context()
+        clients = [Worker(ctx, i, _client_main, (node.push_url, token, i, total_bytes, batch_bytes),
+                          f"r3rdma-scaling-client-{i}") for i, node in enumerate(nodes)]
+        for client in clients:
+            assert client.recv(timeout)["event"] == "ready"
+        done = run_phase(clients, [{"cmd": "push"}] * n, timeout)  # all start together
+    finally:
+        stop_all(clients, nodes, base / f"n{n}")
     span = max(d["end"] for d in done) - min(d["start"] for d in done)
     total = sum(d["bytes"] for d in done)
     per_client = [round(d["bytes"] / (d["end"] - d["start"]) / 1e9, 4) for d in done]
@@ -134,18 +78,18 @@ def run_scaling_bench(*, nodes: Sequence[int] = (1, 2, 4), mb_per_client: float 
                       rounds: int = 1, root: str | None = None, timeout: float = 300, progress: bool = True) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    from r3rdma.store.process import new_token
+
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-scaling-"))
     base.mkdir(parents=True, exist_ok=True)
-    token_file = base / "token"
-    token_file.write_text(secrets.token_hex(32))
-    token_file.chmod(0o600)
+    token = new_token()
     total_bytes = int(mb_per_client * (1 << 20))
     batch_bytes = int(batch_mb * (1 << 20))
     runs: dict[int, list[dict[str, Any]]] = {}
     order = [n for _ in range(rounds) for n in nodes]  # interleave rounds so drift hits every N alike
     try:
         for n in tqdm(order, desc="scaling", disable=not (progress and sys.stderr.isatty()), file=sys.stderr):
-            runs.setdefault(n, []).append(_run_n(n, base, token_file, total_bytes, batch_bytes, timeout))
+            runs.setdefault(n, []).append(_run_n(n, base, token, total_bytes, batch_bytes, timeout))
     finally:
         if root is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -171,10 +115,5 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run_scaling_bench(nodes=args.nodes, mb_per_client=args.mb_per_client, batch_mb=args.batch_mb,
-                                       rounds=args.rounds, root=args.root)))
-    return 0
-
-
-if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--client":
-    asyncio.run(_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])))
+    return emit(run_scaling_bench(nodes=args.nodes, mb_per_client=args.mb_per_client, batch_mb=args.batch_mb,
+                                  rounds=args.rounds, root=args.root))

@@ -15,7 +15,6 @@ each is reported.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.write.writer import RoutingWriter
 from r3rdma.records import batches_by_size
 from r3rdma.bench.synthetic import synthetic_records
-from r3rdma.bench._progress import rounds_bar as _rounds
+from r3rdma.bench.support import emit, rounds_bar as _rounds
 
 __all__ = ["run_store_bench"]
 
@@ -102,5 +101,4 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     result = run_store_bench(requests=args.requests, rounds=args.rounds, root=args.root)
-    print(json.dumps(result))
-    return 0
+    return emit(result)

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.bench.support import emit, records_of_size
 
 __all__ = ["run_transport_bench", "add_arguments", "main"]
 
@@ -49,23 +49,6 @@ async def _serve(secret: str) -> None:
     await server.stop(drain=False)
 
 
-def _records_of_size(total: int, seed: int):
-    # Requests of ~1-4k rows x 48 layers x 8 (Qwen3-30B geometry, uint8), cut to ``total`` bytes.
-    records, size = [], 0
-    pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
-    i = 0
-    from r3rdma.records import RequestRecord
-
-    while size < total:
-        base = pool[i % len(pool)]
-        rows = min(base.num_rows, max(1, (total - size) // (base.nbytes // base.num_rows)))
-        ids = base.ids_TLK[:rows]
-        records.append(RequestRecord("bench", f"r{i}", ids, base.layer_map, base.num_experts))
-        size += ids.nbytes
-        i += 1
-    return records
-
-
 async def _client(
     push_port: int, raw_port: int, secret: str, sizes: list[int], rounds: int, iterations: int, bytes_per_round: int,
     progress: bool,
@@ -77,7 +60,7 @@ async def _client(
     results = []
     async with UcxxClient("127.0.0.1", push_port, secret=secret, limits=limits) as client:
         for size in sizes:
-            records = _records_of_size(size, seed=size)
+            records = records_of_size(size, seed=size)
             nbytes = sum(r.nbytes for r in records)
             payload = np.concatenate([r.ids_TLK.reshape(-1) for r in records])
             push_s, raw_s = [], []
@@ -144,10 +127,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run_transport_bench(
-        sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations, mb_per_round=args.mb_per_round
-    )))
-    return 0
+    return emit(run_transport_bench(sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations,
+                                    mb_per_round=args.mb_per_round))
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":

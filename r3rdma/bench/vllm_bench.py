@@ -18,7 +18,6 @@ forward, on a GPU host it does not. One JSON line last.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -27,7 +26,7 @@ import time
 
 import numpy as np
 
-from r3rdma.bench._progress import rounds_bar
+from r3rdma.bench.support import emit, rounds_bar
 
 __all__ = ["run_vllm_bench"]
 
@@ -144,5 +143,4 @@ def main(args) -> int:
     for mode, m in result["modes"].items():
         print(f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
               f"(ratio {m['ratio']:.3f}); plug-in host time {m['host_us_per_step']:.0f} us per step")
-    print(json.dumps(result))
-    return 0
+    return emit(result)

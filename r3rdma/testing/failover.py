@@ -1,7 +1,7 @@
 """Failover and refusal scenarios (from issue 19): :func:`node_lost` (replicas=2, a node lost with its root),
 :func:`bad_records` (refused typed at every layer, the good ones stored), :func:`multiturn`,
 :func:`restart_same_port`, :func:`stalled_announce` (stalled senders against node RSS) and
-:func:`replicas_ingest_ratio`; :func:`issue19` runs them all for the bench's JSON."""
+:func:`replicas_ingest_ratio`; :func:`failover_figures` runs them all for the bench's JSON."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from r3rdma.testing.fuzz import _message
 from r3rdma.testing.harness import (
-    EXPERTS, LAYERS, TOP_K, free_port, _http_reader, make_record, _spawn_many, unchecked_record, _visible,
+    EXPERTS, LAYERS, TOP_K, free_port, _http_reader, make_record, spawn_nodes, unchecked_record, _visible,
 )
 from r3rdma.store.process import NodeProcess, new_token, spawn_node
 
@@ -38,7 +38,7 @@ def node_lost(work: Path, *, requests: int = 200, seed: int = 0, timeout_s: floa
     configure_ucx_env()
     work = Path(work)
     token = new_token()
-    nodes = _spawn_many([work / f"replica-{i}" for i in range(3)], token)
+    nodes = spawn_nodes([work / f"replica-{i}" for i in range(3)], token)
     recs = [make_record("lost", f"q{i}") for i in range(requests)]
     out: dict[str, Any] = {"nodes": 3, "replicas": 2, "requests": requests}
     try:
@@ -408,7 +408,7 @@ def replicas_ingest_ratio(work: Path, *, rounds: int = 5, requests: int = 64, ro
 
     configure_ucx_env()
     token = new_token()
-    nodes = _spawn_many([Path(work) / f"ingest-{i}" for i in range(3)], token)
+    nodes = spawn_nodes([Path(work) / f"ingest-{i}" for i in range(3)], token)
     base = [make_record("ingest", f"q{i}", rows=rows).ids_TLK for i in range(requests)]
     nbytes = sum(a.nbytes for a in base)
     mb_s: dict[int, list[float]] = {1: [], 2: []}
@@ -438,8 +438,10 @@ def replicas_ingest_ratio(work: Path, *, rounds: int = 5, requests: int = 64, ro
             "r1_all": [round(x, 2) for x in mb_s[1]], "r2_all": [round(x, 2) for x in mb_s[2]]}
 
 
-def issue19(work: Path, *, quick: bool = False, seed: int = 0, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The issue-19 figures of the bench's JSON (``quick``: smaller sizes, well under a minute)."""
+def failover_figures(work: Path, *, quick: bool = False, seed: int = 0,
+                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Every scenario of this module run once, their figures flat as the bench's JSON has them
+    (``quick``: smaller sizes, well under a minute)."""
     work = Path(work)
     out: dict[str, Any] = {}
     lost = node_lost(work / "lost", requests=60 if quick else 400, seed=seed)

@@ -143,7 +143,7 @@ def _http_reader(nodes: Sequence[NodeProcess]) -> Any:
     return RoutingReader([n.http_url for n in nodes], token=nodes[0].read_token, timeout_s=10)
 
 
-def _spawn_many(roots: Sequence[Path], token: str, *extra: str) -> list[NodeProcess]:
+def spawn_nodes(roots: Sequence[Path], token: str, *extra: str) -> list[NodeProcess]:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(roots)) as pool:  # each start waits for the node's ready line

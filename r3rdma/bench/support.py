@@ -1,0 +1,322 @@
+"""What the bench programs share: progress on stderr, worker processes driven over a pipe, store
+nodes' /metrics and CPU time, plain whole-file GETs (the read yardstick), a push client's
+timed commits and warm-up, records of a given size, and the command line's presets and JSON line.
+
+Store nodes are started with :func:`r3rdma.testing.harness.spawn_nodes`, as the tests start them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import sys
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+__all__ = ["log", "bar", "rounds_bar", "worker_context", "Worker", "serve", "wait_go", "run_phase", "span_rate", "stop_all",
+           "node_samples", "cpu_seconds", "FileGetter", "TimedCommits", "warm_connections", "records_of_size",
+           "preset", "emit"]
+
+
+def log(bench: str, progress: bool, message: str) -> None:
+    if progress:
+        print(f"[bench {bench}] {message}", file=sys.stderr, flush=True)
+
+
+def bar(progress: bool, total: int, desc: str, unit: str = "req"):
+    """A tqdm bar on stderr, shown only when stderr is a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, mininterval=0.5,
+                disable=not (progress and sys.stderr.isatty()))
+
+
+def rounds_bar(rounds: int, name: str):
+    """``range(rounds)`` with a progress bar (stderr, terminal only)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(range(rounds), desc=f"bench {name}", unit="round", file=sys.stderr, disable=not sys.stderr.isatty(),
+                leave=False)
+
+
+# -- worker processes -----------------------------------------------------------------------------
+
+
+def worker_context():
+    """Bench processes fork from one forkserver that imported the reader once: on 2 cores, eight
+    separate imports of torch and zarr took ~16 s; forks of one take well under a second. The
+    UCX stack is not preloaded: a pushing process imports ucxx after its fork."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.scale_readers",
+                                "r3rdma.bench.rlstep_workers"])
+    return ctx
+
+
+class Worker:
+    """A process running ``target(conn, *args)`` and its pipe: commands one way, answers the other
+    (``ready``, then per command ``armed`` / ``done``, or ``error`` with a traceback)."""
+
+    def __init__(self, ctx, rank: int, target, args: tuple, name: str) -> None:
+        self.rank = rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+        self._stopping = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.conn.send(message)
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.proc.name}: no answer in {timeout} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.proc.name} exited with {self.proc.exitcode}") from None
+        if message.get("event") == "error":
+            raise RuntimeError(f"{self.proc.name} failed:\n{message['error']}")
+        return message
+
+    def request_stop(self) -> None:
+        if self.proc.is_alive() and not self._stopping:
+            self._stopping = True
+            try:
+                self.conn.send({"cmd": "stop"})
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.request_stop()
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(30)
+        self.conn.close()
+
+
+def serve(conn, handlers: dict[str, Any]) -> None:
+    """Run the commands arriving on ``conn`` (``handlers[cmd["cmd"]](cmd)``) until ``stop`` or
+    the pipe closes; an exception goes back as ``{"event": "error"}`` and serving goes on."""
+    import traceback
+
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd["cmd"] == "stop":
+            return
+        try:
+            handler = handlers.get(cmd["cmd"])
+            if handler is None:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+            handler(cmd)
+        except BaseException:
+            conn.send({"event": "error", "error": traceback.format_exc()})
+
+
+def wait_go(conn) -> None:
+    """In a worker: say armed (everything up, nothing timed yet), then wait for the release."""
+    conn.send({"event": "armed"})
+    if conn.recv()["cmd"] != "go":
+        raise RuntimeError("expected go")
+
+
+def run_phase(workers: list[Worker], commands: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    """Arm each worker with its command, then release them together; their answers."""
+    for worker, cmd in zip(workers, commands):
+        worker.send(cmd)
+    for worker in workers:
+        assert worker.recv(timeout)["event"] == "armed"
+    for worker in workers:
+        worker.send({"cmd": "go"})
+    return [worker.recv(timeout) for worker in workers]
+
+
+def span_rate(results: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """(GB/s, seconds, bytes) of a phase: all bytes over first start to last end."""
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    total = sum(r["bytes"] for r in results)
+    return total / max(span, 1e-9) / 1e9, span, total
+
+
+def _stop_node(node) -> None:
+    try:
+        node.stop()
+    except Exception:
+        node.kill()
+
+
+def stop_all(workers, node_procs, remove: Path | None) -> None:
+    """A bench's teardown: its worker processes asked to stop (all at once, then waited for),
+    its store nodes stopped in parallel, and ``remove`` (a temporary base directory) deleted."""
+    import shutil
+
+    for worker in workers:
+        worker.request_stop()
+    for worker in workers:
+        worker.stop()
+    if node_procs:
+        with ThreadPoolExecutor(len(node_procs)) as pool:
+            list(pool.map(_stop_node, node_procs))
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+
+
+# -- what the nodes did -----------------------------------------------------------------------
+
+
+def node_samples(node) -> dict[str, float]:
+    """Every sample of a node's ``/metrics`` by sample name (labels summed), read with
+    prometheus-client's own parser: ``r3rdma_store_bytes_ingested_total``, ``..._seconds_sum``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = urllib.parse.urlsplit(node.http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {node.read_token}"})
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live children (a node and its read workers; Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or no /proc here
+    return total
+
+
+class FileGetter:
+    """Whole-file GETs of a node's ``/zarr/`` files with ``http.client`` into one reused buffer,
+    a kept-alive connection per node: the plain-HTTP yardstick of the read benches. One per thread."""
+
+    def __init__(self, token: str) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._buffer = memoryview(bytearray(1 << 20))
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+
+    def get(self, base: str, path: str) -> int:
+        conn = self._conns.get(base)
+        if conn is None:
+            url = urllib.parse.urlsplit(base)
+            conn = self._conns[base] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        try:
+            conn.request("GET", f"/zarr/{path}", headers=self._headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"GET {base}/zarr/{path}: HTTP {response.status}")
+            size = int(response.getheader("Content-Length"))
+            if size > len(self._buffer):
+                self._buffer = memoryview(bytearray(size))
+            got = 0
+            while got < size:
+                n = response.readinto(self._buffer[got:size])
+                if not n:
+                    raise RuntimeError(f"GET {base}/zarr/{path}: body ended after {got} of {size} bytes")
+                got += n
+            response.read()  # the response is done: the connection can carry the next request
+        except BaseException:
+            del self._conns[base]
+            conn.close()
+            raise
+        return got
+
+
+# -- the push side --------------------------------------------------------------------------
+
+
+class TimedCommits:
+    """A writer's store: a StoreNodesClient whose every commit (push until acknowledged) is logged
+    as ``(started, acknowledged, request ids)`` in wall-clock seconds (other processes compare)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.log: list[tuple[float, float, list[str]]] = []
+
+    def commit(self, records):
+        started = time.time()
+        result = self.inner.commit(records)
+        self.log.append((started, time.time(), [r.request_id for r in records]))
+        return result
+
+
+def warm_connections(client, rollout, rollout_id: str, prefix: str) -> list[str]:
+    """Connections up before the clock: records of ``rollout_id`` (a rollout of their own) pushed
+    until every node took one; their request ids."""
+    from r3rdma.records import RequestRecord
+
+    covered: set[str] = set()
+    warm_ids: list[str] = []
+    for j in range(1000):
+        if len(covered) == len(client.nodes):
+            break
+        warm = RequestRecord(rollout_id, f"{prefix}w{j}", rollout.ids(j % len(rollout)), rollout.layer_map,
+                             rollout.num_experts)
+        if not set(client.replica_set(warm)) <= covered:
+            client.commit([warm])
+            covered.update(client.replica_set(warm))
+            warm_ids.append(warm.request_id)
+    return warm_ids
+
+
+def records_of_size(total: int, *, seed: int, rollout_id: str = "bench"):
+    """Requests of ~1-4k rows x 48 layers x 8 (Qwen3-30B geometry, uint8) adding up to ``total``
+    bytes (the last one cut): rows of a small pool of synthetic requests reused under new ids,
+    since sampling big arrays is slow."""
+    from r3rdma.bench.synthetic import synthetic_records
+    from r3rdma.records import RequestRecord
+
+    records, size = [], 0
+    pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
+    while size < total:
+        base = pool[len(records) % len(pool)]
+        rows = min(base.num_rows, max(1, (total - size) // (base.nbytes // base.num_rows)))
+        records.append(RequestRecord(rollout_id, f"r{len(records)}", base.ids_TLK[:rows], base.layer_map, base.num_experts))
+        size += records[-1].nbytes
+    return records
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def preset(args, quick: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """The preset's values (``--quick`` or full size) under the options given on the command line."""
+    chosen = quick if args.quick else full
+    return {k: getattr(args, k) if getattr(args, k) is not None else chosen[k] for k in chosen}
+
+
+def emit(result: dict[str, Any], json_out: str | None = None) -> int:
+    """The bench's last line: the result as JSON (also written to ``json_out``); exit status 0."""
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
