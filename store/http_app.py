@@ -32,8 +32,8 @@ import os
 import re
 import shutil
 import stat
-from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -36,6 +36,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ import torch
 
 from r3rdma.cli.verify_report import VerifyResult, report
 
-__all__ = ["PRESETS", "resolve_config", "run_verify", "VerifyResult", "report"]
+__all__ = ["PRESETS", "VerifyOptions", "VerifyResult", "report", "resolve_config", "run_verify"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -207,223 +208,344 @@ def _train_batches(outputs, order, layout: str, train_batch_size: int):
         yield group, seqs, input_ids, kwargs, rows
 
 
-def run_verify(
-    *,
-    model_config: str | None = None,
-    num_requests: int = 16,
-    rollout_batch_size: int = 8,
-    train_batch_size: int = 3,
-    layout: str = "packed",
-    rollout_dtype: str = "bfloat16",
-    train_dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 0,
-    min_prompt: int = 8,
-    max_prompt: int = 48,
-    min_new: int = 8,
-    max_new: int = 32,
-    root: str | None = None,
-    init: str = "fan-in",
-    logit_gain: float = 4.0,
-    model_path: str | None = None,
-    engine: str = "hf",
-) -> VerifyResult:
-    from r3rdma.cli.demo import make_requests
-    from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
-    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyOptions:
+    """One ``r3rdma verify`` run (the Hugging Face trainer path); each field is the CLI flag of
+    the same name (``--requests`` for ``num_requests``, ``--model`` for ``model_path``)."""
+
+    # The model: a preset or JSON config with random weights (``init``, ``logit_gain``), or a
+    # trained checkpoint (``model_path``; then model_config and init are ignored).
+    model_config: str | None = None  # default: DEFAULT_PRESET[engine]
+    model_path: str | None = None
+    init: str = "fan-in"
+    logit_gain: float = 4.0
+    # The requests: how many, their prompt and generation lengths; ``seed`` seeds everything.
+    num_requests: int = 16
+    min_prompt: int = 8
+    max_prompt: int = 48
+    min_new: int = 8
+    max_new: int = 32
+    seed: int = 0
+    # The rollout side.
+    engine: str = "hf"
+    rollout_dtype: str = "bfloat16"
+    rollout_batch_size: int = 8
+    # The training side.
+    train_dtype: str = "float32"
+    layout: str = "packed"
+    train_batch_size: int = 3
+    device: str = "cpu"
+    root: str | None = None  # store root to keep (default: a temporary directory, removed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rollout:
+    """What the rollout side produced: the outputs, each sampled token's log-probability by
+    request and position, its wall time and a description for the summary."""
+
+    outputs: list
+    logp: dict[str, dict[int, float]]
+    seconds: float
+    description: str
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What one mode of the training forwards (no replay, or replay) measured, summed over
+    micro-batches: routing vs recorded, and the sampled tokens' log-probabilities on both sides."""
+
+    moe_layers: int
+    decisions_differ: int = 0
+    tokens_any: int = 0
+    layer: np.ndarray = field(init=False)  # differing decisions per MoE layer
+    layers_per_token: list[np.ndarray] = field(default_factory=list)
+    logp_train: list[float] = field(default_factory=list)
+    logp_rollout: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer = np.zeros(self.moe_layers, np.int64)
+
+
+@dataclass(slots=True)
+class _Training:
+    """The training forwards' tallies by mode, replay's own live-vs-replayed count, the rows
+    read back, the stored rollout's geometry (``RolloutInfo``) and the wall time."""
+
+    tally: dict[str, _Tally]
+    live_vs_replayed: dict[str, int]
+    rows_total: int
+    info: Any
+    seconds: float
+
+
+def run_verify(options: VerifyOptions | None = None, /, **fields: Any) -> VerifyResult:
+    """Roll out, store, read back, train without and with replay, compare (module docstring).
+
+    ``fields`` override ``options`` (default :class:`VerifyOptions`), so
+    ``run_verify(engine="vllm", num_requests=12)`` runs ``VerifyOptions(engine="vllm", num_requests=12)``.
+    """
     from r3rdma.integrations.hf_routers import find_moe_routers
-    from r3rdma.store.local_store import LocalRoutingStore
-    from r3rdma.integrations.hf_models import build_model
-    from r3rdma.write.writer import RoutingWriter
-    from r3rdma.read.reader import RoutingReader
-    from r3rdma.replay.router_replay import ReplayBatch, RouterReplay, routing_agreement
 
+    o = replace(options or VerifyOptions(), **fields)
     started = time.perf_counter()
-    if engine not in ("hf", "vllm"):
-        raise SystemExit(f"r3rdma verify: --engine must be hf or vllm, got {engine!r}")
-    if layout not in ("packed", "padded"):
-        raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {layout!r}")
-    meta = None
-    if model_path is not None:
-        train_model, meta = load_trained(model_path)
-        config = train_model.config
-        model_config = model_path
-    else:
-        model_config = model_config or DEFAULT_PRESET[engine]
-        config = resolve_config(model_config)
-        train_model = build_model(config, seed=seed, dtype=torch.float32)
-        if init == "fan-in":
-            fan_in_init(train_model, seed=seed, logit_gain=logit_gain)
-        elif init != "hf":
-            raise SystemExit(f"r3rdma verify: --init must be fan-in or hf, got {init!r}")
-    # Both sides hold the same weights (rounded to the rollout dtype once): only the arithmetic
-    # differs, as between an inference engine and a trainer loading one checkpoint.
-    with torch.no_grad():
-        for param in train_model.parameters():
-            param.copy_(param.to(_DTYPES[rollout_dtype]).to(param.dtype))
-    train_model = train_model.to(device)
-    train_model = train_model.to(_DTYPES[train_dtype])
-    rollout_model = copy.deepcopy(train_model).to(_DTYPES[rollout_dtype])
+    if o.engine not in ("hf", "vllm"):
+        raise SystemExit(f"r3rdma verify: --engine must be hf or vllm, got {o.engine!r}")
+    if o.layout not in ("packed", "padded"):
+        raise SystemExit(f"r3rdma verify: --layout must be packed or padded, got {o.layout!r}")
+    train_model, meta = _train_model(o)
+    rollout_model = _same_weights_in_both_dtypes(train_model, o)
     routers = find_moe_routers(train_model)
-    if model_path is not None:
-        from r3rdma.cli.train_tiny import heldout_prompts
-
-        requests = heldout_prompts(num_requests, seed=seed, min_prompt=min_prompt, max_prompt=max_prompt,
-                                   min_new=min_new, max_new=max_new)
-    else:
-        requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
-                                 max_prompt=max_prompt, min_new=min_new, max_new=max_new)
+    requests = _requests(o, train_model.config)
     rollout_id = "verify-rollout-0"
-    own_root = root is None
-    root = root or tempfile.mkdtemp(prefix="r3rdma-verify-")
+    root = o.root or tempfile.mkdtemp(prefix="r3rdma-verify-")
     try:
-        # -- 1. rollout ------------------------------------------------------------------------
-        logp_rollout: dict[str, dict[int, float]] = {r.request_id: {} for r in requests}
-
-        def on_sample(info) -> None:
-            for rid, pos, lp in zip(info.request_ids, info.positions, info.logprobs.tolist()):
-                logp_rollout[rid][pos] = lp
-
-        if engine == "vllm":
-            from r3rdma.cli.verify_vllm import rollout_with_vllm
-
-            outputs, logp_rollout, rollout_s, rollout_desc = rollout_with_vllm(
-                rollout_model, requests, root=root, rollout_id=rollout_id, dtype=rollout_dtype, seed=seed,
-                batch_size=rollout_batch_size)
-        else:
-            block_size = 16
-            max_len = max_prompt + max_new + 1
-            allocator = BlockAllocator(num_blocks=rollout_batch_size * (-(-max_len // block_size)) + 1, block_size=block_size)
-            t0 = time.perf_counter()
-            with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
-                capturer = capturer_for_model(rollout_model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
-                detach = attach_capturer(rollout_model, capturer)
-                driver = HFRolloutDriver(rollout_model, capturer, allocator=allocator, batch_size=rollout_batch_size,
-                                         eos_token_id=None, seed=seed, sample_listeners=[on_sample])
-                outputs = driver.run(requests)
-                detach()
-                writer.flush()
-            rollout_s = time.perf_counter() - t0
-            rollout_desc = f"{rollout_dtype}, batched KV-cache decode (batch {rollout_batch_size}, left padding)"
+        rollout = _roll_out(o, rollout_model, requests, root, rollout_id)
         del rollout_model
-
-        # -- 2. training forwards, without and with replay -------------------------------------
-        reader = RoutingReader(root)
-        info = reader.info(rollout_id)
-        order = list(np.random.default_rng(seed + 1).permutation(len(outputs)))
-        acc = {
-            mode: {"decisions_differ": 0, "tokens_any": 0, "layer": np.zeros(len(routers), np.int64),
-                   "layers_per_token": [], "logp_train": [], "logp_rollout": []}
-            for mode in ("no_replay", "replay")
-        }
-        live_vs_replayed = {"decisions_differ": 0, "tokens_any": 0}
-        rows_total = 0
-        t0 = time.perf_counter()
-        replay = RouterReplay(train_model)
-        replay.detach()
-        tap = _RoutingTap(routers)  # registered after replay's hooks: sees what the experts get
-        for group, seqs, input_ids, kwargs, rows in _train_batches(outputs, order, layout, train_batch_size):
-            rids = [o.request_id for o in group]
-            packed = reader.get_packed(rollout_id, rids)
-            cu = packed.cu_seqlens.tolist()
-            n_rows = cu[-1]
-            rows_total += n_rows
-            if layout == "packed":
-                batch = ReplayBatch.packed(packed, [len(s) for s in seqs])
-            else:
-                batch = ReplayBatch.padded(packed, kwargs["attention_mask"])
-            recorded_rows = np.concatenate([r[: cu[i + 1] - cu[i]] for i, r in enumerate(rows)])
-            for mode in ("no_replay", "replay"):
-                if mode == "replay":
-                    replay.attach()
-                    # Re-register the tap so it runs after the replay hook.
-                    tap.close()
-                    tap = _RoutingTap(routers)
-                    replay.set_routing(batch)
-                with torch.no_grad():
-                    logits = train_model(input_ids=input_ids.to(device), use_cache=False,
-                                         **{k: v.to(device) for k, v in kwargs.items()}).logits
-                used_NLK = tap.take()
-                if mode == "replay":
-                    report = replay.last_report
-                    live_vs_replayed["decisions_differ"] += report.decisions_differ
-                    live_vs_replayed["tokens_any"] += report.tokens_any_layer_differ
-                    replay.detach()
-                used_TLK = used_NLK[torch.from_numpy(recorded_rows)]
-                d, t, per_layer = routing_agreement(used_TLK, packed.ids_TLK)
-                a = acc[mode]
-                a["layers_per_token"].append(_layers_differ_per_token(used_TLK, packed.ids_TLK))
-                a["decisions_differ"] += d
-                a["tokens_any"] += t
-                a["layer"] += np.asarray(per_layer)
-                # Logits at the row of position p - 1 predict the token at position p (generated
-                # positions only: those have a rollout log-prob).
-                pred_rows = np.concatenate([r[len(o.prompt) - 1 : len(s) - 1] for o, s, r in zip(group, seqs, rows)])
-                target_rows = pred_rows + 1
-                flat_logits = logits.reshape(-1, logits.shape[-1])[torch.from_numpy(pred_rows).to(logits.device)]
-                targets = input_ids.reshape(-1)[torch.from_numpy(target_rows)].to(logits.device)
-                logp = torch.log_softmax(flat_logits.float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
-                a["logp_train"].extend(logp.cpu().tolist())
-                for o, s in zip(group, seqs):
-                    a["logp_rollout"].extend(logp_rollout[o.request_id][pos] for pos in range(len(o.prompt), len(s)))
-        tap.close()
-        train_s = time.perf_counter() - t0
+        training = _train_forwards(o, train_model, routers, rollout, root, rollout_id)
     finally:
-        if own_root:
+        if o.root is None:
             shutil.rmtree(root, ignore_errors=True)
-
-    decisions = rows_total * len(routers) * info.top_k
-    summary: dict[str, Any] = {
-        "model_config": model_config,
-        "model_type": config.model_type,
-        "model": "random init" if model_path is None else model_path,
-        "moe_layers": len(routers),
-        "num_experts": info.num_experts,
-        "top_k": info.top_k,
-        "rollout": rollout_desc,
-        "engine": engine,
-        "train": f"{train_dtype}, full sequence, {layout} (batch {train_batch_size}, reordered)",
-        "device": device,
-        "init": ("trained checkpoint" if model_path is not None else
-                 init if init == "hf" else f"fan-in (logit gain {logit_gain})"),
-        "prompts": "held-out stdlib text (bytes), sampled generation" if model_path is not None else "random token ids",
-        "requests": len(outputs),
-        "routing_rows": rows_total,
-        "generated_tokens": len(acc["replay"]["logp_train"]),
-    }
-    for mode, suffix in (("no_replay", ""), ("replay", "_replay")):
-        a = acc[mode]
-        lt = np.asarray(a["logp_train"], dtype=np.float64)
-        lr = np.asarray(a["logp_rollout"], dtype=np.float64)
-        r = lt - lr
-        summary[f"router_decisions_differ{suffix}"] = a["decisions_differ"] / decisions
-        summary[f"tokens_any_layer_differ{suffix}"] = a["tokens_any"] / rows_total
-        summary[f"kl_k3_{mode}"] = float(np.mean(np.expm1(r) - r))
-        summary[f"extreme_ratio_tokens_{mode}"] = float(np.mean(np.abs(r) > math.log(2)))
-        summary[f"extreme_tokens_{mode}"] = int(np.sum(np.abs(r) > math.log(2)))
-        summary[f"mean_abs_logp_diff_{mode}"] = float(np.mean(np.abs(r)))
-        summary[f"abs_log_ratio_quantiles_{mode}"] = _quantiles(np.abs(r))
-        summary[f"abs_log_ratio_hist_{mode}"] = _histogram(np.abs(r))
-        lpt = np.concatenate(a["layers_per_token"]) if a["layers_per_token"] else np.zeros(0, np.int64)
-        summary[f"mean_layers_differ_per_token{suffix}"] = float(lpt.mean()) if lpt.size else 0.0
-        summary[f"mean_layers_differ_per_differing_token{suffix}"] = float(lpt[lpt > 0].mean()) if (lpt > 0).any() else 0.0
-        summary[f"layer_decisions_differ{suffix}"] = [int(x) / (rows_total * info.top_k) for x in a["layer"]]
-    summary["replay_live_vs_replayed_decisions_differ"] = live_vs_replayed["decisions_differ"] / decisions
-    summary["replay_live_vs_replayed_tokens_any_layer_differ"] = live_vs_replayed["tokens_any"] / rows_total
-    if meta is not None:
-        summary["heldout_loss_before_training"] = meta.get("heldout_loss_before")
-        summary["heldout_loss_after_training"] = meta.get("heldout_loss_after")
-        summary["train_tiny"] = {k: meta.get(k) for k in ("seed", "settings", "device", "tokens_seen", "versions")}
-    summary["rollout_seconds"] = round(rollout_s, 3)
-    summary["train_seconds"] = round(train_s, 3)
+    summary = _summary(o, train_model.config, meta, len(routers), rollout, training)
     summary["seconds"] = round(time.perf_counter() - started, 3)
     ok = (
-        acc["replay"]["decisions_differ"] == 0
-        and acc["replay"]["tokens_any"] == 0
+        training.tally["replay"].decisions_differ == 0
+        and training.tally["replay"].tokens_any == 0
         and summary["kl_k3_replay"] < summary["kl_k3_no_replay"]
     )
     summary["ok"] = ok
     return VerifyResult(summary=summary, ok=ok)
+
+
+def _train_model(o: VerifyOptions) -> tuple[torch.nn.Module, dict | None]:
+    """The trainer's fp32 model (a trained checkpoint, or a config's random weights under
+    ``o.init``) and the checkpoint's train_tiny.json (None for random weights)."""
+    from r3rdma.integrations.hf_models import build_model
+
+    if o.model_path is not None:
+        return load_trained(o.model_path)
+    model = build_model(resolve_config(o.model_config or DEFAULT_PRESET[o.engine]), seed=o.seed, dtype=torch.float32)
+    if o.init == "fan-in":
+        fan_in_init(model, seed=o.seed, logit_gain=o.logit_gain)
+    elif o.init != "hf":
+        raise SystemExit(f"r3rdma verify: --init must be fan-in or hf, got {o.init!r}")
+    return model, None
+
+
+def _same_weights_in_both_dtypes(train_model: torch.nn.Module, o: VerifyOptions) -> torch.nn.Module:
+    """Round ``train_model``'s weights to the rollout dtype once, move it to the device in the
+    train dtype, and return its copy in the rollout dtype: both sides hold the same weights and
+    only the arithmetic differs, as between an inference engine and a trainer loading one
+    checkpoint."""
+    with torch.no_grad():
+        for param in train_model.parameters():
+            param.copy_(param.to(_DTYPES[o.rollout_dtype]).to(param.dtype))
+    train_model.to(o.device)
+    train_model.to(_DTYPES[o.train_dtype])
+    return copy.deepcopy(train_model).to(_DTYPES[o.rollout_dtype])
+
+
+def _requests(o: VerifyOptions, config) -> list:
+    """Held-out text prompts for a trained checkpoint, random token ids otherwise."""
+    lengths = {"min_prompt": o.min_prompt, "max_prompt": o.max_prompt, "min_new": o.min_new, "max_new": o.max_new}
+    if o.model_path is not None:
+        from r3rdma.cli.train_tiny import heldout_prompts
+
+        return heldout_prompts(o.num_requests, seed=o.seed, **lengths)
+    from r3rdma.cli.demo import make_requests
+
+    return make_requests(o.num_requests, vocab=config.vocab_size, seed=o.seed, **lengths)
+
+
+def _roll_out(o: VerifyOptions, model: torch.nn.Module, requests: list, root: str, rollout_id: str) -> _Rollout:
+    """Generate ``requests`` on the rollout engine, its routing captured into ``root``."""
+    if o.engine == "vllm":
+        from r3rdma.cli.verify_vllm import rollout_with_vllm
+
+        return _Rollout(*rollout_with_vllm(model, requests, root=root, rollout_id=rollout_id, dtype=o.rollout_dtype,
+                                           seed=o.seed, batch_size=o.rollout_batch_size))
+    return _roll_out_hf(o, model, requests, root, rollout_id)
+
+
+def _roll_out_hf(o: VerifyOptions, model: torch.nn.Module, requests: list, root: str, rollout_id: str) -> _Rollout:
+    """Batched KV-cache decode (left padding) with the HF driver, through capturer, writer and
+    a local store; the log-probability of every sampled token from the driver's listener."""
+    from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.store.local_store import LocalRoutingStore
+    from r3rdma.write.writer import RoutingWriter
+
+    logp: dict[str, dict[int, float]] = {r.request_id: {} for r in requests}
+
+    def on_sample(info) -> None:
+        for rid, pos, lp in zip(info.request_ids, info.positions, info.logprobs.tolist()):
+            logp[rid][pos] = lp
+
+    block_size = 16
+    max_len = o.max_prompt + o.max_new + 1
+    allocator = BlockAllocator(num_blocks=o.rollout_batch_size * (-(-max_len // block_size)) + 1, block_size=block_size)
+    t0 = time.perf_counter()
+    with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
+        capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
+        detach = attach_capturer(model, capturer)
+        driver = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=o.rollout_batch_size,
+                                 eos_token_id=None, seed=o.seed, sample_listeners=[on_sample])
+        outputs = driver.run(requests)
+        detach()
+        writer.flush()
+    seconds = time.perf_counter() - t0
+    return _Rollout(outputs, logp, seconds,
+                    f"{o.rollout_dtype}, batched KV-cache decode (batch {o.rollout_batch_size}, left padding)")
+
+
+class _TrainForward:
+    """The training model's forward, routing live or under :class:`RouterReplay`, with a
+    :class:`_RoutingTap` that sees what the experts get."""
+
+    def __init__(self, model: torch.nn.Module, routers, device: str) -> None:
+        from r3rdma.integrations.hf_router_replay import RouterReplay
+
+        self.model, self.routers, self.device = model, routers, device
+        self.replay = RouterReplay(model)
+        self.replay.detach()
+        self.tap = _RoutingTap(routers)  # registered after replay's hooks: sees what the experts get
+
+    def __call__(self, input_ids: torch.Tensor, kwargs: dict, replayed=None):
+        """``(logits, ids the experts got [N, L, K], replay's report or None)``; with a
+        ``ReplayBatch`` ``replayed``, the routers replay it."""
+        if replayed is not None:
+            self.replay.attach()
+            # Re-register the tap so it runs after the replay hook.
+            self.tap.close()
+            self.tap = _RoutingTap(self.routers)
+            self.replay.set_routing(replayed)
+        with torch.no_grad():
+            logits = self.model(input_ids=input_ids.to(self.device), use_cache=False,
+                                **{k: v.to(self.device) for k, v in kwargs.items()}).logits
+        used_NLK = self.tap.take()
+        if replayed is None:
+            return logits, used_NLK, None
+        replay_report = self.replay.last_report
+        self.replay.detach()
+        return logits, used_NLK, replay_report
+
+    def close(self) -> None:
+        self.tap.close()
+
+
+def _train_forwards(o: VerifyOptions, model: torch.nn.Module, routers, rollout: _Rollout, root: str,
+                    rollout_id: str) -> _Training:
+    """Read the routing back and run the training forwards over another batch composition
+    (requests reordered and regrouped, ``o.layout``), without and with replay."""
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.replay import ReplayBatch
+
+    reader = RoutingReader(root)
+    info = reader.info(rollout_id)
+    order = list(np.random.default_rng(o.seed + 1).permutation(len(rollout.outputs)))
+    tally = {mode: _Tally(len(routers)) for mode in ("no_replay", "replay")}
+    live_vs_replayed = {"decisions_differ": 0, "tokens_any": 0}
+    rows_total = 0
+    t0 = time.perf_counter()
+    forward = _TrainForward(model, routers, o.device)
+    for group, seqs, input_ids, kwargs, rows in _train_batches(rollout.outputs, order, o.layout, o.train_batch_size):
+        packed = reader.get_packed(rollout_id, [out.request_id for out in group])
+        cu = packed.cu_seqlens.tolist()
+        rows_total += cu[-1]
+        if o.layout == "packed":
+            batch = ReplayBatch.packed(packed, [len(s) for s in seqs])
+        else:
+            batch = ReplayBatch.padded(packed, kwargs["attention_mask"])
+        recorded_rows = torch.from_numpy(np.concatenate([r[: cu[i + 1] - cu[i]] for i, r in enumerate(rows)]))
+        for mode in ("no_replay", "replay"):
+            logits, used_NLK, replay_report = forward(input_ids, kwargs, batch if mode == "replay" else None)
+            if replay_report is not None:
+                live_vs_replayed["decisions_differ"] += replay_report.decisions_differ
+                live_vs_replayed["tokens_any"] += replay_report.tokens_any_layer_differ
+            _count_routing(tally[mode], used_NLK[recorded_rows], packed.ids_TLK)
+            _count_logp(tally[mode], logits, input_ids, group, seqs, rows, rollout.logp)
+    forward.close()
+    return _Training(tally, live_vs_replayed, rows_total, info, time.perf_counter() - t0)
+
+
+def _count_routing(tally: _Tally, used_TLK: torch.Tensor, recorded_TLK: torch.Tensor) -> None:
+    """Add the decisions, tokens and layers where the routing used differs from the recorded."""
+    from r3rdma.replay import routing_agreement
+
+    d, t, per_layer = routing_agreement(used_TLK, recorded_TLK)
+    tally.layers_per_token.append(_layers_differ_per_token(used_TLK, recorded_TLK))
+    tally.decisions_differ += d
+    tally.tokens_any += t
+    tally.layer += np.asarray(per_layer)
+
+
+def _count_logp(tally: _Tally, logits: torch.Tensor, input_ids: torch.Tensor, group, seqs, rows,
+                logp_rollout: dict[str, dict[int, float]]) -> None:
+    """Add the trainer's and the rollout's log-probabilities of each generated token."""
+    # Logits at the row of position p - 1 predict the token at position p (generated positions
+    # only: those have a rollout log-prob).
+    pred_rows = np.concatenate([r[len(out.prompt) - 1 : len(s) - 1] for out, s, r in zip(group, seqs, rows)])
+    target_rows = pred_rows + 1
+    flat_logits = logits.reshape(-1, logits.shape[-1])[torch.from_numpy(pred_rows).to(logits.device)]
+    targets = input_ids.reshape(-1)[torch.from_numpy(target_rows)].to(logits.device)
+    logp = torch.log_softmax(flat_logits.float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+    tally.logp_train.extend(logp.cpu().tolist())
+    for out, s in zip(group, seqs):
+        tally.logp_rollout.extend(logp_rollout[out.request_id][pos] for pos in range(len(out.prompt), len(s)))
+
+
+def _summary(o: VerifyOptions, config, meta: dict | None, moe_layers: int, rollout: _Rollout,
+             training: _Training) -> dict[str, Any]:
+    """The run's summary (the JSON line of ``r3rdma verify``), less its total time and verdict."""
+    info, rows_total = training.info, training.rows_total
+    summary: dict[str, Any] = {
+        "model_config": o.model_path if o.model_path is not None else o.model_config or DEFAULT_PRESET[o.engine],
+        "model_type": config.model_type,
+        "model": "random init" if o.model_path is None else o.model_path,
+        "moe_layers": moe_layers,
+        "num_experts": info.num_experts,
+        "top_k": info.top_k,
+        "rollout": rollout.description,
+        "engine": o.engine,
+        "train": f"{o.train_dtype}, full sequence, {o.layout} (batch {o.train_batch_size}, reordered)",
+        "device": o.device,
+        "init": ("trained checkpoint" if o.model_path is not None else
+                 o.init if o.init == "hf" else f"fan-in (logit gain {o.logit_gain})"),
+        "prompts": "held-out stdlib text (bytes), sampled generation" if o.model_path is not None else "random token ids",
+        "requests": len(rollout.outputs),
+        "routing_rows": rows_total,
+        "generated_tokens": len(training.tally["replay"].logp_train),
+    }
+    decisions = rows_total * moe_layers * info.top_k
+    for mode, suffix in (("no_replay", ""), ("replay", "_replay")):
+        summary.update(_mode_metrics(training.tally[mode], mode, suffix, decisions, rows_total, info.top_k))
+    summary["replay_live_vs_replayed_decisions_differ"] = training.live_vs_replayed["decisions_differ"] / decisions
+    summary["replay_live_vs_replayed_tokens_any_layer_differ"] = training.live_vs_replayed["tokens_any"] / rows_total
+    if meta is not None:
+        summary["heldout_loss_before_training"] = meta.get("heldout_loss_before")
+        summary["heldout_loss_after_training"] = meta.get("heldout_loss_after")
+        summary["train_tiny"] = {k: meta.get(k) for k in ("seed", "settings", "device", "tokens_seen", "versions")}
+    summary["rollout_seconds"] = round(rollout.seconds, 3)
+    summary["train_seconds"] = round(training.seconds, 3)
+    return summary
+
+
+def _mode_metrics(a: _Tally, mode: str, suffix: str, decisions: int, rows_total: int, top_k: int) -> dict[str, Any]:
+    """One mode's routing differences and log-ratio statistics (KL k3, extreme tokens, ...)."""
+    r = np.asarray(a.logp_train, dtype=np.float64) - np.asarray(a.logp_rollout, dtype=np.float64)
+    lpt = np.concatenate(a.layers_per_token) if a.layers_per_token else np.zeros(0, np.int64)
+    return {
+        f"router_decisions_differ{suffix}": a.decisions_differ / decisions,
+        f"tokens_any_layer_differ{suffix}": a.tokens_any / rows_total,
+        f"kl_k3_{mode}": float(np.mean(np.expm1(r) - r)),
+        f"extreme_ratio_tokens_{mode}": float(np.mean(np.abs(r) > math.log(2))),
+        f"extreme_tokens_{mode}": int(np.sum(np.abs(r) > math.log(2))),
+        f"mean_abs_logp_diff_{mode}": float(np.mean(np.abs(r))),
+        f"abs_log_ratio_quantiles_{mode}": _quantiles(np.abs(r)),
+        f"abs_log_ratio_hist_{mode}": _histogram(np.abs(r)),
+        f"mean_layers_differ_per_token{suffix}": float(lpt.mean()) if lpt.size else 0.0,
+        f"mean_layers_differ_per_differing_token{suffix}": float(lpt[lpt > 0].mean()) if (lpt > 0).any() else 0.0,
+        f"layer_decisions_differ{suffix}": [int(x) / (rows_total * top_k) for x in a.layer],
+    }
 
 
 _HIST_EDGES = (0.0, 0.01, 0.05, 0.1, 0.25, math.log(2), 1.0, 2.0, math.inf)
@@ -528,12 +650,12 @@ def main(args) -> int:
 
         return megatron_main(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run_verify(
-        model_config=args.model_config, num_requests=args.requests, rollout_batch_size=args.rollout_batch_size,
-        train_batch_size=args.train_batch_size, layout=args.layout, rollout_dtype=args.rollout_dtype,
-        train_dtype=args.train_dtype, device=device, seed=args.seed, min_prompt=args.min_prompt,
-        max_prompt=args.max_prompt, min_new=args.min_new, max_new=args.max_new, root=args.root,
-        init=args.init, logit_gain=args.logit_gain, model_path=args.model, engine=args.engine,
-    )
+    result = run_verify(VerifyOptions(
+        model_config=args.model_config, model_path=args.model, init=args.init, logit_gain=args.logit_gain,
+        num_requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt, min_new=args.min_new,
+        max_new=args.max_new, seed=args.seed, engine=args.engine, rollout_dtype=args.rollout_dtype,
+        rollout_batch_size=args.rollout_batch_size, train_dtype=args.train_dtype, layout=args.layout,
+        train_batch_size=args.train_batch_size, device=device, root=args.root,
+    ))
     s = result.summary
     return report(result, f"r3rdma verify: {s['model_type']} ({s['model_config']})")
