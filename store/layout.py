@@ -22,12 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
+from r3rdma.errors import InvalidIdError
+from r3rdma.ids import validate_id
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INDEX_KEY",
     "array_name",
     "parse_array_name",
+    "check_rollout_dir_name",
     "group_document",
     "write_json_atomic",
     "write_json",
@@ -55,6 +59,22 @@ def parse_numbered_name(prefix: str, name: str) -> int | None:
     if len(name) == 9 and name.startswith(prefix) and name[1:].isdigit():
         return int(name[1:])
     return None
+
+
+def check_rollout_dir_name(rollout_id: str) -> str:
+    """Validate ``rollout_id`` and refuse ids that collide with the root's own files.
+
+    A rollout id is a directory under the root: a valid id starting with ``.`` (``.r3rdma.lock``,
+    an index temp file) or named ``zarr.json`` would write into the store's own files (seen as
+    a NotADirectoryError that reached clients as an internal error), and hidden names are never
+    served over HTTP, so such data could not be read back.
+    """
+    validate_id(rollout_id, "rollout_id")
+    if rollout_id.startswith(".") or rollout_id == "zarr.json":
+        raise InvalidIdError(
+            f"rollout_id {rollout_id!r} is reserved: rollout ids must not start with '.' or be 'zarr.json'"
+        )
+    return rollout_id
 
 
 def array_name(seq: int) -> str:

@@ -26,7 +26,7 @@ from r3rdma.errors import (
     UnknownRequestError,
 )
 from r3rdma.records import RequestRecord
-from r3rdma.store import local_store as local_store_module
+from r3rdma.store import publishing as publishing_module
 
 from tests.sinks import ListSink
 
@@ -254,7 +254,7 @@ def test_a_crash_in_the_first_commit_leaves_no_listed_rollout(tmp_path, make_rec
         def killed(*args, **kwargs):
             raise _Killed
 
-        monkeypatch.setattr(local_store_module, "write_json_atomic", killed)
+        monkeypatch.setattr(publishing_module, "write_json_atomic", killed)
         with pytest.raises(_Killed):
             store.commit([make_record("b", rows=4, rollout_id="fresh")])
         # The array is on disk, but the rollout has no group: nothing lists it.

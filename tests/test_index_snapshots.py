@@ -97,6 +97,7 @@ _CHILD = r"""
 import os, shutil, signal, sys
 from pathlib import Path
 import store.local_store as ls
+import r3rdma.store.snapshots as snapshots  # where the snapshot thread writes and fsyncs
 from r3rdma.testing.harness import make_record
 root, first, kill_at, nth = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 calls = {"n": 0}
@@ -111,7 +112,7 @@ def due():
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
-fsync_paths, rmtree, write_json = ls.fsync_paths, shutil.rmtree, ls.write_json
+fsync_paths, rmtree = snapshots.fsync_paths, shutil.rmtree
 def fsync_hook(paths):
     if is_snapshot(paths) and kill_at == "before-fsync" and due():
         p = Path(paths[0]); p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])  # torn
@@ -123,7 +124,7 @@ def rmtree_hook(path, *a, **k):
     if Path(path).name.startswith("s0") and kill_at == "pruning" and due():
         die()
     rmtree(path, *a, **k)
-ls.fsync_paths = fsync_hook
+snapshots.fsync_paths = fsync_hook
 ls.shutil.rmtree = rmtree_hook
 store = ls.LocalRoutingStore(root, snapshot_parts=1, snapshot_idle_s=0.005)
 for i in range(first, first + 400):
@@ -177,29 +178,27 @@ def test_column_requests_behave_as_the_entries_they_encode():
     """A snapshot's requests stay columns (ColumnRequests) and read as the dict of entries they
     were encoded from: lookups, iteration order, updates from later parts (which a copy does not
     see), deletion, equality, rows without building entries, JSON through as_format_1."""
+    from r3rdma.store.index_entries import RequestEntry, Segment
     from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex, decode_requests, encode_requests
 
     arrays = ["b00000001", "b00000002"]
-    entries = {
-        f"r{i}": {"rows": 3 + i, "start_row": i % 2,
-                  "segments": [{"array": arrays[j % 2], "offset": 10 * i + j, "rows": 1 + (j == 0) * (2 + i),
-                                "start_row": i % 2 + (0 if j == 0 else 3 + i), "crc32c": (i * 7919 + j) % (1 << 32)}
-                               for j in range(1 + i % 2)]}
-        for i in range(6)
-    }
-    for e in entries.values():  # a request's segments hold its rows
-        e["rows"] = sum(s["rows"] for s in e["segments"])
+    entries = {}
+    for i in range(6):
+        segments = tuple(Segment(arrays[j % 2], 10 * i + j, 1 + (j == 0) * (2 + i), i % 2 + (0 if j == 0 else 3 + i),
+                                 (i * 7919 + j) % (1 << 32)) for j in range(1 + i % 2))
+        entries[f"r{i}"] = RequestEntry(sum(s.rows for s in segments), i % 2, segments)  # its segments hold its rows
     cols = json.loads(json.dumps(encode_requests(entries, arrays)))
     req = decode_requests(cols, arrays, "roll", "here", "snapshot")
     assert isinstance(req, ColumnRequests) and len(req) == 6 and list(req) == list(entries)
-    assert req == entries and dict(req.items()) == entries and all(req.rows(r) == entries[r]["rows"] for r in entries)
+    assert req == entries and dict(req.items()) == entries and all(req.rows(r) == entries[r].rows for r in entries)
     assert "r9" not in req and req.get("r9") is None and req.keys() & {"r1", "r9"} == {"r1"}
     before = req.copy()
-    replaced = {"rows": 1, "start_row": 0, "segments": [{"array": arrays[1], "offset": 0, "rows": 1, "start_row": 0, "crc32c": 5}]}
+    replaced = RequestEntry(1, 0, (Segment(arrays[1], 0, 1, 0, 5),))
     req.update({"r2": replaced, "r6": replaced})
     del req["r0"]
     assert req["r2"] == replaced and req.rows("r6") == 1 and "r0" not in req and list(req)[-1] == "r6"
     assert before == entries  # the copy kept the snapshot's view
     index = RolloutIndex(uid="u", geometry={}, requests=req, arrays=arrays)
-    assert json.loads(json.dumps(index.as_format_1()))["requests"]["r2"] == replaced
+    assert json.loads(json.dumps(index.as_format_1()))["requests"]["r2"] == {
+        "rows": 1, "start_row": 0, "segments": [{"array": arrays[1], "offset": 0, "rows": 1, "start_row": 0, "crc32c": 5}]}
     assert encode_requests(req, arrays) == encode_requests({k: req[k] for k in req}, arrays)

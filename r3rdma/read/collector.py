@@ -96,7 +96,7 @@ class ShareCollector:
         arrays = self.result(timeout)
         merged = self._reader._index(self._rollout_id)
         return pack(self._order, [[arrays[rid]] for rid in self._order],
-                    [merged.entry(rid)["start_row"] for rid in self._order], merged.geometry)
+                    [merged.entry(rid).start_row for rid in self._order], merged.geometry)
 
     def close(self) -> None:
         """Stop polling (a read in progress finishes first)."""

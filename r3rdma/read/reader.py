@@ -52,6 +52,7 @@ from r3rdma.ids import validate_id
 from r3rdma.records import checksum
 from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.sources import Source, source_items
+from r3rdma.store.index_entries import RequestEntry, Segment
 from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class RoutingReader:
         merged = self._require(rollout_id, request_ids)
         pieces = self._read(rollout_id, merged, request_ids)
         return pack(request_ids, [pieces[rid] for rid in request_ids],
-                    [merged.entry(rid)["start_row"] for rid in request_ids], merged.geometry)
+                    [merged.entry(rid).start_row for rid in request_ids], merged.geometry)
 
     def prefetch(self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2,
                  pin_memory: bool = False) -> "Prefetcher":
@@ -309,13 +310,13 @@ class RoutingReader:
         failed: dict[int, Exception] = {}
         todo = request_ids
         show = self._progress if self._progress is not None else sys.stderr.isatty()
-        arrays = {(merged.owner[rid], seg["array"]) for rid in request_ids for seg in merged.entry(rid)["segments"]}
+        arrays = {(merged.owner[rid], seg.array) for rid in request_ids for seg in merged.entry(rid).segments}
         try:
             with tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr,
                       disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS) as bar:
                 while todo:
-                    chosen: dict[str, tuple[int, dict[str, Any]]] = {}
-                    wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]] = {}
+                    chosen: dict[str, tuple[int, RequestEntry]] = {}
+                    wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]] = {}
                     for rid in todo:
                         holders = merged.holders(rid)
                         alive = [h for h in holders if h[0] not in failed]
@@ -330,8 +331,8 @@ class RoutingReader:
                                 + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
                             ) from cause
                         src, entry = chosen[rid] = alive[0]
-                        for seg_no, seg in enumerate(entry["segments"]):
-                            wanted.setdefault((src, seg["array"]), []).append((rid, seg_no, seg))
+                        for seg_no, seg in enumerate(entry.segments):
+                            wanted.setdefault((src, seg.array), []).append((rid, seg_no, seg))
                     bar.total = (bar.total or 0) + len(wanted)
                     results = sync(self._fetch(rollout_id, merged, wanted, bar))
                     got: dict[tuple[str, int], np.ndarray] = {}
@@ -357,7 +358,7 @@ class RoutingReader:
                     todo = [rid for rid in todo if chosen[rid][0] in failed]
                     for rid, (src, entry) in chosen.items():
                         if src not in failed:
-                            pieces[rid] = [got[(rid, k)] for k in range(len(entry["segments"]))]
+                            pieces[rid] = [got[(rid, k)] for k in range(len(entry.segments))]
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
@@ -366,23 +367,23 @@ class RoutingReader:
         return pieces
 
     async def _fetch(self, rollout_id: str, merged: "_MergedIndex",
-                     wanted: dict[tuple[int, str], list[tuple[str, int, dict[str, Any]]]], bar: tqdm) -> list[Any]:
+                     wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]], bar: tqdm) -> list[Any]:
         """Read every array's wanted segments at once; per array its segments' rows by
         (request, segment number), or the exception that array's read raised."""
         limit = asyncio.Semaphore(self._concurrency)
         loop = asyncio.get_running_loop()
 
-        async def read_array(src: int, name: str, segs: list[tuple[str, int, dict[str, Any]]]):
+        async def read_array(src: int, name: str, segs: list[tuple[str, int, Segment]]):
             source = self._sources[src]
             index = merged.per_source[src]
             rows, chunk = source.shape_of(rollout_id, index, name)
-            segs = sorted(segs, key=lambda s: s[2]["offset"])
-            if 2 * sum(s[2]["rows"] for s in segs) >= rows:
+            segs = sorted(segs, key=lambda s: s[2].offset)
+            if 2 * sum(s[2].rows for s in segs) >= rows:
                 ranges = [[0, rows, segs]]  # most of the array: all of it, in one ranged read
             else:
                 ranges = []
                 for seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
-                    lo, hi = seg[2]["offset"], seg[2]["offset"] + seg[2]["rows"]
+                    lo, hi = seg[2].offset, seg[2].offset + seg[2].rows
                     if ranges and lo // chunk <= (ranges[-1][1] - 1) // chunk:
                         ranges[-1][1] = max(ranges[-1][1], hi)
                         ranges[-1][2].append(seg)
@@ -394,16 +395,16 @@ class RoutingReader:
             out = {}
             for (lo, _hi, members), block in zip(ranges, blocks):
                 for rid, seg_no, seg in members:
-                    out[(rid, seg_no)] = block[seg["offset"] - lo : seg["offset"] - lo + seg["rows"]]
+                    out[(rid, seg_no)] = block[seg.offset - lo : seg.offset - lo + seg.rows]
             if self._verify:
                 # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
                 sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
                 for (rid, seg_no, seg), got in zip(segs, sums):
-                    if got != seg["crc32c"]:
+                    if got != seg.crc32c:
                         raise CorruptDataError(
                             f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array {name} rows "
-                            f"{seg['offset']}..{seg['offset'] + seg['rows'] - 1}: crc32c {got:#010x}, "
-                            f"index says {seg['crc32c']:#010x}"
+                            f"{seg.offset}..{seg.offset + seg.rows - 1}: crc32c {got:#010x}, "
+                            f"index says {seg.crc32c:#010x}"
                         )
             return out
 
@@ -636,17 +637,17 @@ class _MergedIndex:
     per_source: dict[int, RolloutIndex]
     skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
 
-    def entry(self, rid: str) -> dict[str, Any]:
+    def entry(self, rid: str) -> RequestEntry:
         """The request's index entry on its first holder."""
         return self.per_source[self.owner[rid]].requests[rid]
 
     def total_rows(self) -> int:
         """Rows of every visible request (each counted once, on its owner)."""
         rows_of = {i: index.requests.rows if isinstance(index.requests, ColumnRequests) else
-                   (lambda rid, requests=index.requests: requests[rid]["rows"]) for i, index in self.per_source.items()}
+                   (lambda rid, requests=index.requests: requests[rid].rows) for i, index in self.per_source.items()}
         return sum(rows_of[i](rid) for rid, i in self.owner.items())
 
-    def holders(self, rid: str) -> list[tuple[int, dict[str, Any]]]:
+    def holders(self, rid: str) -> list[tuple[int, RequestEntry]]:
         """``(source, entry)`` of every copy of the request, in source order (its owner first)."""
         return [(i, index.requests[rid]) for i, index in self.per_source.items() if rid in index.requests]
 
@@ -659,9 +660,9 @@ class _MergedIndex:
             copies = self.holders(rid)
             if len(copies) < 2:
                 continue
-            first = [s["crc32c"] for s in copies[0][1]["segments"]]
+            first = [s.crc32c for s in copies[0][1].segments]
             for src, entry in copies[1:]:
-                other = [s["crc32c"] for s in entry["segments"]]
+                other = [s.crc32c for s in entry.segments]
                 if other != first:
                     raise CorruptDataError(
                         f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "

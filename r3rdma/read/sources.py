@@ -34,6 +34,7 @@ from r3rdma.read.http_errors import read_error
 from r3rdma.read.shard_ranges import ShardLayout, read_ranges, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
     GEOMETRY_KEYS,
+    IndexPart,
     RolloutIndex,
     StalePartError,
     check_entry,
@@ -188,13 +189,13 @@ class Source:
             raw = await self.get(key, f"reading index snapshot {snapshot} of rollout {rollout_id!r}")
             if raw is None:  # replaced by a newer one since the entry point was read
                 raise StalePartError(rollout_id, self.name, snapshot)
-            doc = check_snapshot(rollout_id, snapshot, cached.uid, parse_attrs(raw, rollout_id, self.name), self.name)
-            index = RolloutIndex.from_snapshot(doc, cached.geometry)
+            merged = check_snapshot(rollout_id, snapshot, cached.uid, parse_attrs(raw, rollout_id, self.name), self.name)
+            index = RolloutIndex.from_snapshot(merged, cached.geometry)
         else:
             # A copy gets the new parts: a read on another thread may be using the cached one.
             index = cached.copy()
 
-        async def fetch(seq: int) -> dict[str, Any]:
+        async def fetch(seq: int) -> IndexPart:
             async with limit:
                 raw = await self.get(f"{rollout_id}/{part_name(seq)}/zarr.json",
                                      f"reading index part {seq} of rollout {rollout_id!r}")

@@ -1,0 +1,215 @@
+"""Segment assembly: a rollout's records applied to its visible and pending requests.
+
+A request may arrive in several records (later turns of a conversation, the prefill and decode
+engines of a disaggregated deployment). Records that do not yet complete their request are
+stored durably but listed as pending, which readers ignore; the request becomes visible once
+its segments cover every row of its span exactly once (docs/ENGINE_SEMANTICS.md states the
+rules, :class:`Assembly` applies them).
+"""
+
+from __future__ import annotations
+
+from r3rdma.errors import SegmentError, SegmentOverlapError
+from r3rdma.records import RequestRecord
+from r3rdma.store.index_entries import PendingSegment, RequestEntry, Segment
+
+__all__ = ["Assembly"]
+
+
+class Assembly:
+    """Applies records to a rollout's ``requests`` (visible) and ``pending`` (incomplete) maps.
+
+    Rules (docs/ENGINE_SEMANTICS.md): a record identical to a stored segment is a duplicate;
+    rows a record shares with another segment of its request are a conflict
+    (:class:`SegmentOverlapError`); a request becomes visible once a final segment exists and
+    its segments tile the span ``[start, end)`` exactly, where ``end`` is the final segment's
+    end and ``start`` is ``end - total_rows`` when declared, else the end of the rows already
+    visible (a continuation), else row 0.
+
+    Several final segments are several turns of a conversation; they become visible turn by
+    turn, in row order, each once the rows before it are visible. A request is never made
+    visible from a row other than 0 (a later turn that arrived first waits, pending, for the
+    earlier turns instead of becoming visible with only its rows, which would then refuse
+    them); a later turn that leaves a gap after the visible rows waits for the gap likewise.
+    Two finals whose declared spans share rows conflict (:class:`SegmentOverlapError`).
+    """
+
+    def __init__(self, rollout_id: str, requests: dict[str, RequestEntry],
+                 pending: dict[str, tuple[PendingSegment, ...]], only_last_turn: bool) -> None:
+        self.rollout_id = rollout_id
+        self.only_last_turn = only_last_turn
+        self._in_batch: set[str] = set()
+        # What this batch changes, over the stored maps (read, never written here): the new
+        # whole entry of each request it makes visible or extends, and the new pending list
+        # of each request whose pending parts change (() once none are left).
+        self._stored_requests = requests
+        self._stored_pending = pending
+        self.requests: dict[str, RequestEntry] = {}
+        self.pending: dict[str, tuple[PendingSegment, ...]] = {}
+
+    def add(self, record: RequestRecord, array: str, offset: int) -> bool:
+        """Apply one record stored at ``array[offset:]``; False if it duplicates a stored
+        segment. Raises on conflicts, having changed nothing."""
+        rid = record.request_id
+        entry = self.requests.get(rid) or self._stored_requests.get(rid)
+        parts = list(self.pending[rid] if rid in self.pending else self._stored_pending.get(rid, ()))
+        if any(_same(seg, record) for seg in (*(entry.segments if entry else ()), *parts)):
+            return False
+        in_batch = rid in self._in_batch
+        self._in_batch.add(rid)
+        if entry is not None:
+            self._check_against_visible(record, entry, in_batch)
+        self._check_against_pending(record, parts)
+        new = PendingSegment(array, offset, record.num_rows, record.start_row, record.crc32c, record.final,
+                             record.total_rows)
+        group = sorted([*parts, new], key=lambda x: x.start_row)
+        self._check_within_last_final(rid, group)
+        group = self._promote(rid, entry, group)
+        if group or rid in self._stored_pending:
+            self.pending[rid] = tuple(group)
+        else:
+            self.pending.pop(rid, None)
+        return True
+
+    # -- the conflicts a record may raise ---------------------------------------------------
+
+    def _check_against_visible(self, record: RequestRecord, entry: RequestEntry, in_batch: bool) -> None:
+        """Rows the visible request already holds, or rows before them, are refused (unless
+        ``only_last_turn``, where a later turn's full view replaces the request)."""
+        if self.only_last_turn:
+            return
+        start, end = record.start_row, record.end_row
+        cs, ce = entry.start_row, entry.end_row
+        if start < ce and end > cs:
+            raise SegmentOverlapError(
+                f"{self._where(record.request_id)} "
+                + ("appears twice in one batch with different rows" if in_batch else "is already stored")
+                + f" (rows {cs}..{ce - 1}, crc32c {entry.segments[-1].crc32c:#010x}); a record with different "
+                f"bytes arrived ({_describe(record)}); only start_row {ce} would extend it"
+            )
+        if end <= cs:
+            raise SegmentError(
+                f"{self._where(record.request_id)} is visible from row {cs}; rows before it cannot be added "
+                f"({_describe(record)}): push a request's earlier segments first, or declare total_rows on its "
+                "final segment"
+            )
+
+    def _check_against_pending(self, record: RequestRecord, parts: list[PendingSegment]) -> None:
+        """Rows a pending segment holds are refused, and so is a final whose declared span
+        shares rows with another pending final's (several finals: several turns, a later one
+        may arrive first)."""
+        start, end = record.start_row, record.end_row
+        for seg in parts:
+            if start < seg.end_row and end > seg.start_row:
+                raise SegmentOverlapError(
+                    f"{self._where(record.request_id)}: a record ({_describe(record)}) overlaps its pending segment "
+                    f"rows {seg.start_row}..{seg.end_row - 1} with different bytes"
+                )
+        if not record.final:
+            return
+        lo = start if record.total_rows is None else end - record.total_rows
+        for f in (x for x in parts if x.final):
+            if lo < f.end_row and f.span_start < end:
+                raise SegmentOverlapError(
+                    f"{self._where(record.request_id)}: two final segments, rows ending at {f.end_row - 1} (pending) "
+                    f"and at {end - 1} ({_describe(record)}), declare spans {f.span_start}..{f.end_row - 1} and "
+                    f"{lo}..{end - 1} that overlap"
+                )
+
+    def _check_within_last_final(self, rid: str, group: list[PendingSegment]) -> None:
+        """No segment may extend past the last row the request's last final declares."""
+        finals = [x for x in group if x.final]
+        if not finals:
+            return
+        last = max(x.end_row for x in finals)
+        beyond = [x for x in group if x.end_row > last]
+        if beyond:
+            x = beyond[0]
+            raise SegmentOverlapError(
+                f"{self._where(rid)}: segment rows {x.start_row}..{x.end_row - 1} extend past the request's "
+                f"last row {last - 1} (declared by its final segment)"
+            )
+
+    # -- promotion: pending segments that complete a turn become visible --------------------
+
+    def _promote(self, rid: str, entry: RequestEntry | None, group: list[PendingSegment]) -> list[PendingSegment]:
+        """Promote turn by turn: the earliest-ending final and the segments before it become
+        visible once they tile its span from where the visible rows end (row 0 for a request
+        not visible yet). A later turn that arrived first waits, pending, for the earlier ones.
+        Returns the segments still pending."""
+        while True:
+            final = min((x for x in group if x.final), key=lambda x: x.start_row, default=None)
+            if final is None:
+                return group
+            last = final.end_row
+            turn = [x for x in group if x.start_row < last]
+            first = self._turn_start(rid, entry, final, turn[0].start_row)
+            mode = self._mode(rid, entry, first, last)
+            if mode is None or not _tiles(turn, first, last):
+                return group  # earlier turns, or a gap another part may fill, have not arrived yet
+            segments = tuple(x.visible() for x in turn)
+            if mode == "extend":
+                assert entry is not None
+                entry = RequestEntry(entry.rows + last - first, entry.start_row, entry.segments + segments)
+            else:
+                entry = RequestEntry(last - first, first, segments)
+            self.requests[rid] = entry
+            group = group[len(turn):]
+
+    def _turn_start(self, rid: str, entry: RequestEntry | None, final: PendingSegment, lowest: int) -> int:
+        """The first row of the turn ``final`` ends: ``total_rows`` before its end when
+        declared, else where the visible rows end (a continuation) or its lowest segment's row
+        when that lies within them, else row 0 (a request's rows start at row 0: earlier turns
+        are waited for). Segments below it conflict."""
+        if final.total_rows is not None:
+            first = final.end_row - final.total_rows
+        elif entry is not None:
+            first = entry.end_row if lowest >= entry.end_row else lowest
+        else:
+            first = 0
+        if lowest < first:
+            raise SegmentOverlapError(
+                f"{self._where(rid)}: segment rows from {lowest} lie before row {first}, where its final segment "
+                f"(total_rows {final.total_rows}) says the request starts"
+            )
+        return first
+
+    def _mode(self, rid: str, entry: RequestEntry | None, first: int, last: int) -> str | None:
+        """How the turn ``first .. last - 1`` joins the visible request: "new" (none visible),
+        "extend" (it starts where the visible rows end), "replace" (``only_last_turn``: a full
+        view from the same first row, longer); None while rows before it have not arrived."""
+        if entry is None:
+            return "new" if first == 0 else None  # rows 0..first-1 (earlier turns) not arrived yet
+        cs, ce = entry.start_row, entry.end_row
+        if first == ce:
+            return "extend"
+        if self.only_last_turn and first == cs and last > ce:
+            return "replace"
+        if first < ce:
+            raise SegmentOverlapError(
+                f"{self._where(rid)} is already stored (rows {cs}..{ce - 1}); segments ending at row {last - 1} would "
+                f"cover rows {first}..{ce - 1} again; only start_row {ce} would extend it"
+                + ("" if not self.only_last_turn else f", or a later turn's full view starting at row {cs}")
+            )
+        return None  # rows ce..first-1 (an earlier turn) have not arrived yet
+
+    def _where(self, rid: str) -> str:
+        return f"request {rid!r} of rollout {self.rollout_id!r}"
+
+
+def _describe(record: RequestRecord) -> str:
+    return f"start_row {record.start_row}, {record.num_rows} rows, crc32c {record.crc32c:#010x}"
+
+
+def _tiles(turn: list[PendingSegment], first: int, last: int) -> bool:
+    """Whether ``turn`` (in row order) covers rows ``first .. last - 1`` with no gap."""
+    covered = first
+    for x in turn:
+        if x.start_row != covered:
+            break
+        covered += x.rows
+    return covered == last
+
+
+def _same(seg: Segment, record: RequestRecord) -> bool:
+    return seg.start_row == record.start_row and seg.rows == record.num_rows and seg.crc32c == record.crc32c
