@@ -8,11 +8,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from r3rdma.errors import ShapeMismatchError
 from r3rdma.records import RequestRecord
+from r3rdma.store.assembly import Assembly
 from r3rdma.store.layout import tree_paths
+from r3rdma.store.rollout_index import GEOMETRY_KEYS
 from r3rdma.store.shard_writer import write_batch_array
 
-__all__ = ["batch_chunk_rows", "aligned", "batch_rows", "write_array"]
+__all__ = ["batch_chunk_rows", "aligned", "place_records", "record_geometry", "batch_rows", "write_array"]
 
 
 def batch_chunk_rows(records: Sequence[RequestRecord], min_chunk_rows: int, chunk_rows: int) -> int:
@@ -45,6 +48,42 @@ def aligned(end: int, rows: int, chunk_rows: int) -> int:
     """
     room = -end % chunk_rows
     return end + room if rows > room > 0 else end
+
+
+def place_records(records: list[RequestRecord], state: Assembly, name: str, chunk: int,
+                  geometry: dict[str, Any]) -> tuple[list[tuple[int, RequestRecord]], int, int]:
+    """Apply a rollout's records in order to ``state`` and place each new one in batch array
+    ``name`` (:func:`aligned`); return the ``(offset, record)`` placed, the duplicates skipped,
+    and the array's rows. Refuses a record of another geometry than ``geometry``."""
+    new: list[tuple[int, RequestRecord]] = []
+    duplicates = 0
+    end = 0
+    for record in records:
+        if record_geometry(record) != geometry:
+            raise ShapeMismatchError(
+                f"request {record.request_id!r} has geometry {record_geometry(record)}, "
+                f"but {records[0].request_id!r} in the same batch has {geometry}"
+            )
+        offset = aligned(end, record.num_rows, chunk)
+        if state.add(record, name, offset):
+            new.append((offset, record))
+            end = offset + record.num_rows
+        else:
+            duplicates += 1
+    return new, duplicates, end
+
+
+def record_geometry(record: RequestRecord) -> dict[str, Any]:
+    """What every record of a rollout shares (the entry point's geometry keys)."""
+    geometry = {
+        "num_layers": len(record.layer_map),
+        "top_k": record.top_k,
+        "num_experts": record.num_experts,
+        "dtype": record.ids_TLK.dtype.name,
+        "layer_map": list(record.layer_map),
+    }
+    assert tuple(geometry) == GEOMETRY_KEYS
+    return geometry
 
 
 def batch_rows(placed: list[tuple[int, RequestRecord]], end: int) -> np.ndarray:

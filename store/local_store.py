@@ -38,7 +38,7 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.records import RequestRecord
 from r3rdma.store.assembly import Assembly
-from r3rdma.store.batch_array import aligned, batch_chunk_rows, batch_rows, write_array
+from r3rdma.store.batch_array import batch_chunk_rows, batch_rows, place_records, record_geometry, write_array
 from r3rdma.store.index_entries import PendingSegment, RequestEntry
 from r3rdma.store.layout import (
     INDEX_KEY,
@@ -51,7 +51,6 @@ from r3rdma.store.layout import (
 from r3rdma.store.publishing import CommitResult, Publish, Publisher, combined
 from r3rdma.store.recovery import check_format, recover_root, remove_orphans
 from r3rdma.store.rollout_index import (
-    GEOMETRY_KEYS,
     IndexPart,
     RolloutIndex,
     load_index,
@@ -152,21 +151,7 @@ class LocalRoutingStore:
         ``start_row`` continues a committed request exactly where it ends is appended to it as a
         new segment (a later turn of a multi-turn conversation).
         """
-        by_rollout: dict[str, list[RequestRecord]] = {}
-        for record in records:
-            # Before anything is written: one record without rows refuses the whole batch (zarr
-            # cannot open a batch array of 0 rows, so storing it would break every read of its
-            # rollout). The engine learns the bad request's id and may push the others again.
-            ids = getattr(record, "ids_TLK", None)
-            if not isinstance(ids, np.ndarray) or ids.ndim != 3 or 0 in ids.shape:
-                raise ShapeMismatchError(
-                    f"request {record.request_id!r} of rollout {record.rollout_id!r}: expected rows of shape "
-                    f"[rows >= 1, layers >= 1, top_k >= 1], got {getattr(ids, 'shape', None)}; nothing of this "
-                    f"batch of {len(records)} records was stored"
-                )
-            by_rollout.setdefault(record.rollout_id, []).append(record)
-        for rollout_id in by_rollout:
-            check_rollout_dir_name(rollout_id)
+        by_rollout = _by_rollout(records)
         with self._lock:
             self._settle()
             publishes: list[Publish] = []
@@ -354,7 +339,7 @@ class LocalRoutingStore:
 
     def _write_rollout(self, rollout_id: str, records: list[RequestRecord]) -> Publish:
         index = self._index(rollout_id)
-        geometry = _geometry(records[0])
+        geometry = record_geometry(records[0])
         if index.geometry and index.geometry != geometry:
             raise ShapeMismatchError(
                 f"rollout {rollout_id!r} stores routing with {index.geometry}; request "
@@ -366,22 +351,8 @@ class LocalRoutingStore:
         # written unless every record of the batch is accepted. The overlay holds only what
         # this batch changes, so a commit costs O(batch) however large the rollout.
         state = Assembly(rollout_id, index.requests, index.pending, self.only_last_turn)
-        new: list[tuple[int, RequestRecord]] = []
-        duplicates = 0
-        end = 0
         chunk = batch_chunk_rows(records, self.min_chunk_rows, self.chunk_rows)
-        for record in records:
-            if _geometry(record) != geometry:
-                raise ShapeMismatchError(
-                    f"request {record.request_id!r} has geometry {_geometry(record)}, "
-                    f"but {records[0].request_id!r} in the same batch has {geometry}"
-                )
-            offset = aligned(end, record.num_rows, chunk)
-            if state.add(record, name, offset):
-                new.append((offset, record))
-                end = offset + record.num_rows
-            else:
-                duplicates += 1
+        new, duplicates, end = place_records(records, state, name, chunk, geometry)
         if not new:
             return Publish.nothing(rollout_id, duplicates)
         data = batch_rows(new, end)
@@ -407,13 +378,23 @@ class LocalRoutingStore:
         return item
 
 
-def _geometry(record: RequestRecord) -> dict[str, Any]:
-    geometry = {
-        "num_layers": len(record.layer_map),
-        "top_k": record.top_k,
-        "num_experts": record.num_experts,
-        "dtype": record.ids_TLK.dtype.name,
-        "layer_map": list(record.layer_map),
-    }
-    assert tuple(geometry) == GEOMETRY_KEYS
-    return geometry
+def _by_rollout(records: Sequence[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """A batch's records by rollout, each record's rows and each rollout id checked.
+
+    Before anything is written: one record without rows refuses the whole batch (zarr cannot
+    open a batch array of 0 rows, so storing it would break every read of its rollout). The
+    engine learns the bad request's id and may push the others again.
+    """
+    by_rollout: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        ids = getattr(record, "ids_TLK", None)
+        if not isinstance(ids, np.ndarray) or ids.ndim != 3 or 0 in ids.shape:
+            raise ShapeMismatchError(
+                f"request {record.request_id!r} of rollout {record.rollout_id!r}: expected rows of shape "
+                f"[rows >= 1, layers >= 1, top_k >= 1], got {getattr(ids, 'shape', None)}; nothing of this "
+                f"batch of {len(records)} records was stored"
+            )
+        by_rollout.setdefault(record.rollout_id, []).append(record)
+    for rollout_id in by_rollout:
+        check_rollout_dir_name(rollout_id)
+    return by_rollout
