@@ -1,4 +1,5 @@
-"""R3Config builds the capture pipeline: capturer -> writer -> store, closed by what built it."""
+"""The pipeline an R3Config names (r3rdma.integrations.pipeline): capturer -> writer -> store, closed by
+what built it."""
 
 import json
 import signal
@@ -9,8 +10,9 @@ import torch
 import zarr
 
 from r3rdma import AuthenticationError, LocalRoutingStore, R3Config, RoutingCapturer, RoutingReader, RoutingWriter, StoreNodesClient
-from r3rdma.capture.capturer import DeviceRowsSink
+from r3rdma.capture.transfer import DeviceRows
 from r3rdma.errors import ConfigError, DuplicateRequestError, ShapeMismatchError, StoreError
+from r3rdma.integrations.pipeline import build_capturer, build_writer
 from r3rdma.write.writer import DeviceRecordStore
 
 from .store_nodes import new_token, start_node
@@ -63,9 +65,10 @@ def root_lock_is_free(root) -> bool:
 
 def test_fastdeploy_json_builds_a_capturer_whose_rows_read_back_bit_exactly(tmp_path):
     root = tmp_path / "r3"
-    cap = R3Config.from_json(
+    config = R3Config.from_json(
         f'{{"enable_routing_replay": true, "routing_store_type": "local", "local_store_dir": "{root}"}}'
-    ).build_capturer(**GEOMETRY, num_slots=64)
+    )
+    cap = build_capturer(config, **GEOMETRY, num_slots=64)
     assert isinstance(cap, RoutingCapturer) and isinstance(cap.sink, RoutingWriter)
     assert isinstance(cap.sink.store, LocalRoutingStore) and str(cap.sink.store.root) == str(root)
     assert cap.layer_map == LAYERS and cap.rollout_id == "default" and cap.transfer_mode == "staged"
@@ -82,7 +85,7 @@ def test_fastdeploy_json_builds_a_capturer_whose_rows_read_back_bit_exactly(tmp_
 
 
 def test_with_block_closes_the_capturer_its_writer_and_store(tmp_path):
-    with R3Config.from_json(fastdeploy_json(tmp_path, rollout_id="ctx")).build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(R3Config.from_json(fastdeploy_json(tmp_path, rollout_id="ctx")), **GEOMETRY, num_slots=64) as cap:
         capture_two_requests(cap)
         writer = cap.sink
     assert root_lock_is_free(tmp_path)
@@ -94,7 +97,7 @@ def test_with_block_closes_the_capturer_its_writer_and_store(tmp_path):
 
 def test_disabled_config_builds_nothing(tmp_path):
     cfg = R3Config.from_json(json.dumps({"enable_routing_replay": False, "local_store_dir": str(tmp_path / "r3")}))
-    assert cfg.build_capturer(**GEOMETRY, num_slots=64) is None
+    assert build_capturer(cfg, **GEOMETRY, num_slots=64) is None
     assert not (tmp_path / "r3").exists()  # no store opened
 
 
@@ -106,7 +109,7 @@ def test_environment_fills_the_json_and_the_json_beats_it(tmp_path, monkeypatch)
     monkeypatch.setenv("R3_CHUNK_ROWS", "2")
     monkeypatch.setenv("R3_ROLLOUT_ID", "from-env")
     monkeypatch.setenv("R3_ENABLE_ROUTING_REPLAY", "false")
-    with R3Config.from_json(fastdeploy_json(tmp_path / "env")).build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(R3Config.from_json(fastdeploy_json(tmp_path / "env")), **GEOMETRY, num_slots=64) as cap:
         writer = cap.sink
         assert (writer.flush_bytes, writer.flush_interval_s, writer.max_inflight_bytes) == (4096, 0.5, 65536)
         assert (writer.store.zstd_level, writer.store.chunk_rows, cap.rollout_id) == (0, 2, "from-env")
@@ -116,7 +119,7 @@ def test_environment_fills_the_json_and_the_json_beats_it(tmp_path, monkeypatch)
     assert codecs == ["Crc32cCodec"] and array.chunks[0] == 2  # the store wrote what the environment said
 
     argued = fastdeploy_json(tmp_path / "arg", flush_bytes=8192, zstd_level=5, chunk_rows=4, rollout_id="from-arg")
-    with R3Config.from_json(argued).build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(R3Config.from_json(argued), **GEOMETRY, num_slots=64) as cap:
         assert (cap.sink.flush_bytes, cap.sink.flush_interval_s) == (8192, 0.5)  # argument, then environment
         assert (cap.sink.store.zstd_level, cap.sink.store.chunk_rows, cap.rollout_id) == (5, 4, "from-arg")
         capture_two_requests(cap)
@@ -144,14 +147,14 @@ def test_only_last_turn_lets_a_later_turn_replace_the_stored_conversation(tmp_pa
         cap.end_step()
         cap.finish_request("c.t1", prompt_len=7, generated_len=1, store_as="c")  # start_row 0: the full view
 
-    with R3Config.from_json(fastdeploy_json(tmp_path / "olt", only_last_turn=True)).build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(R3Config.from_json(fastdeploy_json(tmp_path / "olt", only_last_turn=True)), **GEOMETRY, num_slots=64) as cap:
         assert cap.sink.store.only_last_turn
         two_turns(cap)
     got = RoutingReader(tmp_path / "olt").get_numpy("default", ["c"])["c"]
     turn2 = np.stack([topk("c.t1", 4, 3, layer) for layer in LAYERS], axis=1)
     np.testing.assert_array_equal(got, np.concatenate([truth("c.t0", 4), turn2]))
 
-    cap = R3Config.from_json(fastdeploy_json(tmp_path / "append")).build_capturer(**GEOMETRY, num_slots=64)
+    cap = build_capturer(R3Config.from_json(fastdeploy_json(tmp_path / "append")), **GEOMETRY, num_slots=64)
     two_turns(cap)
     with pytest.raises(DuplicateRequestError, match="only start_row 4 would extend it"):
         cap.close()  # without only_last_turn the full re-push conflicts; the error surfaces at close
@@ -164,16 +167,16 @@ def test_only_last_turn_lets_a_later_turn_replace_the_stored_conversation(tmp_pa
 def test_geometry_is_required_without_a_model(tmp_path):
     cfg = R3Config.from_json(fastdeploy_json(tmp_path / "r3"))
     with pytest.raises(ConfigError, match=r"missing \['top_k', 'num_experts'\]"):
-        cfg.build_capturer(layer_map=LAYERS, num_slots=64)
+        build_capturer(cfg, layer_map=LAYERS, num_slots=64)
     with pytest.raises(ConfigError, match="num_slots must be an int >= 1, got 0"):
-        cfg.build_capturer(**GEOMETRY, num_slots=0)
+        build_capturer(cfg, **GEOMETRY, num_slots=0)
     assert not (tmp_path / "r3").exists()  # refused before any store was opened
 
 
 def test_a_capturer_that_cannot_be_built_leaves_no_store_open(tmp_path):
     cfg = R3Config.from_json(fastdeploy_json(tmp_path))
     with pytest.raises(ShapeMismatchError, match="layer_map is empty"):
-        cfg.build_capturer(layer_map=(), top_k=TOP_K, num_experts=EXPERTS, num_slots=64)
+        build_capturer(cfg, layer_map=(), top_k=TOP_K, num_experts=EXPERTS, num_slots=64)
     assert root_lock_is_free(tmp_path)
 
 
@@ -185,17 +188,17 @@ def test_model_gives_the_geometry_and_arguments_must_agree(tmp_path):
     model = build_model(tiny_qwen3_moe(), seed=0)  # 4 layers, layer 1 dense, 16 experts, top-4
     cfg = R3Config.from_json(fastdeploy_json(tmp_path / "r3", rollout_id="hf"))
     with pytest.raises(ConfigError, match=r"top_k: the model has 4, the argument says 2"):
-        cfg.build_capturer(model=model, top_k=2, num_slots=64)
+        build_capturer(cfg, model=model, top_k=2, num_slots=64)
     with pytest.raises(ConfigError, match=r"layer_map: the model has \(0, 2, 3\), the argument says \(0, 1, 2\)"):
-        cfg.build_capturer(model=model, layer_map=(0, 1, 2), num_slots=64)
+        build_capturer(cfg, model=model, layer_map=(0, 1, 2), num_slots=64)
     if not torch.cuda.is_available():  # the model is on the CPU: a CUDA slot table would not fit it
         with pytest.raises(ConfigError, match="model's device type"):
-            R3Config.from_json(fastdeploy_json(tmp_path / "r3", slot_table_device="cuda")).build_capturer(model=model, num_slots=64)
+            build_capturer(R3Config.from_json(fastdeploy_json(tmp_path / "r3", slot_table_device="cuda")), model=model, num_slots=64)
     assert not (tmp_path / "r3").exists()
 
     allocator = BlockAllocator(num_blocks=8, block_size=16)
     requests = [RolloutRequest("p0", (5, 9, 11, 3), 3), RolloutRequest("p1", (8, 2), 4)]
-    with cfg.build_capturer(model=model, num_slots=allocator.num_slots, top_k=4, num_experts=16) as cap:
+    with build_capturer(cfg, model=model, num_slots=allocator.num_slots, top_k=4, num_experts=16) as cap:
         assert (cap.layer_map, cap.top_k, cap.num_experts, cap.device) == ((0, 2, 3), 4, 16, torch.device("cpu"))
         detach = attach_capturer(model, cap)
         outputs = HFRolloutDriver(model, cap, allocator=allocator, batch_size=2, eos_token_id=7, seed=0).run(requests)
@@ -243,7 +246,6 @@ def test_owned_sinks_are_closed_and_must_be_closable(tmp_path):
 def test_device_capabilities_are_protocols(tmp_path):
     with LocalRoutingStore(tmp_path) as store, RoutingWriter(store) as writer:
         assert not isinstance(store, DeviceRecordStore) and not writer.accepts_device_rows
-        assert isinstance(writer, DeviceRowsSink)  # the shape of one; accepts_device_rows says it cannot now
         with pytest.raises(ConfigError, match="gpu_direct' needs a sink that pushes device memory"):
             RoutingCapturer(**GEOMETRY, num_slots=8, sink=writer, transfer_mode="gpu_direct")
         with pytest.raises(ConfigError, match="needs a store that pushes device memory, got LocalRoutingStore"):
@@ -278,7 +280,7 @@ def test_store_nodes_config_pushes_through_a_real_node(node, tmp_path, monkeypat
                                          "store_urls": [node.push_url], "store_token_file": str(token_file),
                                          "rollout_id": "pushed"}))
     assert cfg.routing_store_type == "store_nodes"
-    with cfg.build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(cfg, **GEOMETRY, num_slots=64) as cap:
         client = cap.sink.store
         assert isinstance(client, StoreNodesClient) and client.nodes == [node.push_url]
         capture_two_requests(cap)
@@ -289,6 +291,27 @@ def test_store_nodes_config_pushes_through_a_real_node(node, tmp_path, monkeypat
     np.testing.assert_array_equal(got["b"], truth("b", 3))
 
 
+def test_a_writer_built_for_store_nodes_pushes_device_rows_that_read_back(node, tmp_path):
+    """The GPU-direct path of a built writer: it says it takes DeviceRows, takes them (a CPU tensor
+    here: the push reads the tensor's memory as UCX does a GPU's), and the node stores those rows."""
+    token_file = tmp_path / "token"
+    token_file.write_text(node.token)
+    cfg = R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,), store_token_file=str(token_file),
+                   flush_interval_s=0)
+    with build_writer(cfg) as writer:
+        assert writer.accepts_device_rows
+        for request_id, rows in (("a", 5), ("b", 3)):
+            writer.submit(DeviceRows(rollout_id="device", request_id=request_id, ids_TLK=torch.as_tensor(truth(request_id, rows)),
+                                     layer_map=LAYERS, num_experts=EXPERTS))
+        writer.flush()
+        assert writer.requests_committed == 2 and writer.failed_requests() == []
+    got = RoutingReader(node.http_url, token=node.read_token).get_numpy("device", ["a", "b"])
+    np.testing.assert_array_equal(got["a"], truth("a", 5))
+    np.testing.assert_array_equal(got["b"], truth("b", 3))
+    with build_writer(R3Config(local_store_dir=str(tmp_path / "local"))) as writer:
+        assert not writer.accepts_device_rows  # the capturer then stages rows through host memory
+
+
 def test_store_nodes_secret_from_the_environment_and_a_wrong_one_refused(node, tmp_path, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_text(node.token)
@@ -296,7 +319,7 @@ def test_store_nodes_secret_from_the_environment_and_a_wrong_one_refused(node, t
     monkeypatch.setenv("R3_STORE_TOKEN_FILE", str(token_file))  # as the cluster set-up exports it
     cfg = R3Config.from_json('{"enable_routing_replay": true, "routing_store_type": "rdma", "rollout_id": "env"}')
     assert cfg.store_urls == (node.push_url,) and cfg.store_token_file == str(token_file)
-    with cfg.build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(cfg, **GEOMETRY, num_slots=64) as cap:
         capture_two_requests(cap)
     assert sorted(RoutingReader(node.http_url, token=node.read_token).info("env").request_ids) == ["a", "b"]
 
@@ -304,13 +327,13 @@ def test_store_nodes_secret_from_the_environment_and_a_wrong_one_refused(node, t
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
     # staged: on CUDA, auto would probe the node at build time and fail there (closing what it built).
     cfg = R3Config.from_json('{"routing_store_type": "rdma", "rollout_id": "wrong", "transfer_mode": "staged"}')
-    cap = cfg.build_capturer(**GEOMETRY, num_slots=64)
+    cap = build_capturer(cfg, **GEOMETRY, num_slots=64)
     capture_two_requests(cap)
     with pytest.raises(AuthenticationError):
         cap.close()  # the push error surfaces at close, after which the client is closed anyway
     monkeypatch.delenv("R3_STORE_TOKEN")
     with pytest.raises(ConfigError, match="no transport secret"):
-        R3Config.from_json('{"routing_store_type": "rdma"}').build_capturer(**GEOMETRY, num_slots=64)
+        build_capturer(R3Config.from_json('{"routing_store_type": "rdma"}'), **GEOMETRY, num_slots=64)
 
 
 @pytest.mark.gpu
@@ -322,7 +345,7 @@ def test_cuda_pipeline_from_config_pins_the_table_and_pushes_device_rows(node, t
                                          "store_token_file": str(token_file), "rollout_id": f"gpu-{transfer_mode}",
                                          "slot_table_device": "cuda", "pin_host_table": True,
                                          "transfer_mode": transfer_mode}))
-    with cfg.build_capturer(**GEOMETRY, num_slots=64) as cap:
+    with build_capturer(cfg, **GEOMETRY, num_slots=64) as cap:
         assert cap.device.type == "cuda" and cap.table_SLK.device.type == "cuda"
         assert cap._table.host_table is not None and cap._table.host_table.is_pinned()  # the table lives in pinned host memory
         assert cap.sink.accepts_device_rows
@@ -336,7 +359,7 @@ def test_cuda_pipeline_from_config_pins_the_table_and_pushes_device_rows(node, t
 
 def test_a_device_that_is_no_device_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="device must name a torch device.*got 'gpu'"):
-        R3Config.from_json(fastdeploy_json(tmp_path / "r3")).build_capturer(**GEOMETRY, num_slots=8, device="gpu")
+        build_capturer(R3Config.from_json(fastdeploy_json(tmp_path / "r3")), **GEOMETRY, num_slots=8, device="gpu")
     with pytest.raises(ConfigError, match="device must name a torch device.*got 'gpu'"):
         RoutingCapturer(**GEOMETRY, num_slots=8, device="gpu")
     if not torch.cuda.is_available():
@@ -353,7 +376,7 @@ def test_store_replicas_reach_the_push_client(tmp_path, monkeypatch):
     urls = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
     base = {"routing_store_type": "store_nodes", "store_urls": urls, "store_token_file": str(token_file)}
     for replicas, expected in ((0, 2), (1, 1), (3, 3)):
-        writer = R3Config.from_json({**base, "store_replicas": replicas}).build_writer()
+        writer = build_writer(R3Config.from_json({**base, "store_replicas": replicas}))
         try:
             assert writer.store.replicas == expected
         finally:

@@ -75,7 +75,7 @@ def demo_config(root: str, rollout_id: str = "demo-rollout-0") -> R3Config:
 
 def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int = 5, seed: int = 0,
              rollout_id: str = "demo-rollout-0", config: R3Config | None = None) -> DemoResult:
-    """Generate, capture through ``config.build_capturer``, store, read back, compare with shadow hooks.
+    """Generate, capture through ``build_capturer(config, ...)``, store, read back, compare with shadow hooks.
 
     ``config``: the pipeline to build (a local store: the demo reads its root back); None:
     :func:`demo_config` over ``root`` (a new temporary directory when None) and ``rollout_id``.
@@ -87,6 +87,7 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
     from r3rdma.integrations.hf_capture import attach_capturer
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.integrations.pipeline import build_capturer
     from r3rdma.read.reader import RoutingReader
 
     started = time.perf_counter()
@@ -107,7 +108,7 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
     # Few blocks, so later waves reuse slots freed by earlier ones, as in a real KV cache.
     allocator = BlockAllocator(num_blocks=batch_size * 6, block_size=16)
     # Leaving the block closes the capturer: every request is durable and the root's lock released.
-    with config.build_capturer(model=model, num_slots=allocator.num_slots) as capturer:
+    with build_capturer(config, model=model, num_slots=allocator.num_slots) as capturer:
         detach = attach_capturer(model, capturer)
         shadow = ShadowRecorder(model)
         try:

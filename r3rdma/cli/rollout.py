@@ -9,7 +9,7 @@ once (NCCL on GPU, gloo on CPU), so every rank holds the whole slot table, and t
 owns a request (hash of its id mod the TP size) pushes it.
 
 The capture pipeline (capturer, writer, store client) is built by
-:meth:`R3Config.build_capturer <r3rdma.config.R3Config.build_capturer>`, from
+:func:`~r3rdma.integrations.pipeline.build_capturer`, from
 ``--routing-replay-config`` when given, else from the flags (:func:`rollout_config`).
 
 With ``--shadow-dir`` the first rank of each group also writes an independent shadow record
@@ -92,6 +92,7 @@ def main(args) -> int:
     from r3rdma.integrations.hf_capture import attach_capturer
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
+    from r3rdma.integrations.pipeline import build_capturer
 
     if "RANK" not in os.environ:
         raise ConfigError("r3rdma rollout is a torchrun worker and RANK is not set: launch it with "
@@ -117,7 +118,7 @@ def main(args) -> int:
     requests = make_requests(args.requests, vocab=config.vocab_size, seed=args.seed)[dp_rank :: world // tp]
     allocator = BlockAllocator(num_blocks=args.batch_size * 8, block_size=16)
     # None when the config disables capture: the generation below runs the same way.
-    capturer = r3_config.build_capturer(model=model, num_slots=allocator.num_slots, tp_group=tp_group)
+    capturer = build_capturer(r3_config, model=model, num_slots=allocator.num_slots, tp_group=tp_group)
     shadow = ShadowRecorder(model) if args.shadow_dir and dist.get_rank(tp_group) == 0 else None
     listeners = [shadow.on_step] if shadow else []
     detach = attach_capturer(model, capturer) if capturer is not None else (lambda: None)

@@ -52,6 +52,7 @@ import torch
 
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError, R3Error
+from r3rdma.integrations.pipeline import build_writer
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
 from r3rdma.integrations.vllm.support import check_engine
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
@@ -155,7 +156,7 @@ class RunnerRecorder:
         num_slots = int(kv_cache_config.num_blocks) * block_size
         from r3rdma.capture.capturer import RoutingCapturer
 
-        writer = self.config.build_writer()
+        writer = build_writer(self.config)
         try:
             check = getattr(writer.store, "check", None)
             if callable(check):
