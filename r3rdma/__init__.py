@@ -1,7 +1,8 @@
 """r3rdma: a store for Rollout Routing Replay (R3) of Mixture-of-Experts models.
 
 What an engine and a trainer call. An engine builds its capture pipeline from one
-:class:`R3Config` (``R3Config.from_json(...).build_capturer(...)``) or by hand from
+:class:`R3Config` (``build_capturer(R3Config.from_json(...), ...)``, from
+:mod:`r3rdma.integrations.pipeline`) or by hand from
 :class:`RoutingCapturer`, :class:`RoutingWriter` and a store (:class:`LocalRoutingStore` or
 :class:`StoreNodesClient`). A trainer reads with :class:`RoutingReader` (:class:`PackedRouting`
 micro-batches) and replays with :class:`RouterReplay` / :class:`ReplayBatch`.
