@@ -1,8 +1,8 @@
 """`r3rdma bench all`: every bench in one run, BENCHMARKS.md-ready tables and PNG plots.
 
 Runs store ingest (and its overhead vs writer batch size), transport (throughput vs message
-size), read, the codec study (bytes per token), store-node scaling (1/2/4 nodes on this
-machine) and, where a GPU is present, capture (overhead vs decode batch size). Each number is
+size), the codec study (bytes per token) and, where a GPU is present, capture (overhead vs
+decode batch size). Each number is
 a ratio to its yardstick measured in the same run by the same program; the machine is named
 in every table and figure. A bench that fails is reported with its error and the others still
 run. Writes ``OUT/results.json``, ``OUT/tables.md`` and ``OUT/*.png``; the last line is JSON.
@@ -77,8 +77,6 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
             capture: bool | None = None, progress: bool = True) -> dict[str, Any]:
     from r3rdma.bench import plots
     from r3rdma.bench.codec_bench import run_codec_bench
-    from r3rdma.bench.read_bench import run_read_bench
-    from r3rdma.bench.scaling_bench import run_scaling_bench
     from r3rdma.bench.store_bench import run_store_bench
     from r3rdma.bench.transport_bench import run_transport_bench
 
@@ -114,10 +112,7 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
     step("transport", lambda: run_transport_bench(sizes_mb=(0.0625, 0.25) if quick else (0.0625, 0.25, 1, 4, 16, 64),
                                                   rounds=1 if quick else 3, iterations=1 if quick else 4,
                                                   mb_per_round=1 if quick else 64, progress=False))
-    step("read", lambda: run_read_bench(requests=4 if quick else 64, rounds=1 if quick else 3, progress=False))
     step("codecs", lambda: run_codec_bench(quick=quick, repeats=1 if quick else 2, progress=progress))
-    step("scaling", lambda: run_scaling_bench(nodes=(1, 2) if quick else (1, 2, 4), mb_per_client=1 if quick else 48,
-                                              rounds=1 if quick else 2, progress=progress))
     if capture:
         step("capture", lambda: _capture_runs([8] if quick else [16, 64, 256], quick))
 
@@ -126,8 +121,6 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
     if "store_batch" in results:
         pngs["batch_overhead"] = plots.plot_batch_overhead(results["store_batch"], results.get("capture", []),
                                                            out_dir / "overhead_vs_batch_size.png", label)
-    if "scaling" in results:
-        pngs["scaling"] = plots.plot_scaling(results["scaling"], out_dir / "store_node_scaling.png", label)
     if "codecs" in results:
         pngs["codecs"] = plots.plot_codecs(results["codecs"], out_dir / "bytes_per_token.png", label)
     results["errors"] = errors
@@ -137,7 +130,7 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
     (out_dir / "tables.md").write_text(tables)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     summary = {"bench": "all", "out": str(out_dir), "machine": label, "errors": errors, "pngs": pngs, "seconds": timings}
-    for name in ("store", "transport", "read", "scaling"):
+    for name in ("store", "transport"):
         if name in results:
             summary[f"{name}_ratio"] = results[name]["ratio"]
     if "capture" in results:
@@ -164,18 +157,6 @@ def markdown_tables(results: dict[str, Any]) -> str:
                 "| message MB | requests | push GB/s | raw ucxx GB/s | ratio |", "|---|---|---|---|---|"]
         out += [f"| {r['bytes'] / (1 << 20):.3g} | {r['requests']} | {r['push_gbps']} | {r['raw_ucxx_gbps']} | {r['ratio']} |"
                 for r in results["transport"]["by_size"]]
-        out += [""]
-    if "read" in results:
-        r = results["read"]
-        out += ["## Read over HTTP", "", "| requests | file MB | reader GB/s | raw GET GB/s | ratio |", "|---|---|---|---|---|",
-                f"| {r['requests']} | {r['file_bytes'] / 1e6:.1f} | {r['reader_gbps']} | {r['raw_http_gbps']} | {r['ratio']} |", ""]
-    if "scaling" in results:
-        s = results["scaling"]
-        out += ["## Store-node scaling on one machine", "", f"{s['cpu_count']} cores; {s['mb_per_client']} MB per client, "
-                f"{s['batch_mb']} MB batches; median of {s['rounds']} round(s).", "",
-                "| nodes | aggregate GB/s | N x one node GB/s | ratio | per client GB/s |", "|---|---|---|---|---|"]
-        out += [f"| {r['nodes']} | {r['aggregate_gbps']} | {r['ideal_gbps']} | {r['ratio']} | {', '.join(map(str, r['per_client_gbps']))} |"
-                for r in s["by_nodes"]]
         out += [""]
     if "codecs" in results:
         from r3rdma.bench.codec_bench import markdown_table
@@ -204,7 +185,7 @@ def markdown_tables(results: dict[str, Any]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="bench_results", help="directory for results.json, tables.md and PNGs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, numbers mean nothing")
-    parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "read", "codecs", "scaling", "capture"])
+    parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "codecs", "capture"])
     parser.add_argument("--capture", choices=["auto", "on", "off"], default="auto", help="capture bench (default: when CUDA is available)")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_transport", "plot_batch_overhead", "plot_scaling", "plot_codecs", "plot_scale"]
+__all__ = ["plot_transport", "plot_batch_overhead", "plot_codecs", "plot_scale"]
 
 
 def _plt():
@@ -77,24 +77,6 @@ def plot_batch_overhead(store_rows: list[dict[str, Any]], capture_rows: list[dic
         ax.set_ylabel("speed ratio (capture on)")
         ax.set_title(f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}", fontsize=9)
         ax.legend()
-    return _save(fig, path)
-
-
-def plot_scaling(result: dict[str, Any], path: Path, machine: str) -> str:
-    """Aggregate ingest of N store nodes on one machine vs N x one node."""
-    plt = _plt()
-    rows = result["by_nodes"]
-    n = [r["nodes"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(n, [r["aggregate_gbps"] for r in rows], "o-", label="aggregate, N nodes concurrently")
-    ax.plot(n, [r["ideal_gbps"] for r in rows], "s--", label="N x one node (yardstick)")
-    for r in rows:
-        ax.annotate(f"{r['ratio']:.2f}", (r["nodes"], r["aggregate_gbps"]), textcoords="offset points", xytext=(4, -12))
-    ax.set_xticks(n)
-    ax.set_xlabel("store nodes (one pushing client each)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"store-node scaling on one machine ({result.get('cpu_count')} cores)\n{machine}", fontsize=9)
-    ax.legend()
     return _save(fig, path)
 
 
