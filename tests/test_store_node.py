@@ -219,7 +219,7 @@ def test_group_commit_merges_waiting_batches_and_isolates_a_refused_one(tmp_path
     assert ok == [None] * 4
     assert mixed[0] is None and mixed[2] is None and isinstance(mixed[1], DuplicateRequestError)
     index = load_index("roll-0", read_file(tmp_path / "roll-0"), "test")
-    assert len({index.requests[f"g{i}"]["segments"][0]["array"] for i in range(4)}) == 1  # one commit
+    assert len({index.requests[f"g{i}"].segments[0].array for i in range(4)}) == 1  # one commit
     reader = RoutingReader(tmp_path)
     np.testing.assert_array_equal(reader.get_numpy("roll-0", ["g0"])["g0"], make_record("g0").ids_TLK)
     assert set(reader.info("roll-0").request_ids) == {"g0", "g1", "g2", "g3", "c", "d"}

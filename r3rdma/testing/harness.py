@@ -50,7 +50,7 @@ def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
             if index is not None:
                 mine = out.setdefault(child.name, {})
                 for rid, entry in index.requests.items():
-                    mine[rid] = entry["segments"][0]["crc32c"]
+                    mine[rid] = entry.segments[0].crc32c
     return out
 
 
