@@ -26,15 +26,22 @@ import json
 import os
 import re
 import typing
-from typing import Annotated, Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass
 
 from r3rdma.errors import ConfigError, R3Error
 from r3rdma.ids import validate_id
 
-__all__ = ["R3Config", "DEFAULT_ROLLOUT_ID"]
+__all__ = ["DEFAULT_ROLLOUT_ID", "R3Config"]
 
 DEFAULT_ROLLOUT_ID = "default"
 
@@ -111,9 +118,9 @@ class R3Config:
             (``StoreNodesClient(replicas=)``, docs/DISTRIBUTED.md). 0: the client's default, 2
             with two or more nodes, else 1.
         slot_table_device: where the capturer's slot table and step buffers live, when
-            :func:`~r3rdma.integrations.pipeline.build_capturer` is given no ``device``: ``auto`` (the model's device when
-            built with ``model=``; else CUDA when available, else CPU), ``cpu``, ``cuda`` or
-            ``cuda:<n>``.
+            :func:`~r3rdma.integrations.pipeline.build_capturer` is given no ``device``:
+            ``auto`` (the model's device when built with ``model=``; else CUDA when available,
+            else CPU), ``cpu``, ``cuda`` or ``cuda:<n>``.
         pin_host_table: the capturer keeps its (CUDA) slot table in pinned host memory mapped
             into the device instead of HBM (``RoutingCapturer(pin_memory=True)``): no HBM for
             the table, slower scatters and gathers. Needs a CUDA slot table.
@@ -187,7 +194,7 @@ class R3Config:
     # -- fields together ----------------------------------------------------------------------
 
     @model_validator(mode="after")
-    def _consistent(self) -> "R3Config":
+    def _consistent(self) -> R3Config:
         if self.routing_store_type == "store_nodes":
             self._check_store_nodes()
         if self.transfer_mode == "gpu_direct" and self.routing_store_type != "store_nodes":
@@ -229,7 +236,7 @@ class R3Config:
     # -- parsing ----------------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "R3Config":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> R3Config:
         """Build a config: ``overrides`` first, then ``R3_<FIELD>`` variables, then defaults."""
         env = os.environ if env is None else env
         unknown = set(overrides) - set(_DEFAULTS)
@@ -244,7 +251,7 @@ class R3Config:
         return cls(**values)
 
     @classmethod
-    def from_json(cls, text: str | Mapping[str, Any], env: Mapping[str, str] | None = None) -> "R3Config":
+    def from_json(cls, text: str | Mapping[str, Any], env: Mapping[str, str] | None = None) -> R3Config:
         """Parse FastDeploy-style JSON (``--routing-replay-config``) plus r3rdma's own keys.
 
         The JSON's keys are arguments: they beat ``R3_*`` variables (of ``env``, default

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from r3rdma.config import DEFAULT_ROLLOUT_ID, R3Config
 from r3rdma.errors import ConfigError
@@ -36,7 +37,7 @@ _default_rollout_noted = False  # warned once per process (below), not per captu
 _default_rollout_lock = threading.Lock()
 
 
-def build_writer(config: R3Config) -> "RoutingWriter":
+def build_writer(config: R3Config) -> RoutingWriter:
     """The writer and the store ``config`` names, the writer owning the store.
 
     A :class:`~r3rdma.write.writer.RoutingWriter` (``flush_bytes``, ``flush_interval_s``,
@@ -63,14 +64,14 @@ def build_capturer(
     config: R3Config,
     *,
     num_slots: int,
-    model: "torch.nn.Module | None" = None,
+    model: torch.nn.Module | None = None,
     layer_map: Sequence[int] | None = None,
     top_k: int | None = None,
     num_experts: int | None = None,
-    device: "str | torch.device | None" = None,
-    tp_group: "torch.distributed.ProcessGroup | None" = None,
-    expert_map: "torch.Tensor | Sequence[int] | None" = None,
-) -> "RoutingCapturer | None":
+    device: str | torch.device | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    expert_map: torch.Tensor | Sequence[int] | None = None,
+) -> RoutingCapturer | None:
     """The capture pipeline ``config`` names, or None when ``enable_routing_replay`` is false.
 
     Returns a :class:`~r3rdma.capture.capturer.RoutingCapturer` whose sink is
@@ -164,7 +165,7 @@ def _geometry(model, layer_map, top_k, num_experts) -> tuple[tuple[int, ...], in
     return found["layer_map"], found["top_k"], found["num_experts"]
 
 
-def _resolve_device(config: R3Config, device, model) -> "torch.device":
+def _resolve_device(config: R3Config, device, model) -> torch.device:
     import torch
 
     model_device = None
