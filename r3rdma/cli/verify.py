@@ -37,12 +37,15 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from r3rdma.cli.verify_report import VerifyResult, report
+
+if TYPE_CHECKING:
+    from r3rdma.read.reader import RolloutInfo
 
 __all__ = ["PRESETS", "VerifyOptions", "VerifyResult", "report", "resolve_config", "run_verify"]
 
@@ -274,7 +277,7 @@ class _Training:
     tally: dict[str, _Tally]
     live_vs_replayed: dict[str, int]
     rows_total: int
-    info: Any
+    info: RolloutInfo
     seconds: float
 
 
