@@ -39,9 +39,7 @@ __all__ = ["run_capture_bench", "add_arguments", "main"]
 def _build(args, device):
     import torch
 
-    from r3rdma.integrations.hf_models import tiny_qwen3_moe
-
-    from transformers import AutoModelForCausalLM
+    from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
 
     config = tiny_qwen3_moe(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
@@ -50,16 +48,9 @@ def _build(args, device):
         num_experts=args.experts, num_experts_per_tok=args.top_k, mlp_only_layers=[],
         max_position_embeddings=4096, experts_implementation=args.experts_impl,
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)  # spread routing over the experts
-    return model.eval(), config
+    with torch.device(device):  # made on the device: the default model is tens of GB
+        model = build_model(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return model, config
 
 
 class _Loop:
@@ -114,14 +105,10 @@ class _Loop:
 
     def run_steps(self, n: int, capturer, graphed: bool, model_writes: bool = False) -> None:
         B = self.args.batch
-        starts = None
         for s in range(n):
-            if capturer is not None:
-                starts = [self.args.prompt_len + s] * B
-                if graphed or model_writes:  # the forward writes the step buffer itself
-                    capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s), graphed=True)
-                else:
-                    capturer.begin_step(self.request_ids, starts, [1] * B, self.slots(s))
+            if capturer is not None:  # graphed=True: the forward writes the step buffer itself
+                capturer.begin_step(self.request_ids, [self.args.prompt_len + s] * B, [1] * B, self.slots(s),
+                                    graphed=graphed or model_writes)
             if graphed:
                 self.graphs[capturer is not None].replay()
             else:

@@ -31,7 +31,6 @@ Run ``--running 64 256`` to see how the cost grows with the batch. The last line
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -307,18 +306,20 @@ def run_capture_host_bench(args) -> dict:
             n: r["plugin_host_us_decode_only_steps"] for n, r in plugin.items()}
         summary["goal_vllm_plugin_host_us_at_64"] = 150
         if len(plugin) > 1:
-            lo, hi = min(plugin), max(plugin)
-            summary["vllm_plugin_host_us_per_extra_request"] = round(
-                (plugin[hi]["plugin_host_us"]["median"] - plugin[lo]["plugin_host_us"]["median"]) / (hi - lo), 3)
-            summary["vllm_plugin_decode_only_us_per_extra_request"] = round(
-                (plugin[hi]["plugin_host_us_decode_only_steps"] - plugin[lo]["plugin_host_us_decode_only_steps"])
-                / (hi - lo), 3)
+            summary["vllm_plugin_host_us_per_extra_request"] = _per_extra_request(
+                plugin, lambda r: r["plugin_host_us"]["median"])
+            summary["vllm_plugin_decode_only_us_per_extra_request"] = _per_extra_request(
+                plugin, lambda r: r["plugin_host_us_decode_only_steps"])
         summary["plugin_results"] = list(plugin.values())
-    lo, hi = min(graphed), max(graphed)
-    if hi > lo:
-        summary["begin_end_us_per_extra_request"] = round(
-            (graphed[hi]["begin_end_us"]["median"] - graphed[lo]["begin_end_us"]["median"]) / (hi - lo), 3)
+    if len(graphed) > 1:
+        summary["begin_end_us_per_extra_request"] = _per_extra_request(graphed, lambda r: r["begin_end_us"]["median"])
     return summary
+
+
+def _per_extra_request(by_running: dict[int, dict], value) -> float:
+    """How ``value`` of a run grows per extra running request, from the fewest to the most."""
+    lo, hi = min(by_running), max(by_running)
+    return round((value(by_running[hi]) - value(by_running[lo])) / (hi - lo), 3)
 
 
 def add_arguments(parser) -> None:
@@ -344,8 +345,3 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     return emit(run_capture_host_bench(args))
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m r3rdma.bench.capture_host_bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    raise SystemExit(main(parser.parse_args()))

@@ -26,16 +26,16 @@ records ``"topk_sorted": true`` (see docs/FORMAT.md). The last line is JSON.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from types import SimpleNamespace
+from typing import Any, Sequence
 
 import numpy as np
 
 from r3rdma.records import RequestRecord, batches_by_size
 from r3rdma.bench.synthetic import synthetic_records
-from r3rdma.bench.support import emit
+from r3rdma.bench.support import bar, emit
 
 __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_arguments", "main"]
 
@@ -43,51 +43,22 @@ __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_a
 @dataclass(frozen=True, slots=True)
 class CodecChoice:
     name: str
-    make: Callable[[], list[Any]]  # compressors (bytes-to-bytes codecs), CRC-32C appended by the bench
+    compressors: tuple[Any, ...]  # bytes-to-bytes codecs (immutable zarr codecs); CRC-32C appended by the bench
     sort_topk: bool = False
 
 
-def _zstd(level: int) -> Callable[[], list[Any]]:
-    def make() -> list[Any]:
-        from zarr.codecs import ZstdCodec
-
-        return [ZstdCodec(level=level)]
-
-    return make
-
-
-def _blosc(cname: str, clevel: int, shuffle: str) -> Callable[[], list[Any]]:
-    def make() -> list[Any]:
-        from zarr.codecs import BloscCodec
-
-        return [BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle)]
-
-    return make
-
-
 def _codecs() -> list[CodecChoice]:
-    base = [
-        CodecChoice("none", lambda: []),
-        CodecChoice("zstd-1", _zstd(1)),
-        CodecChoice("zstd-3", _zstd(3)),
-        CodecChoice("zstd-9", _zstd(9)),
-        CodecChoice("zstd-19", _zstd(19)),
-        CodecChoice("blosc-lz4-bitshuffle", _blosc("lz4", 5, "bitshuffle")),
-        CodecChoice("blosc-zstd3-bitshuffle", _blosc("zstd", 3, "bitshuffle")),
-        CodecChoice("blosc-zstd5-bitshuffle", _blosc("zstd", 5, "bitshuffle")),
-    ]
-    return base + [CodecChoice(c.name + "+sorted", c.make, True) for c in base if c.name != "none"]
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    base = [CodecChoice("none", ())]
+    base += [CodecChoice(f"zstd-{level}", (ZstdCodec(level=level),)) for level in (1, 3, 9, 19)]
+    base += [CodecChoice(name, (BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle"),))
+             for name, cname, level in (("blosc-lz4-bitshuffle", "lz4", 5), ("blosc-zstd3-bitshuffle", "zstd", 3),
+                                        ("blosc-zstd5-bitshuffle", "zstd", 5))]
+    return base + [CodecChoice(c.name + "+sorted", c.compressors, True) for c in base if c.name != "none"]
 
 
 CODECS = _codecs()
-
-
-class _ListSink:
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def submit(self, record: RequestRecord) -> None:
-        self.records.append(record)
 
 
 def model_records(config, *, num_requests: int, seed: int = 0, min_prompt: int = 16, max_prompt: int = 160,
@@ -103,15 +74,16 @@ def model_records(config, *, num_requests: int, seed: int = 0, min_prompt: int =
                              max_prompt=max_prompt, min_new=min_new, max_new=max_new)
     blocks = batch_size * (-(-(max_prompt + max_new) // 16) + 1)
     allocator = BlockAllocator(num_blocks=blocks, block_size=16)
-    sink = _ListSink()
-    capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=sink, rollout_id=rollout_id)
+    records: list[RequestRecord] = []
+    capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=SimpleNamespace(submit=records.append),
+                                  rollout_id=rollout_id)
     detach = attach_capturer(model, capturer)
     try:
         HFRolloutDriver(model, capturer, allocator=allocator, batch_size=batch_size, seed=seed).run(requests)
         capturer.flush()
     finally:
         detach()
-    return sink.records
+    return records
 
 
 def routing_sources(*, quick: bool = False, large: bool = True, seed: int = 0) -> dict[str, list[RequestRecord]]:
@@ -202,7 +174,7 @@ def measure(records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows:
     stored = 0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        written = [_write(b, codec.make(), chunk_rows) for b in batches]
+        written = [_write(b, list(codec.compressors), chunk_rows) for b in batches]
         enc_s = min(enc_s, time.perf_counter() - t0)
         stored = sum(n for _, n in written)
         t0 = time.perf_counter()
@@ -228,8 +200,6 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
                     progress: bool = True, routing: Sequence[str] = (), routing_only: bool = False) -> dict[str, Any]:
     """The study; ``routing``: stored rollouts (``ROOT:ROLLOUT``) measured as extra sources,
     ``routing_only``: only those (chunking then runs on the first of them)."""
-    from tqdm.auto import tqdm
-
     chosen = [c for c in CODECS if codecs is None or c.name in codecs]
     sources = {} if routing_only else routing_sources(quick=quick, large=large, seed=seed)
     for spec in routing:
@@ -239,8 +209,7 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
         raise SystemExit("r3rdma bench codecs: --routing-only needs at least one --routing ROOT:ROLLOUT")
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
-    disable = not (progress and sys.stderr.isatty())
-    with tqdm(total=len(sources) * len(chosen), desc="codecs", disable=disable, file=sys.stderr) as bar:
+    with bar(progress, len(sources) * len(chosen), "codecs", unit="codec") as shown:
         for source, records in sources.items():
             ys = yardsticks(records)
             first = records[0]
@@ -255,7 +224,7 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
                              "vs_int32": round(m["bytes_per_token"] / ys["int32_raw"], 4),
                              "vs_base64": round(m["bytes_per_token"] / ys["base64_int32"], 4),
                              "encode_mbps": round(m["encode_mbps"], 1), "decode_mbps": round(m["decode_mbps"], 1)})
-                bar.update()
+                shown.update()
     # Chunking: the default codec (and its best rival) at several inner-chunk sizes, skewed data.
     chunking = []
     chunk_source = "synthetic-skewed" if "synthetic-skewed" in sources else next(iter(sources))

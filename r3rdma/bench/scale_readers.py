@@ -5,11 +5,13 @@ stored files (the raw-GET ceiling)."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import time
+import urllib.parse
 from typing import Any
 
-from r3rdma.bench.support import FileGetter, Worker, serve, wait_go
+from r3rdma.bench.support import Worker, serve, wait_go
 
 __all__ = ["reader_worker", "reader_main", "worker_read", "open_index_ms"]
 
@@ -136,3 +138,43 @@ class ReadPhases:
     def gbps(self, name: str) -> float:
         """All rounds of a phase: bytes over the summed spans."""
         return self.totals[name]["moved"] / max(self.totals[name]["span"], 1e-9) / 1e9
+
+
+class FileGetter:
+    """Whole-file GETs of a node's ``/zarr/`` files with ``http.client`` into one reused buffer,
+    a kept-alive connection per node: the plain-HTTP yardstick (the raw-GET phase). One per thread."""
+
+    def __init__(self, token: str) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+        self._buffer = memoryview(bytearray(1 << 20))
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+
+    def get(self, base: str, path: str) -> int:
+        conn = self._conns.get(base)
+        if conn is None:
+            url = urllib.parse.urlsplit(base)
+            conn = self._conns[base] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        try:
+            conn.request("GET", f"/zarr/{path}", headers=self._headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"GET {base}/zarr/{path}: HTTP {response.status}")
+            size = int(response.getheader("Content-Length"))
+            if size > len(self._buffer):
+                self._buffer = memoryview(bytearray(size))
+            got = 0
+            while got < size:
+                n = response.readinto(self._buffer[got:size])
+                if not n:
+                    raise RuntimeError(f"GET {base}/zarr/{path}: body ended after {got} of {size} bytes")
+                got += n
+            response.read()  # the response is done: the connection can carry the next request
+        except BaseException:
+            del self._conns[base]
+            conn.close()
+            raise
+        return got

@@ -1,6 +1,6 @@
 """What the bench programs share: progress on stderr, worker processes driven over a pipe, store
-nodes' /metrics and CPU time, plain whole-file GETs (the read yardstick), a push client's
-timed commits and warm-up, records of a given size, and the command line's presets and JSON line.
+nodes' /metrics and CPU time, a push client's timed commits and warm-up, and the command line's
+presets and JSON line.
 
 Store nodes are started with :func:`r3rdma.testing.harness.spawn_nodes`, as the tests start them."""
 
@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["log", "bar", "rounds_bar", "worker_context", "Worker", "serve", "wait_go", "run_phase", "span_rate", "stop_all",
-           "node_samples", "cpu_seconds", "FileGetter", "TimedCommits", "warm_connections", "records_of_size",
-           "preset", "emit"]
+           "node_samples", "cpu_seconds", "TimedCommits", "warm_connections", "preset", "emit"]
 
 
 def log(bench: str, progress: bool, message: str) -> None:
@@ -211,46 +210,6 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-class FileGetter:
-    """Whole-file GETs of a node's ``/zarr/`` files with ``http.client`` into one reused buffer,
-    a kept-alive connection per node: the plain-HTTP yardstick of the read benches. One per thread."""
-
-    def __init__(self, token: str) -> None:
-        self._headers = {"Authorization": f"Bearer {token}"}
-        self._conns: dict[str, http.client.HTTPConnection] = {}
-        self._buffer = memoryview(bytearray(1 << 20))
-
-    def close(self) -> None:
-        for conn in self._conns.values():
-            conn.close()
-
-    def get(self, base: str, path: str) -> int:
-        conn = self._conns.get(base)
-        if conn is None:
-            url = urllib.parse.urlsplit(base)
-            conn = self._conns[base] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-        try:
-            conn.request("GET", f"/zarr/{path}", headers=self._headers)
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"GET {base}/zarr/{path}: HTTP {response.status}")
-            size = int(response.getheader("Content-Length"))
-            if size > len(self._buffer):
-                self._buffer = memoryview(bytearray(size))
-            got = 0
-            while got < size:
-                n = response.readinto(self._buffer[got:size])
-                if not n:
-                    raise RuntimeError(f"GET {base}/zarr/{path}: body ended after {got} of {size} bytes")
-                got += n
-            response.read()  # the response is done: the connection can carry the next request
-        except BaseException:
-            del self._conns[base]
-            conn.close()
-            raise
-        return got
-
-
 # -- the push side --------------------------------------------------------------------------
 
 
@@ -286,23 +245,6 @@ def warm_connections(client, rollout, rollout_id: str, prefix: str) -> list[str]
             covered.update(client.replica_set(warm))
             warm_ids.append(warm.request_id)
     return warm_ids
-
-
-def records_of_size(total: int, *, seed: int, rollout_id: str = "bench"):
-    """Requests of ~1-4k rows x 48 layers x 8 (Qwen3-30B geometry, uint8) adding up to ``total``
-    bytes (the last one cut): rows of a small pool of synthetic requests reused under new ids,
-    since sampling big arrays is slow."""
-    from r3rdma.bench.synthetic import synthetic_records
-    from r3rdma.records import RequestRecord
-
-    records, size = [], 0
-    pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
-    while size < total:
-        base = pool[len(records) % len(pool)]
-        rows = min(base.num_rows, max(1, (total - size) // (base.nbytes // base.num_rows)))
-        records.append(RequestRecord(rollout_id, f"r{len(records)}", base.ids_TLK[:rows], base.layer_map, base.num_experts))
-        size += records[-1].nbytes
-    return records
 
 
 # -- command line -----------------------------------------------------------------------------

@@ -22,9 +22,26 @@ import sys
 
 import numpy as np
 
-from r3rdma.bench.support import emit, records_of_size
+from r3rdma.bench.support import emit
 
 __all__ = ["run_transport_bench", "add_arguments", "main"]
+
+
+def records_of_size(total: int, *, seed: int, rollout_id: str = "bench"):
+    """Requests of ~1-4k rows x 48 layers x 8 (Qwen3-30B geometry, uint8) adding up to ``total``
+    bytes (the last one cut): rows of a small pool of synthetic requests reused under new ids,
+    since sampling big arrays is slow."""
+    from r3rdma.bench.synthetic import synthetic_records
+    from r3rdma.records import RequestRecord
+
+    records, size = [], 0
+    pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
+    while size < total:
+        base = pool[len(records) % len(pool)]
+        rows = min(base.num_rows, max(1, (total - size) // (base.nbytes // base.num_rows)))
+        records.append(RequestRecord(rollout_id, f"r{len(records)}", base.ids_TLK[:rows], base.layer_map, base.num_experts))
+        size += records[-1].nbytes
+    return records
 
 
 async def _serve(secret: str) -> None:

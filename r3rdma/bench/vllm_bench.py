@@ -133,13 +133,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    quick = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
-    if args.requests is not None:
-        quick["requests"] = args.requests
-    if args.max_new is not None:
-        quick["max_new"] = args.max_new
+    sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
+    sizes.update({k: getattr(args, k) for k in ("requests", "max_new") if getattr(args, k) is not None})
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
-    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **quick)
+    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **sizes)
     for mode, m in result["modes"].items():
         print(f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
               f"(ratio {m['ratio']:.3f}); plug-in host time {m['host_us_per_step']:.0f} us per step")
