@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3rdma import R3Config, RoutingWriter
 from r3rdma.errors import ConfigError, StoreError
+from r3rdma.integrations.pipeline import build_capturer
 from r3rdma.metrics import capture_registry, serve_capture_metrics
 from r3rdma.store.http_app import make_http_app
 from r3rdma.store.metrics import NodeMetrics
@@ -55,7 +56,7 @@ def test_capture_metrics_of_a_real_capturer_and_writer(tmp_path):
     prefill, decode, finish, abort and preempt: every counter scraped over HTTP is the count that
     happened, not a fake's attribute."""
     config = R3Config(local_store_dir=str(tmp_path / "root"), rollout_id="metrics", flush_interval_s=0)
-    capturer = config.build_capturer(layer_map=[0, 2], top_k=2, num_experts=8, num_slots=64, device="cpu")
+    capturer = build_capturer(config, layer_map=[0, 2], top_k=2, num_experts=8, num_slots=64, device="cpu")
     server, _ = serve_capture_metrics(0, capturer=capturer, writer=capturer.sink)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:

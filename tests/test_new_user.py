@@ -13,7 +13,8 @@ import torch
 
 import r3rdma
 from r3rdma import R3Config
-from r3rdma import config as config_module
+from r3rdma.integrations import pipeline as pipeline_module
+from r3rdma.integrations.pipeline import build_capturer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,15 +82,15 @@ def test_every_import_the_docs_show_exists():
 
 
 def test_default_rollout_id_is_logged_once_per_process(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(config_module, "_default_rollout_noted", False)
+    monkeypatch.setattr(pipeline_module, "_default_rollout_noted", False)
     monkeypatch.delenv("R3_ROLLOUT_ID", raising=False)
     geometry = dict(layer_map=[0, 1], top_k=2, num_experts=8, num_slots=16, device="cpu")
     caplog.set_level(logging.WARNING, logger="r3rdma")
-    with R3Config(local_store_dir=str(tmp_path / "named"), rollout_id="step-0042").build_capturer(**geometry):
+    with build_capturer(R3Config(local_store_dir=str(tmp_path / "named"), rollout_id="step-0042"), **geometry):
         pass
     assert not [r for r in caplog.records if r.name == "r3rdma"]  # a named rollout: nothing to say
     for i in range(2):
-        with R3Config(local_store_dir=str(tmp_path / f"d{i}")).build_capturer(**geometry) as capturer:
+        with build_capturer(R3Config(local_store_dir=str(tmp_path / f"d{i}")), **geometry) as capturer:
             assert capturer.rollout_id == "default"
     said = [r.getMessage() for r in caplog.records if r.name == "r3rdma"]
     assert len(said) == 1 and "'default'" in said[0] and "R3_ROLLOUT_ID" in said[0], said

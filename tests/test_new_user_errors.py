@@ -13,6 +13,7 @@ import pytest
 
 from r3rdma import R3Config, RoutingReader
 from r3rdma.errors import AuthenticationError, ConfigError
+from r3rdma.integrations.pipeline import build_writer
 from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient
 
@@ -144,7 +145,7 @@ def test_a_push_without_a_secret_names_the_token_file_variable(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     config = R3Config.from_json('{"routing_store_type": "store_nodes", "store_urls": "127.0.0.1:13337"}')
     with pytest.raises(ConfigError, match=r"set R3_STORE_TOKEN_FILE .*\(or R3_STORE_TOKEN") as caught:
-        config.build_writer()
+        build_writer(config)
     assert "$R3_STORE_TOKEN " not in str(caught.value)
 
 
