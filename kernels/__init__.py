@@ -48,8 +48,12 @@ __all__ = [
 #:   ~10-15 us for one torch op, so the reference wins, except ``record_layer`` with an EPLB
 #:   ``expert_map`` (three torch ops, 45 us, against one Triton kernel, 34 us).
 CUSTOM_WINS_GRAPHED: dict[str, bool] = {"record_layer": True, "write_step_rows": True, "gather_rows": True}
-CUSTOM_WINS_EAGER: dict[str, bool] = {"record_layer_expert_map": True, "record_layer": False,
-                                      "write_step_rows": False, "gather_rows": False}
+CUSTOM_WINS_EAGER: dict[str, bool] = {
+    "record_layer_expert_map": True,
+    "record_layer": False,
+    "write_step_rows": False,
+    "gather_rows": False,
+}
 
 _BACKENDS = ("auto", "torch", "triton")
 _graph_regime = 0  # > 0 inside graph_regime(): choose as if capturing a CUDA graph

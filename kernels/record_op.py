@@ -26,7 +26,7 @@ the exact path an engine plug-in installs.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +38,7 @@ __all__ = ["OP_NAME", "new_step_buffer", "record_hook", "record_topk", "unwritte
 
 OP_NAME = "r3rdma::record_topk"
 
-_lib = torch.library.Library("r3rdma", "FRAGMENT")  # noqa: the op's registration lives as long as the module
+_lib = torch.library.Library("r3rdma", "FRAGMENT")  # the registration lives as long as the module
 # Tensor(a!): the op writes buf in place; dynamo and inductor keep it one in-place call.
 _lib.define("record_topk(Tensor(a!) buf_TLK, Tensor topk_ids_TK, int layer) -> ()")
 
@@ -66,8 +66,9 @@ def _record_topk_fake(buf_TLK: torch.Tensor, topk_ids_TK: torch.Tensor, layer: i
 record_topk = torch.ops.r3rdma.record_topk.default
 
 
-def new_step_buffer(*, max_tokens: int, num_layers: int, top_k: int, num_experts: int,
-                    device: str | torch.device) -> torch.Tensor:
+def new_step_buffer(
+    *, max_tokens: int, num_layers: int, top_k: int, num_experts: int, device: str | torch.device
+) -> torch.Tensor:
     """The fixed step buffer ``[max_tokens, L, K]`` in the slot table's dtype for ``num_experts``.
 
     Size it from the engine's token budget per forward, padding included (vLLM: the larger of

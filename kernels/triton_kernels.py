@@ -23,8 +23,20 @@ _TILE = 4096  # elements per program
 
 @triton.jit
 def _record_layer_kernel(
-    buf_ptr, ids_ptr, rows_ptr, emap_ptr, T, ids_s0, ids_s1, buf_s0, layer_off,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_MAP: tl.constexpr,
+    buf_ptr,
+    ids_ptr,
+    rows_ptr,
+    emap_ptr,
+    T,
+    ids_s0,
+    ids_s1,
+    buf_s0,
+    layer_off,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.arange(0, BLOCK_K)
@@ -43,8 +55,15 @@ def _record_layer_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    table_ptr, slots_ptr, rows_ptr, idx_ptr, N,
-    ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_IDX: tl.constexpr,
+    table_ptr,
+    slots_ptr,
+    rows_ptr,
+    idx_ptr,
+    N,
+    ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_IDX: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     im = i < N
@@ -61,8 +80,13 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _gather_rows_kernel(
-    out_ptr, table_ptr, slots_ptr, N,
-    ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    out_ptr,
+    table_ptr,
+    slots_ptr,
+    N,
+    ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     im = i < N
@@ -100,10 +124,20 @@ def record_layer(buf_TLK, layer, topk_ids_TK, rows_T=None, expert_map=None) -> N
     block_t = max(1, min(1024, _TILE // block_k))
     grid = (triton.cdiv(T, block_t),)
     _record_layer_kernel[grid](
-        buf_TLK, topk_ids_TK, rows_T if rows_T is not None else topk_ids_TK,
+        buf_TLK,
+        topk_ids_TK,
+        rows_T if rows_T is not None else topk_ids_TK,
         expert_map if expert_map is not None else topk_ids_TK,
-        T, topk_ids_TK.stride(0), topk_ids_TK.stride(1), buf_TLK.stride(0), layer * buf_TLK.stride(1),
-        K=K, BLOCK_T=block_t, BLOCK_K=block_k, HAS_ROWS=rows_T is not None, HAS_MAP=expert_map is not None,
+        T,
+        topk_ids_TK.stride(0),
+        topk_ids_TK.stride(1),
+        buf_TLK.stride(0),
+        layer * buf_TLK.stride(1),
+        K=K,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        HAS_ROWS=rows_T is not None,
+        HAS_MAP=expert_map is not None,
         num_warps=4,
     )
 
@@ -123,8 +157,16 @@ def write_step_rows(table_SLK, slots_T, rows_TLK, token_idx_T=None) -> None:
     row = int(table.shape[1])
     block_n, block_r = _blocks(row)
     _scatter_rows_kernel[(triton.cdiv(n, block_n),)](
-        table, slots_T, src, token_idx_T if token_idx_T is not None else slots_T, n,
-        ROW=row, BLOCK_N=block_n, BLOCK_R=block_r, HAS_IDX=token_idx_T is not None, num_warps=4,
+        table,
+        slots_T,
+        src,
+        token_idx_T if token_idx_T is not None else slots_T,
+        n,
+        ROW=row,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        HAS_IDX=token_idx_T is not None,
+        num_warps=4,
     )
 
 
@@ -140,6 +182,13 @@ def gather_rows(table_SLK, slots_T, out_TLK=None) -> torch.Tensor:
     row = int(table.shape[1])
     block_n, block_r = _blocks(row)
     _gather_rows_kernel[(triton.cdiv(n, block_n),)](
-        out, table, slots_T, n, ROW=row, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4,
+        out,
+        table,
+        slots_T,
+        n,
+        ROW=row,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        num_warps=4,
     )
     return out_TLK

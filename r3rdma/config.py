@@ -198,15 +198,16 @@ class R3Config:
         if self.routing_store_type == "store_nodes":
             self._check_store_nodes()
         if self.transfer_mode == "gpu_direct" and self.routing_store_type != "store_nodes":
-            raise ConfigError("transfer_mode 'gpu_direct' pushes device memory to store nodes; it needs "
-                              f"routing_store_type 'store_nodes', got {self.routing_store_type!r}")
-        if self.pin_host_table and self.slot_table_device == "cpu":
-            raise ConfigError("pin_host_table keeps a CUDA slot table in pinned host memory; "
-                              "slot_table_device is 'cpu' (use 'auto' or 'cuda')")
-        if self.flush_bytes > self.max_inflight_bytes:
             raise ConfigError(
-                f"flush_bytes ({self.flush_bytes}) must not exceed max_inflight_bytes ({self.max_inflight_bytes})"
+                "transfer_mode 'gpu_direct' pushes device memory to store nodes; it needs "
+                f"routing_store_type 'store_nodes', got {self.routing_store_type!r}"
             )
+        if self.pin_host_table and self.slot_table_device == "cpu":
+            raise ConfigError(
+                "pin_host_table keeps a CUDA slot table in pinned host memory; slot_table_device is 'cpu' (use 'auto' or 'cuda')"
+            )
+        if self.flush_bytes > self.max_inflight_bytes:
+            raise ConfigError(f"flush_bytes ({self.flush_bytes}) must not exceed max_inflight_bytes ({self.max_inflight_bytes})")
         return self
 
     def _check_store_nodes(self) -> None:
@@ -217,8 +218,10 @@ class R3Config:
         for url in self.store_urls:
             parse_node_url(url)
         if self.store_replicas > len(self.store_urls):
-            raise ConfigError(f"store_replicas must be in 0..{len(self.store_urls)} (0: the default) for "
-                              f"{len(self.store_urls)} store nodes, got {self.store_replicas}")
+            raise ConfigError(
+                f"store_replicas must be in 0..{len(self.store_urls)} (0: the default) for "
+                f"{len(self.store_urls)} store nodes, got {self.store_replicas}"
+            )
         if self.only_last_turn:
             raise ConfigError(
                 "only_last_turn needs routing_store_type 'local': store nodes append a later turn as a "

@@ -22,7 +22,5 @@ def validate_id(value: object, kind: str = "id") -> str:
         raise InvalidIdError(f"{kind} must be a str, got {type(value).__name__}: {value!r}")
     if not ID_PATTERN.fullmatch(value) or value in (".", "..") or ".." in value:
         shown = value if len(value) <= 60 else value[:60] + f"... ({len(value)} chars)"
-        raise InvalidIdError(
-            f"{kind} must match [A-Za-z0-9._:-]{{1,{MAX_ID_LEN}}} and contain no '..'; got {shown!r}"
-        )
+        raise InvalidIdError(f"{kind} must match [A-Za-z0-9._:-]{{1,{MAX_ID_LEN}}} and contain no '..'; got {shown!r}")
     return value

@@ -13,7 +13,8 @@ server, thread = serve_capture_metrics(9464, capturer=capturer, writer=writer)  
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -70,11 +71,15 @@ class CaptureMetrics(Collector):
             _require_attributes(obj, counters + gauges, kind)
 
     def _tables(self):
-        return [(obj, counters, gauges, kind) for obj, counters, gauges, kind in (
-            (self.capturer, _CAPTURER_COUNTERS, _CAPTURER_GAUGES, "capturer"),
-            (self.writer, _WRITER_COUNTERS, _WRITER_GAUGES, "writer"),
-            (self.client, _CLIENT_COUNTERS, [], "client"),
-        ) if obj is not None]
+        return [
+            (obj, counters, gauges, kind)
+            for obj, counters, gauges, kind in (
+                (self.capturer, _CAPTURER_COUNTERS, _CAPTURER_GAUGES, "capturer"),
+                (self.writer, _WRITER_COUNTERS, _WRITER_GAUGES, "writer"),
+                (self.client, _CLIENT_COUNTERS, [], "client"),
+            )
+            if obj is not None
+        ]
 
     def collect(self) -> Iterator[Metric]:
         for obj, counters, gauges, kind in self._tables():
@@ -85,10 +90,12 @@ class CaptureMetrics(Collector):
         if self.client is not None and hasattr(self.client, "nodes_down"):
             yield GaugeMetricFamily("r3rdma_push_nodes", "Store nodes configured", value=float(len(self.client.nodes)))
             if getattr(self.client, "replicas", None) is not None:
-                yield GaugeMetricFamily("r3rdma_push_replicas", "Store nodes each request is made durable on",
-                                        value=float(self.client.replicas))
-            yield GaugeMetricFamily("r3rdma_push_nodes_down", "Store nodes in failover cool-down now",
-                                    value=float(len(self.client.nodes_down())))
+                yield GaugeMetricFamily(
+                    "r3rdma_push_replicas", "Store nodes each request is made durable on", value=float(self.client.replicas)
+                )
+            yield GaugeMetricFamily(
+                "r3rdma_push_nodes_down", "Store nodes in failover cool-down now", value=float(len(self.client.nodes_down()))
+            )
 
 
 def _require_attributes(obj: Any, table: list[tuple[str, str, str]], kind: str) -> None:
@@ -96,8 +103,10 @@ def _require_attributes(obj: Any, table: list[tuple[str, str, str]], kind: str) 
 
     missing = [attr for attr, _, _ in table if getattr(obj, attr, None) is None]
     if missing:
-        raise ConfigError(f"the {kind} given to the capture metrics ({type(obj).__name__}) has no counter "
-                          f"{', '.join(missing)}: expected every one of {[attr for attr, _, _ in table]}")
+        raise ConfigError(
+            f"the {kind} given to the capture metrics ({type(obj).__name__}) has no counter "
+            f"{', '.join(missing)}: expected every one of {[attr for attr, _, _ in table]}"
+        )
 
 
 def capture_registry(capturer: Any = None, writer: Any = None, client: Any = None) -> CollectorRegistry:
@@ -107,8 +116,7 @@ def capture_registry(capturer: Any = None, writer: Any = None, client: Any = Non
     return registry
 
 
-def serve_capture_metrics(port: int, *, addr: str = "127.0.0.1", capturer: Any = None, writer: Any = None,
-                          client: Any = None):
+def serve_capture_metrics(port: int, *, addr: str = "127.0.0.1", capturer: Any = None, writer: Any = None, client: Any = None):
     """Serve the metrics over HTTP (``GET /metrics``) from a daemon thread; returns
     ``(server, thread)`` (``server.shutdown()`` stops it). Port 0 picks a free port:
     ``server.server_port``."""

@@ -94,14 +94,10 @@ class RequestRecord:
                 f"(ids_TLK shape {tuple(ids.shape)}, start_row {self.start_row})"
             )
         if ids.shape[1] != len(self.layer_map):
-            raise ShapeMismatchError(
-                f"ids_TLK has {ids.shape[1]} layers but layer_map lists {len(self.layer_map)}"
-            )
+            raise ShapeMismatchError(f"ids_TLK has {ids.shape[1]} layers but layer_map lists {len(self.layer_map)}")
         expected = routing_dtype(self.num_experts)
         if ids.dtype != expected:
-            raise ShapeMismatchError(
-                f"ids_TLK dtype must be {expected} for {self.num_experts} experts, got {ids.dtype}"
-            )
+            raise ShapeMismatchError(f"ids_TLK dtype must be {expected} for {self.num_experts} experts, got {ids.dtype}")
         if self.start_row < 0:
             raise ShapeMismatchError(f"start_row must be >= 0, got {self.start_row}")
         object.__setattr__(self, "final", bool(self.final))
@@ -123,9 +119,7 @@ class RequestRecord:
             return
         crc = checksum(self.ids_TLK)
         if self.crc32c not in (-1, crc):
-            raise ShapeMismatchError(
-                f"request {self.request_id}: checksum {self.crc32c:#010x} given, bytes hash to {crc:#010x}"
-            )
+            raise ShapeMismatchError(f"request {self.request_id}: checksum {self.crc32c:#010x} given, bytes hash to {crc:#010x}")
         object.__setattr__(self, "crc32c", crc)
 
     @property

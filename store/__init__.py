@@ -8,8 +8,12 @@ in the node's aiohttp or UCX stack.
 import importlib
 
 _LAZY = {
-    "LocalRoutingStore": "local_store", "CommitResult": "local_store",
-    "NodeAddress": "address", "NodeMetrics": "metrics", "StoreNode": "node", "make_http_app": "http_app",
+    "LocalRoutingStore": "local_store",
+    "CommitResult": "local_store",
+    "NodeAddress": "address",
+    "NodeMetrics": "metrics",
+    "StoreNode": "node",
+    "make_http_app": "http_app",
 }
 
 __all__ = sorted(_LAZY)

@@ -34,8 +34,13 @@ class Assembly:
     Two finals whose declared spans share rows conflict (:class:`SegmentOverlapError`).
     """
 
-    def __init__(self, rollout_id: str, requests: dict[str, RequestEntry],
-                 pending: dict[str, tuple[PendingSegment, ...]], only_last_turn: bool) -> None:
+    def __init__(
+        self,
+        rollout_id: str,
+        requests: dict[str, RequestEntry],
+        pending: dict[str, tuple[PendingSegment, ...]],
+        only_last_turn: bool,
+    ) -> None:
         self.rollout_id = rollout_id
         self.only_last_turn = only_last_turn
         self._in_batch: set[str] = set()
@@ -60,8 +65,7 @@ class Assembly:
         if entry is not None:
             self._check_against_visible(record, entry, in_batch)
         self._check_against_pending(record, parts)
-        new = PendingSegment(array, offset, record.num_rows, record.start_row, record.crc32c, record.final,
-                             record.total_rows)
+        new = PendingSegment(array, offset, record.num_rows, record.start_row, record.crc32c, record.final, record.total_rows)
         group = sorted([*parts, new], key=lambda x: x.start_row)
         self._check_within_last_final(rid, group)
         group = self._promote(rid, entry, group)
@@ -154,7 +158,7 @@ class Assembly:
             else:
                 entry = RequestEntry(last - first, first, segments)
             self.requests[rid] = entry
-            group = group[len(turn):]
+            group = group[len(turn) :]
 
     def _turn_start(self, rid: str, entry: RequestEntry | None, final: PendingSegment, lowest: int) -> int:
         """The first row of the turn ``final`` ends: ``total_rows`` before its end when

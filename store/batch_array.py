@@ -3,8 +3,9 @@ written (one shard, :mod:`r3rdma.store.shard_writer`) and its layout for the ind
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,9 @@ def aligned(end: int, rows: int, chunk_rows: int) -> int:
     return end + room if rows > room > 0 else end
 
 
-def place_records(records: list[RequestRecord], state: Assembly, name: str, chunk: int,
-                  geometry: dict[str, Any]) -> tuple[list[tuple[int, RequestRecord]], int, int]:
+def place_records(
+    records: list[RequestRecord], state: Assembly, name: str, chunk: int, geometry: dict[str, Any]
+) -> tuple[list[tuple[int, RequestRecord]], int, int]:
     """Apply a rollout's records in order to ``state`` and place each new one in batch array
     ``name`` (:func:`aligned`); return the ``(offset, record)`` placed, the duplicates skipped,
     and the array's rows. Refuses a record of another geometry than ``geometry``."""
@@ -98,8 +100,9 @@ def batch_rows(placed: list[tuple[int, RequestRecord]], end: int) -> np.ndarray:
     return data
 
 
-def write_array(rollout_path: Path, name: str, data: np.ndarray, chunk_rows: int,
-                zstd_level: int) -> tuple[dict[str, Any], list[Path]]:
+def write_array(
+    rollout_path: Path, name: str, data: np.ndarray, chunk_rows: int, zstd_level: int
+) -> tuple[dict[str, Any], list[Path]]:
     """Write a batch array (:mod:`r3rdma.store.shard_writer`: zarr's bytes, chunks compressed
     in parallel); return its shard layout for the index part and the files and directories
     written (fsynced with the part)."""

@@ -38,24 +38,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on and to advertise (default 127.0.0.1)")
     p.add_argument("--ucx-port", type=int, default=0, help="UCX listen port (0: pick a free one)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port (0: pick a free one)")
-    p.add_argument("--token-file", default=None, help="file holding the shared push secret (else R3_STORE_TOKEN); "
-                        "HTTP takes only tokens derived from it, never the secret")
-    p.add_argument("--read-token-file", default=None,
-                   help="write the HTTP read token (derived from the secret) to this file, mode 0600 "
-                        "(default: <token-file>.read; not written when the secret comes from R3_STORE_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the shared push secret (else R3_STORE_TOKEN); "
+        "HTTP takes only tokens derived from it, never the secret",
+    )
+    p.add_argument(
+        "--read-token-file",
+        default=None,
+        help="write the HTTP read token (derived from the secret) to this file, mode 0600 "
+        "(default: <token-file>.read; not written when the secret comes from R3_STORE_TOKEN)",
+    )
     p.add_argument("--public-read", action="store_true", help="serve reads without the token (pushes still need it)")
     p.add_argument("--max-payload-mb", type=int, default=256, help="largest payload of one pushed batch")
     p.add_argument("--max-header-kb", type=int, default=4096, help="largest header of one pushed batch")
-    p.add_argument("--max-inflight-mb", type=int, default=1024,
-                   help="payload MiB being received or handled at once over all clients (memory budget)")
-    p.add_argument("--timeout-s", type=float, default=30.0,
-                   help="deadline of each network step; also how long a pushed batch's payload may stall, "
-                        "and how long an HTTP connection may take to send a complete request")
+    p.add_argument(
+        "--max-inflight-mb",
+        type=int,
+        default=1024,
+        help="payload MiB being received or handled at once over all clients (memory budget)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=30.0,
+        help="deadline of each network step; also how long a pushed batch's payload may stall, "
+        "and how long an HTTP connection may take to send a complete request",
+    )
     p.add_argument("--zstd-level", type=int, default=3)
-    p.add_argument("--http-workers", type=_workers, default="auto",
-                   help="processes serving the HTTP port (reads scale with them; this process then only ingests "
-                        "and commits); 0: this process serves HTTP itself; auto (default): a quarter of the "
-                        f"cores, at most 8 (here: {default_http_workers()})")
+    p.add_argument(
+        "--http-workers",
+        type=_workers,
+        default="auto",
+        help="processes serving the HTTP port (reads scale with them; this process then only ingests "
+        "and commits); 0: this process serves HTTP itself; auto (default): a quarter of the "
+        f"cores, at most 8 (here: {default_http_workers()})",
+    )
     p.add_argument("--ready-file", default=None, help="also write the ready JSON line to this file (atomically)")
     return p
 
@@ -104,20 +123,39 @@ async def _serve(args: argparse.Namespace) -> int:
         read_token_file = write_read_token(read_token_file, derive_read_token(secret))
         logging.getLogger("r3rdma.store").info("HTTP read token written to %s", read_token_file)
     limits = TransportLimits(
-        max_payload_bytes=args.max_payload_mb << 20, max_header_bytes=args.max_header_kb << 10, timeout_s=args.timeout_s,
+        max_payload_bytes=args.max_payload_mb << 20,
+        max_header_bytes=args.max_header_kb << 10,
+        timeout_s=args.timeout_s,
         max_inflight_bytes=args.max_inflight_mb << 20,
     )
-    node = StoreNode(args.root, secret=secret, host=args.host, ucx_port=args.ucx_port, http_port=args.http_port,
-                     public_read=args.public_read, limits=limits, zstd_level=args.zstd_level,
-                     http_workers=args.http_workers)
+    node = StoreNode(
+        args.root,
+        secret=secret,
+        host=args.host,
+        ucx_port=args.ucx_port,
+        http_port=args.http_port,
+        public_read=args.public_read,
+        limits=limits,
+        zstd_level=args.zstd_level,
+        http_workers=args.http_workers,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     address = await node.start()
-    ready = json.dumps({"event": "ready", "host": address.host, "ucx_port": address.ucx_port,
-                        "http_port": address.http_port, "root": os.path.abspath(args.root), "pid": os.getpid(),
-                        "read_token_file": read_token_file, "http_workers": args.http_workers})
+    ready = json.dumps(
+        {
+            "event": "ready",
+            "host": address.host,
+            "ucx_port": address.ucx_port,
+            "http_port": address.http_port,
+            "root": os.path.abspath(args.root),
+            "pid": os.getpid(),
+            "read_token_file": read_token_file,
+            "http_workers": args.http_workers,
+        }
+    )
     print(ready, flush=True)
     if args.ready_file:
         tmp = args.ready_file + ".tmp"

@@ -78,8 +78,9 @@ def make_http_app(
         raise ConfigError("the read service needs a read token unless public_read is set, got neither")
     if read_token is not None and read_token == admin_token:
         raise ConfigError("the read and admin tokens must differ (derive them with different labels)")
-    service = _ReadService(root, read_token=read_token, admin_token=admin_token, public_read=public_read,
-                           metrics=metrics, store=store)
+    service = _ReadService(
+        root, read_token=read_token, admin_token=admin_token, public_read=public_read, metrics=metrics, store=store
+    )
     app = web.Application(middlewares=[service.guard], client_max_size=1024)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/v1/rollouts", service.rollouts)
@@ -101,8 +102,16 @@ class _ReadService:
     """The handlers of one node's read service and what they share: the root, the tokens, the
     metrics and (for DELETE) the node's writer."""
 
-    def __init__(self, root: Path, *, read_token: str | None, admin_token: str | None, public_read: bool,
-                 metrics: NodeMetrics | HttpMetrics, store: LocalRoutingStore | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        read_token: str | None,
+        admin_token: str | None,
+        public_read: bool,
+        metrics: NodeMetrics | HttpMetrics,
+        store: LocalRoutingStore | None,
+    ) -> None:
         self.root = root.resolve()
         self.root_dir = str(self.root)
         self.root_prefix = os.path.join(self.root_dir, "")
@@ -149,8 +158,9 @@ class _ReadService:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def rollouts(self, _request: web.Request) -> web.Response:
-        names = sorted(p.name for p in self.root.iterdir()
-                       if p.is_dir() and (p / "zarr.json").exists() and _COMPONENT.fullmatch(p.name))
+        names = sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and (p / "zarr.json").exists() and _COMPONENT.fullmatch(p.name)
+        )
         return web.json_response({"rollouts": names})
 
     async def rollout_index(self, request: web.Request) -> web.Response:
@@ -311,8 +321,7 @@ def _byte_range(request: web.Request, size: int) -> tuple[bool, int, int]:
     return ranged, start, stop
 
 
-async def _send_bytes(request: web.Request, response: web.StreamResponse, file, start: int, stop: int,
-                      rel: str) -> None:
+async def _send_bytes(request: web.Request, response: web.StreamResponse, file, start: int, stop: int, rel: str) -> None:
     """Bytes ``start:stop`` of ``file`` after the prepared headers: ``sendfile``, or plain writes
     on a transport without it."""
     if request.transport is None:

@@ -3,8 +3,8 @@ writer, decoded and checked for readers, kept as columns until an entry is looke
 
 from __future__ import annotations
 
-from collections.abc import KeysView, Mapping, MutableMapping
-from typing import Any, Iterator
+from collections.abc import Iterator, KeysView, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 
@@ -65,9 +65,11 @@ class ColumnRequests(MutableMapping):
             return at
         rows, start, first, count, s_array, s_offset, s_rows, s_start, s_crc = self._columns
         k = first[at]
-        entry = RequestEntry(rows[at], start[at],
-                             tuple([Segment(s_array[j], s_offset[j], s_rows[j], s_start[j], s_crc[j])
-                                    for j in range(k, k + count[at])]))
+        entry = RequestEntry(
+            rows[at],
+            start[at],
+            tuple([Segment(s_array[j], s_offset[j], s_rows[j], s_start[j], s_crc[j]) for j in range(k, k + count[at])]),
+        )
         # Kept: a read looks a request up several times (plan, replicas, packing). The same
         # entry either way, so readers on other threads see no change (a race builds it twice).
         self._keys[rid] = entry
@@ -96,7 +98,7 @@ class ColumnRequests(MutableMapping):
     def keys(self) -> KeysView[str]:
         return self._keys.keys()
 
-    def copy(self) -> "ColumnRequests":
+    def copy(self) -> ColumnRequests:
         """A copy later updates do not change (the columns are never changed)."""
         return ColumnRequests(dict(self._keys), self._columns)
 
@@ -125,13 +127,11 @@ def decode_requests(columns: Any, arrays: list[str], rollout_id: str, where: str
         ints[key] = col
     count = ints["segments"]
     if any(ints[k].size != n for k in _COLUMNS[1:]) or (n and count.min() < 1):
-        raise malformed(rollout_id, where, what,
-                        f"'rows', 'start_row' and 'segments' must each list {n} values, segments >= 1")
+        raise malformed(rollout_id, where, what, f"'rows', 'start_row' and 'segments' must each list {n} values, segments >= 1")
     total = int(count.sum())
     if any(ints[k].size != total for k in _SEGMENT_COLUMNS):
         raise malformed(rollout_id, where, what, f"each segment column must list {total} values")
-    if total and (ints["seg_array"].max() >= len(arrays) or ints["seg_rows"].min() < 1
-                  or ints["seg_crc32c"].max() >= 1 << 32):
+    if total and (ints["seg_array"].max() >= len(arrays) or ints["seg_rows"].min() < 1 or ints["seg_crc32c"].max() >= 1 << 32):
         raise malformed(rollout_id, where, what, "a segment names no listed array, has no rows, or a crc32c past 32 bits")
     if n and not np.array_equal(np.add.reduceat(ints["seg_rows"], np.cumsum(count) - count), ints["rows"]):
         raise malformed(rollout_id, where, what, "a request's segments do not hold its rows")
@@ -139,6 +139,12 @@ def decode_requests(columns: Any, arrays: list[str], rollout_id: str, where: str
     s_array = [arrays[i] for i in ints["seg_array"].tolist()]
     return ColumnRequests(
         dict(zip(ids, range(n))),
-        (ints["rows"].tolist(), ints["start_row"].tolist(), first, count.tolist(), s_array,
-         *(ints[k].tolist() for k in _SEGMENT_COLUMNS[1:])),
+        (
+            ints["rows"].tolist(),
+            ints["start_row"].tolist(),
+            first,
+            count.tolist(),
+            s_array,
+            *(ints[k].tolist() for k in _SEGMENT_COLUMNS[1:]),
+        ),
     )

@@ -17,8 +17,9 @@ dict entries these replaced; slotted, the same (the round-3 report has the numbe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from r3rdma.errors import CorruptDataError
 
@@ -42,8 +43,7 @@ class Segment:
         return self.start_row + self.rows
 
     def to_json(self) -> dict[str, Any]:
-        return {"array": self.array, "offset": self.offset, "rows": self.rows, "start_row": self.start_row,
-                "crc32c": self.crc32c}
+        return {"array": self.array, "offset": self.offset, "rows": self.rows, "start_row": self.start_row, "crc32c": self.crc32c}
 
 
 @dataclass(slots=True)
@@ -68,8 +68,15 @@ class PendingSegment(Segment):
         return Segment(self.array, self.offset, self.rows, self.start_row, self.crc32c)
 
     def to_json(self) -> dict[str, Any]:
-        return {"array": self.array, "offset": self.offset, "rows": self.rows, "start_row": self.start_row,
-                "crc32c": self.crc32c, "final": self.final, "total_rows": self.total_rows}
+        return {
+            "array": self.array,
+            "offset": self.offset,
+            "rows": self.rows,
+            "start_row": self.start_row,
+            "crc32c": self.crc32c,
+            "final": self.final,
+            "total_rows": self.total_rows,
+        }
 
 
 @dataclass(slots=True)
@@ -130,8 +137,9 @@ def parse_requests(raw: dict[str, Any], array_ok: Callable[[str], bool], problem
     return out
 
 
-def parse_pending(raw: dict[str, Any], array_ok: Callable[[str], bool],
-                  problem: Problem) -> dict[str, tuple[PendingSegment, ...]]:
+def parse_pending(
+    raw: dict[str, Any], array_ok: Callable[[str], bool], problem: Problem
+) -> dict[str, tuple[PendingSegment, ...]]:
     """A part's ``pending`` map (request id -> its whole list of pending segments) as
     :class:`PendingSegment` tuples, checked as :func:`parse_requests` checks segments.
 
@@ -145,8 +153,11 @@ def parse_pending(raw: dict[str, Any], array_ok: Callable[[str], bool],
             one = _segment(seg, array_ok)
             if one is None:
                 raise problem(f"pending request {rid!r} has a segment {str(seg)[:200]}")
-            parsed.append(PendingSegment(one.array, one.offset, one.rows, one.start_row, one.crc32c,
-                                         seg.get("final", False), seg.get("total_rows")))
+            parsed.append(
+                PendingSegment(
+                    one.array, one.offset, one.rows, one.start_row, one.crc32c, seg.get("final", False), seg.get("total_rows")
+                )
+            )
         out[rid] = tuple(parsed)
     return out
 
@@ -159,8 +170,17 @@ def _segment(seg: Any, array_ok: Callable[[str], bool]) -> Segment | None:
         return None
     get = seg.get
     array, offset, rows, start, crc = get("array"), get("offset"), get("rows"), get("start_row"), get("crc32c")
-    if (array.__class__ is str and offset.__class__ is int and rows.__class__ is int and start.__class__ is int
-            and crc.__class__ is int and offset >= 0 and rows >= 1 and start >= 0 and 0 <= crc < 1 << 32
-            and array_ok(array)):
+    if (
+        array.__class__ is str
+        and offset.__class__ is int
+        and rows.__class__ is int
+        and start.__class__ is int
+        and crc.__class__ is int
+        and offset >= 0
+        and rows >= 1
+        and start >= 0
+        and 0 <= crc < 1 << 32
+        and array_ok(array)
+    ):
         return Segment(array, offset, rows, start, crc)
     return None

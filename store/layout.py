@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from r3rdma.errors import InvalidIdError
 from r3rdma.ids import validate_id
@@ -71,9 +72,7 @@ def check_rollout_dir_name(rollout_id: str) -> str:
     """
     validate_id(rollout_id, "rollout_id")
     if rollout_id.startswith(".") or rollout_id == "zarr.json":
-        raise InvalidIdError(
-            f"rollout_id {rollout_id!r} is reserved: rollout ids must not start with '.' or be 'zarr.json'"
-        )
+        raise InvalidIdError(f"rollout_id {rollout_id!r} is reserved: rollout ids must not start with '.' or be 'zarr.json'")
     return rollout_id
 
 
@@ -105,7 +104,7 @@ def write_json_atomic(path: Path, document: dict[str, Any], *, sync_with: Sequen
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         fsync_paths([tmp, *sync_with])

@@ -19,9 +19,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -106,8 +107,7 @@ class LocalRoutingStore:
         self._indexes: dict[str, RolloutIndex] = {}
         # Commits written but not yet durable, published in order by one thread.
         self._publisher = Publisher()
-        self._snapshots = Snapshotter(self.root, self._lock, self._indexes, self._publisher, snapshot_parts,
-                                      self.snapshot_idle_s)
+        self._snapshots = Snapshotter(self.root, self._lock, self._indexes, self._publisher, snapshot_parts, self.snapshot_idle_s)
         self._lock_fd = -1
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -180,10 +180,7 @@ class LocalRoutingStore:
         with self._lock:
             self._settle(drain=True)
             index = self._index(rollout_id)
-            return {
-                rid: tuple((seg.start_row, seg.end_row, seg.final) for seg in segs)
-                for rid, segs in index.pending.items()
-            }
+            return {rid: tuple((seg.start_row, seg.end_row, seg.final) for seg in segs) for rid, segs in index.pending.items()}
 
     def require_complete(self, rollout_id: str) -> None:
         """Raise :class:`SegmentGapError` if any request of the rollout is still incomplete.
@@ -276,7 +273,7 @@ class LocalRoutingStore:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
-    def __enter__(self) -> "LocalRoutingStore":
+    def __enter__(self) -> LocalRoutingStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -306,9 +303,16 @@ class LocalRoutingStore:
             self._indexes[rollout_id] = index
         return index
 
-    def _write_part(self, rollout_id: str, index: RolloutIndex, arrays: list[str], shards: dict[str, dict[str, Any]],
-                    requests: dict[str, RequestEntry], pending: dict[str, tuple[PendingSegment, ...]],
-                    new_paths: Sequence[Path] = ()) -> Publish:
+    def _write_part(
+        self,
+        rollout_id: str,
+        index: RolloutIndex,
+        arrays: list[str],
+        shards: dict[str, dict[str, Any]],
+        requests: dict[str, RequestEntry],
+        pending: dict[str, tuple[PendingSegment, ...]],
+        new_paths: Sequence[Path] = (),
+    ) -> Publish:
         """Write the next index part (:class:`IndexPart`: the arrays this commit added, the
         requests and pending lists it changed) and apply it to the in-memory index; return what
         publishes it (:class:`Publish`: everything fsynced at once, then the entry point).
@@ -334,8 +338,7 @@ class LocalRoutingStore:
         # The rollout directory holds the new entries (array, part); the root holds the
         # rollout directory's own entry, new with the rollout's first part.
         durable = [*new_paths, part_dir / "zarr.json", part_dir, path] + ([self.root] if seq == 1 else [])
-        return Publish(rollout_id, seq, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}),
-                       durable)
+        return Publish(rollout_id, seq, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}), durable)
 
     def _write_rollout(self, rollout_id: str, records: list[RequestRecord]) -> Publish:
         index = self._index(rollout_id)

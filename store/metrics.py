@@ -15,8 +15,9 @@ __all__ = ["NodeMetrics", "HttpMetrics"]
 
 
 def _http_counters(owner, registry: CollectorRegistry | None) -> None:
-    owner.http_requests = Counter("r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"],
-                                  registry=registry)
+    owner.http_requests = Counter(
+        "r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"], registry=registry
+    )
     owner.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=registry)
 
 
@@ -44,7 +45,9 @@ class NodeMetrics:
         self.batches = Counter("r3rdma_store_batches", "Batches committed", registry=r)
         self.errors = Counter("r3rdma_store_errors", "Errors answered to clients, by type", ["type"], registry=r)
         self.ack_latency = Histogram(
-            "r3rdma_store_commit_seconds", "Time from a batch's arrival to its durable commit", registry=r,
+            "r3rdma_store_commit_seconds",
+            "Time from a batch's arrival to its durable commit",
+            registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         if self.workers_dir is None:
@@ -85,6 +88,7 @@ def bind_node_gauges(metrics: NodeMetrics, root, server) -> None:
             cache.update(at=now, value=float(total))
         return cache["value"]
 
-    metrics.root_bytes = Gauge("r3rdma_store_root_bytes", "Bytes on disk under this node's root (all rollouts)",
-                               registry=metrics.registry)
+    metrics.root_bytes = Gauge(
+        "r3rdma_store_root_bytes", "Bytes on disk under this node's root (all rollouts)", registry=metrics.registry
+    )
     metrics.root_bytes.set_function(root_bytes)

@@ -13,8 +13,8 @@ from pathlib import Path
 from aiohttp import web
 
 from r3rdma.errors import R3Error
-from r3rdma.store.local_store import CommitResult, LocalRoutingStore
 from r3rdma.records import RequestRecord
+from r3rdma.store.local_store import CommitResult, LocalRoutingStore
 from r3rdma.transport import TransportLimits, UcxxServer
 from r3rdma.transport.auth import derive_admin_token, derive_read_token
 
@@ -73,8 +73,12 @@ class StoreNode:
         self._admin_token = derive_admin_token(secret)
         self._public_read = public_read
         self._http_app = make_http_app(
-            self.root, read_token=self.read_token, admin_token=self._admin_token, public_read=public_read,
-            metrics=self.metrics, store=self.store,
+            self.root,
+            read_token=self.read_token,
+            admin_token=self._admin_token,
+            public_read=public_read,
+            metrics=self.metrics,
+            store=self.store,
         )
         self._workers: ReadWorkers | None = None
         self._listener: socket.socket | None = None
@@ -188,9 +192,14 @@ class StoreNode:
         control = f"{self._run_dir}/control.sock"
         await web.UnixSite(self._runner, control).start()
         settings = WorkerSettings(
-            root=str(self.root.resolve()), read_token=self.read_token, admin_token=self._admin_token,
-            public_read=self._public_read, control=control, keepalive_timeout_s=keepalive_timeout_s,
-            host=self.host, port=port,
+            root=str(self.root.resolve()),
+            read_token=self.read_token,
+            admin_token=self._admin_token,
+            public_read=self._public_read,
+            control=control,
+            keepalive_timeout_s=keepalive_timeout_s,
+            host=self.host,
+            port=port,
         )
         self._workers = ReadWorkers(self.http_workers, settings, self._run_dir)
         await self._workers.start()

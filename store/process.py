@@ -144,5 +144,12 @@ def spawn_node(
             continue
         if isinstance(info, dict) and info.get("event") == "ready":
             read_file = info.get("read_token_file")
-            return NodeProcess(proc, root, NodeAddress(info["host"], info["ucx_port"], info["http_port"]), token, log,
-                               Path(read_file) if read_file else None, info.get("http_workers", 0))
+            return NodeProcess(
+                proc,
+                root,
+                NodeAddress(info["host"], info["ucx_port"], info["http_port"]),
+                token,
+                log,
+                Path(read_file) if read_file else None,
+                info.get("http_workers", 0),
+            )

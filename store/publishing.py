@@ -50,7 +50,7 @@ class Publish:
     done: Future = field(default_factory=Future)
 
     @classmethod
-    def nothing(cls, rollout_id: str, duplicates: int) -> "Publish":
+    def nothing(cls, rollout_id: str, duplicates: int) -> Publish:
         """A batch of duplicates only: durable once the commits before it are."""
         return cls(rollout_id, 0, None, None, [], (0, duplicates, 0, 0))
 
@@ -148,8 +148,12 @@ class Publisher:
                 item = self._queue[0]
                 broken = self._broken
             if broken is not None:
-                item.fail(StoreError(f"rollout {item.rollout_id!r}: not stored, an earlier commit written before it "
-                                     f"failed to reach the disk: {broken}"))
+                item.fail(
+                    StoreError(
+                        f"rollout {item.rollout_id!r}: not stored, an earlier commit written before it "
+                        f"failed to reach the disk: {broken}"
+                    )
+                )
             else:
                 try:
                     item.publish()

@@ -109,7 +109,9 @@ class ReadWorkers:
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self._metrics_dir, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             [sys.executable, "-m", "r3rdma.store.read_workers"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
         assert proc.stdin is not None
         proc.stdin.write((json.dumps(asdict(self._settings)) + "\n").encode())
@@ -128,8 +130,10 @@ class ReadWorkers:
                 line = b""
             if line.strip() != b"ready":
                 await self.stop()
-                raise StoreError(f"HTTP read worker pid {proc.pid} did not start listening on port "
-                                 f"{self._settings.port} (exit status {proc.poll()}); its error is in the node's log")
+                raise StoreError(
+                    f"HTTP read worker pid {proc.pid} did not start listening on port "
+                    f"{self._settings.port} (exit status {proc.poll()}); its error is in the node's log"
+                )
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -140,8 +144,13 @@ class ReadWorkers:
                 if self._stopping or proc is None or proc.poll() is None:
                     continue
                 delay = _RESTART_BACKOFF_S[min(self._restarts[slot], len(_RESTART_BACKOFF_S) - 1)]
-                log.warning("HTTP read worker %d (pid %d) exited with %s; starting it again in %.1f s",
-                            slot, proc.pid, proc.returncode, delay)
+                log.warning(
+                    "HTTP read worker %d (pid %d) exited with %s; starting it again in %.1f s",
+                    slot,
+                    proc.pid,
+                    proc.returncode,
+                    delay,
+                )
                 self._restarts[slot] += 1
                 self._procs[slot] = None
                 with contextlib.suppress(OSError):
@@ -183,8 +192,12 @@ async def _serve(settings: WorkerSettings) -> None:
     from .metrics import HttpMetrics
 
     app = make_http_app(
-        Path(settings.root), read_token=settings.read_token, admin_token=settings.admin_token,
-        public_read=settings.public_read, metrics=HttpMetrics(), control=settings.control,
+        Path(settings.root),
+        read_token=settings.read_token,
+        admin_token=settings.admin_token,
+        public_read=settings.public_read,
+        metrics=HttpMetrics(),
+        control=settings.control,
     )
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=settings.keepalive_timeout_s)
     await runner.setup()

@@ -80,8 +80,7 @@ def recover_root(root: Path) -> None:
             continue  # not this format's (refused by check_format unless the root says otherwise)
         if entry is None and attrs is not None:
             index_path.unlink()  # a bare parent group zarr wrote before the array
-        remove_orphans(child, entry["parts"] if entry is not None else 0,
-                       entry.get("snapshot", 0) if entry is not None else 0)
+        remove_orphans(child, entry["parts"] if entry is not None else 0, entry.get("snapshot", 0) if entry is not None else 0)
         for tmp in child.glob("**/.zarr.json.tmp-*"):
             tmp.unlink(missing_ok=True)
         if entry is None:

@@ -12,7 +12,8 @@ fails the whole batch.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 __all__ = ["commit_each", "retry_part_by_part"]
 

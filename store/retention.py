@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from r3rdma.errors import (
     AuthenticationError,
@@ -66,7 +67,9 @@ def delete_older_than(nodes: Sequence[str], age_s: float, *, token: str, timeout
     for node, body in results.items():
         deleted = body.get("deleted") if isinstance(body, dict) else None
         if not isinstance(deleted, list):
-            raise CorruptDataError(f"store node {node} answered DELETE /v1/rollouts with {str(body)[:200]!r}, not {{'deleted': [...]}}")
+            raise CorruptDataError(
+                f"store node {node} answered DELETE /v1/rollouts with {str(body)[:200]!r}, not {{'deleted': [...]}}"
+            )
         out[node] = deleted
     return out
 

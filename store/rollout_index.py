@@ -42,19 +42,21 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from r3rdma.errors import CorruptDataError
 from r3rdma.store.index_columns import ColumnRequests, decode_requests, encode_requests
 from r3rdma.store.index_entries import (
     PendingSegment,
     RequestEntry,
-    malformed as _bad,
     parse_pending,
     parse_requests,
+)
+from r3rdma.store.index_entries import (
+    malformed as _bad,
 )
 from r3rdma.store.layout import (
     INDEX_KEY,
@@ -161,33 +163,60 @@ class RolloutIndex:
     snapshot: int = 0  # the snapshot the entry point names (0: none)
 
     @classmethod
-    def from_format_1(cls, rollout_id: str, index: dict[str, Any], where: str) -> "RolloutIndex":
+    def from_format_1(cls, rollout_id: str, index: dict[str, Any], where: str) -> RolloutIndex:
         """The one-document index of format 1 (read-only: writers refuse format-1 roots)."""
         listed = set(index.get("arrays") or [])
         requests, pending = _parse_changes(rollout_id, index, listed.__contains__, where, "index")
         geometry = {k: index[k] for k in GEOMETRY_KEYS if k in index}
         if requests:
             _check_geometry(rollout_id, geometry, where)
-        return cls(uid="format-1", geometry=geometry, requests=requests,
-                   pending={k: v for k, v in pending.items() if v}, arrays=list(index["arrays"]), version=1)
+        return cls(
+            uid="format-1",
+            geometry=geometry,
+            requests=requests,
+            pending={k: v for k, v in pending.items() if v},
+            arrays=list(index["arrays"]),
+            version=1,
+        )
 
     @classmethod
-    def from_snapshot(cls, snapshot: IndexPart, geometry: dict[str, Any]) -> "RolloutIndex":
+    def from_snapshot(cls, snapshot: IndexPart, geometry: dict[str, Any]) -> RolloutIndex:
         """The index after part ``snapshot.seq`` (a snapshot read with :func:`check_snapshot`)."""
-        return cls(uid=snapshot.uid, geometry=geometry, parts=snapshot.seq, requests=snapshot.requests,
-                   pending={k: v for k, v in snapshot.pending.items() if v}, arrays=list(snapshot.arrays),
-                   shards=dict(snapshot.shards), snapshot=snapshot.seq)
+        return cls(
+            uid=snapshot.uid,
+            geometry=geometry,
+            parts=snapshot.seq,
+            requests=snapshot.requests,
+            pending={k: v for k, v in snapshot.pending.items() if v},
+            arrays=list(snapshot.arrays),
+            shards=dict(snapshot.shards),
+            snapshot=snapshot.seq,
+        )
 
-    def copy(self) -> "RolloutIndex":
+    def copy(self) -> RolloutIndex:
         """A copy later commits do not change (entries themselves are never changed in place)."""
-        return RolloutIndex(uid=self.uid, geometry=self.geometry, parts=self.parts, requests=self.requests.copy(),
-                            pending=dict(self.pending), arrays=list(self.arrays), shards=dict(self.shards),
-                            version=self.version, snapshot=self.snapshot)
+        return RolloutIndex(
+            uid=self.uid,
+            geometry=self.geometry,
+            parts=self.parts,
+            requests=self.requests.copy(),
+            pending=dict(self.pending),
+            arrays=list(self.arrays),
+            shards=dict(self.shards),
+            version=self.version,
+            snapshot=self.snapshot,
+        )
 
     def snapshot_document(self) -> dict[str, Any]:
         """This index as a snapshot of its parts, requests in columns (:func:`encode_requests`)."""
-        return {"snapshot": self.parts, "uid": self.uid, "arrays": self.arrays, "shards": self.shards,
-                "requests": encode_requests(self.requests, self.arrays), "pending": _pending_json(self.pending)}
+        return {
+            "snapshot": self.parts,
+            "uid": self.uid,
+            "arrays": self.arrays,
+            "shards": self.shards,
+            "requests": encode_requests(self.requests, self.arrays),
+            "pending": _pending_json(self.pending),
+        }
 
     def apply(self, part: IndexPart) -> None:
         """Apply the next part (read with :func:`check_part`, or written by this process)."""
@@ -211,8 +240,12 @@ class RolloutIndex:
 
     def as_format_1(self) -> dict[str, Any]:
         """The merged index in format 1's one-document shape (``GET /v1/rollouts/{id}``)."""
-        out = {"format_version": self.version, **self.geometry, "arrays": self.arrays,
-               "requests": {rid: entry.to_json() for rid, entry in self.requests.items()}}
+        out = {
+            "format_version": self.version,
+            **self.geometry,
+            "arrays": self.arrays,
+            "requests": {rid: entry.to_json() for rid, entry in self.requests.items()},
+        }
         if self.pending:
             out["pending"] = _pending_json(self.pending)
         return out
@@ -246,8 +279,9 @@ def check_entry(rollout_id: str, attrs: Any, where: str) -> dict[str, Any] | Non
     if not _is_int(index.get("parts"), 1) or not isinstance(index.get("uid"), str):
         raise _bad(rollout_id, where, "entry point", f"needs 'parts' >= 1 and a 'uid', got {str(index)[:200]}")
     if "snapshot" in index and not (_is_int(index["snapshot"], 1) and index["snapshot"] <= index["parts"]):
-        raise _bad(rollout_id, where, "entry point", f"'snapshot' must be a part number 1..{index['parts']}, "
-                                                     f"got {index['snapshot']!r}")
+        raise _bad(
+            rollout_id, where, "entry point", f"'snapshot' must be a part number 1..{index['parts']}, got {index['snapshot']!r}"
+        )
     _check_geometry(rollout_id, index, where)
     return index
 
@@ -265,8 +299,7 @@ def check_snapshot(rollout_id: str, seq: int, uid: str, attrs: Any, where: str) 
     doc, what = _checked_header(rollout_id, seq, uid, attrs, where, "snapshot")
     # Checked as a part with no requests (pending), then the columns.
     _, pending = _parse_changes(rollout_id, {**doc, "requests": {}}, _any_batch_array(), where, what)
-    requests = decode_requests(doc.get("requests"), doc["arrays"], rollout_id, where,
-                               f"index snapshot {snapshot_name(seq)}")
+    requests = decode_requests(doc.get("requests"), doc["arrays"], rollout_id, where, f"index snapshot {snapshot_name(seq)}")
     return IndexPart(seq, uid, doc["arrays"], doc.get("shards", {}), requests, pending)
 
 
@@ -299,9 +332,12 @@ def _shard_ok(info: Any) -> bool:
     if not isinstance(info, dict) or not _is_int(info.get("rows"), 1) or not _is_int(info.get("chunk_rows"), 1):
         return False
     chunks = info.get("chunks")
-    return (isinstance(info.get("zstd"), bool) and isinstance(chunks, list)
-            and len(chunks) == 2 * -(-info["rows"] // info["chunk_rows"])
-            and (not chunks or (set(map(type, chunks)) == {int} and min(chunks) >= -1)))  # C loops: bool is not int here
+    return (
+        isinstance(info.get("zstd"), bool)
+        and isinstance(chunks, list)
+        and len(chunks) == 2 * -(-info["rows"] // info["chunk_rows"])
+        and (not chunks or (set(map(type, chunks)) == {int} and min(chunks) >= -1))
+    )  # C loops: bool is not int here
 
 
 class StalePartError(CorruptDataError):
@@ -326,11 +362,12 @@ def load_index(rollout_id: str, read: Callable[[str], bytes | None], where: str)
     if entry.get("snapshot"):
         raw = read(f"{snapshot_name(entry['snapshot'])}/zarr.json")
         if raw is None:
-            raise CorruptDataError(f"rollout {rollout_id!r} on {where}: index snapshot "
-                                   f"{snapshot_name(entry['snapshot'])} is missing")
+            raise CorruptDataError(
+                f"rollout {rollout_id!r} on {where}: index snapshot {snapshot_name(entry['snapshot'])} is missing"
+            )
         index = RolloutIndex.from_snapshot(
-            check_snapshot(rollout_id, entry["snapshot"], entry["uid"], parse_attrs(raw, rollout_id, where), where),
-            geometry)
+            check_snapshot(rollout_id, entry["snapshot"], entry["uid"], parse_attrs(raw, rollout_id, where), where), geometry
+        )
     for seq in range(index.parts + 1, entry["parts"] + 1):
         raw = read(f"{part_name(seq)}/zarr.json")
         if raw is None:
@@ -376,8 +413,9 @@ def _check_geometry(rollout_id: str, index: dict[str, Any], where: str) -> None:
         raise _bad(rollout_id, where, "index", "'layer_map' must list num_layers ints")
 
 
-def _parse_changes(rollout_id: str, doc: dict[str, Any], array_ok: Callable[[str], bool], where: str,
-                   what: str) -> tuple[dict[str, RequestEntry], Pending]:
+def _parse_changes(
+    rollout_id: str, doc: dict[str, Any], array_ok: Callable[[str], bool], where: str, what: str
+) -> tuple[dict[str, RequestEntry], Pending]:
     """The request and pending maps of a document, as entries; malformed ones are refused up
     front (CorruptDataError), so a damaged or tampered document never surfaces as a
     TypeError/KeyError deep in a read (found by fuzzing). ``array_ok``: whether a segment may

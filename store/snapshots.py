@@ -28,8 +28,9 @@ class Snapshotter:
     snapshot, or once it has had no commit for ``idle_s`` seconds and ``parts // 8`` (at least
     2) parts follow it."""
 
-    def __init__(self, root: Path, lock: threading.Lock, indexes: dict[str, RolloutIndex], publisher: Publisher,
-                 parts: int, idle_s: float) -> None:
+    def __init__(
+        self, root: Path, lock: threading.Lock, indexes: dict[str, RolloutIndex], publisher: Publisher, parts: int, idle_s: float
+    ) -> None:
         self.root = root
         self.parts = parts
         self.idle_s = idle_s
@@ -74,10 +75,12 @@ class Snapshotter:
             # rewrite its whole index after every commit.
             idle_parts = max(2, self.parts // 8)
             with self._lock:
-                due = [rid for rid, index in self._indexes.items()
-                       if index.parts - index.snapshot >= self.parts
-                       or (index.parts - index.snapshot >= idle_parts
-                           and now - self._last_commit.get(rid, 0.0) >= self.idle_s)]
+                due = [
+                    rid
+                    for rid, index in self._indexes.items()
+                    if index.parts - index.snapshot >= self.parts
+                    or (index.parts - index.snapshot >= idle_parts and now - self._last_commit.get(rid, 0.0) >= self.idle_s)
+                ]
             for rollout_id in due:
                 if self._closing:
                     return
@@ -119,8 +122,9 @@ class Snapshotter:
                 return
             previous, index.snapshot = index.snapshot, seq
             # The rollout directory's new entry (the snapshot's) is made durable with the entry point.
-            item = Publish(rollout_id, index.parts, path / "zarr.json",
-                           group_document({INDEX_KEY: index.entry_document()}), [path])
+            item = Publish(
+                rollout_id, index.parts, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}), [path]
+            )
             self._publisher.enqueue(item)
         item.done.result()
         # Keep the snapshot the previous entry point named: a reader may be fetching it now.

@@ -8,9 +8,9 @@ See docs/PROTOCOL.md for the wire format.
 from .auth import derive_admin_token, derive_read_token, load_secret, load_token_file
 from .base import Handler, PushAck, ServerAddress, TransportClient, TransportServer
 from .batch import PackedBatch, RecordMeta
+from .frames import PROTOCOL_VERSION
 from .limits import TransportLimits
 from .loopback import LoopbackClient, LoopbackServer
-from .frames import PROTOCOL_VERSION
 from .ucx_env import configure_ucx_env
 from .ucxx_transport import UcxxClient, UcxxServer
 

@@ -143,8 +143,10 @@ def coerce_token(token: str | bytes, what: str = "the token") -> str:
     bad = sorted({c for c in stripped if not 0x21 <= ord(c) <= 0x7E})
     if bad:
         names = ", ".join(repr(c) for c in bad[:5])
-        raise ConfigError(f"{what} holds characters a bearer token cannot carry ({names}) inside it: "
-                          "give the token alone, e.g. load_token_file(path) or open(path).read().strip()")
+        raise ConfigError(
+            f"{what} holds characters a bearer token cannot carry ({names}) inside it: "
+            "give the token alone, e.g. load_token_file(path) or open(path).read().strip()"
+        )
     return stripped
 
 

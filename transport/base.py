@@ -67,9 +67,7 @@ class TransportServer(ABC):
         await self.start()
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         await self.stop(drain=et is None)
 
 
@@ -101,7 +99,5 @@ class TransportClient(ABC):
         await self.connect()
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()

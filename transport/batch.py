@@ -142,9 +142,7 @@ class PackedBatch:
         return sum(m.nbytes for m in self.metas)
 
 
-def encode_records(
-    records: Sequence[RequestRecord], *, max_frames: int
-) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+def encode_records(records: Sequence[RequestRecord], *, max_frames: int) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """Return the request table and the payload frames of ``records`` (host memory).
 
     Large requests become their own frame without a copy; runs of small ones are coalesced
@@ -234,18 +232,14 @@ def check_batch_header(header: dict[str, Any], payload_len: int, limits: Transpo
             )
         offset += meta.nbytes
         if offset > payload_len:
-            raise ProtocolError(
-                f"records[{i}] ({meta.request_id}) ends at byte {offset}, past the {payload_len}-byte payload"
-            )
+            raise ProtocolError(f"records[{i}] ({meta.request_id}) ends at byte {offset}, past the {payload_len}-byte payload")
         metas.append(meta)
     if offset != payload_len:
         raise ProtocolError(f"records describe {offset} payload bytes but the preamble announced {payload_len}")
     return metas
 
 
-def decode_batch(
-    metas: Sequence[RecordMeta], payload: np.ndarray, hashed: Sequence[int] | None = None
-) -> list[RequestRecord]:
+def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray, hashed: Sequence[int] | None = None) -> list[RequestRecord]:
     """Rebuild RequestRecords over ``payload`` (uint8, already received); checksums re-checked.
 
     ``hashed[i]``, when given, is the CRC-32C the receiver computed over request i's bytes
@@ -285,8 +279,7 @@ def decode_batch(
         except ShapeMismatchError as e:
             # Shapes and dtypes were validated with the header, so what is left is the checksum.
             raise CorruptDataError(
-                f"rollout {meta.rollout_id} request {meta.request_id}: payload bytes do not match "
-                f"the sender's crc32c ({e})"
+                f"rollout {meta.rollout_id} request {meta.request_id}: payload bytes do not match the sender's crc32c ({e})"
             ) from e
     return records
 
@@ -334,8 +327,19 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
                 f"{rows}..{start_row + rows} on a final record, got {total_rows} (final={final})"
             )
     return RecordMeta(
-        rollout_id, request_id, rows, layers, top_k, dtype, num_experts, tuple(layer_map), start_row, crc, offset,
-        final, total_rows,
+        rollout_id,
+        request_id,
+        rows,
+        layers,
+        top_k,
+        dtype,
+        num_experts,
+        tuple(layer_map),
+        start_row,
+        crc,
+        offset,
+        final,
+        total_rows,
     )
 
 

@@ -64,6 +64,4 @@ def to_host_uint8(buf: PayloadBuffer) -> np.ndarray:
         return buf.detach().contiguous().view(-1).cpu().numpy().view(np.uint8).reshape(-1)
     if mod == "cupy":
         return buf.get().view(np.uint8).reshape(-1)
-    raise ShapeMismatchError(
-        f"cannot copy a device buffer of type {type(buf).__name__} to host; pass a cupy or torch array"
-    )
+    raise ShapeMismatchError(f"cannot copy a device buffer of type {type(buf).__name__} to host; pass a cupy or torch array")

@@ -92,9 +92,7 @@ class Preamble:
         try:
             kind = Kind(kind)
         except ValueError:
-            raise ProtocolError(
-                f"preamble kind must be one of {[int(k) for k in Kind]}, got {kind}"
-            ) from None
+            raise ProtocolError(f"preamble kind must be one of {[int(k) for k in Kind]}, got {kind}") from None
         return cls(version, kind, header_len, payload_len)
 
 

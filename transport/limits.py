@@ -57,9 +57,7 @@ class TransportLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TransportLimits.{name} must be an int >= 1, got {value!r}")
         if self.max_header_bytes > 0xFFFFFFFF:
-            raise ConfigError(
-                f"TransportLimits.max_header_bytes must fit the u32 preamble field, got {self.max_header_bytes}"
-            )
+            raise ConfigError(f"TransportLimits.max_header_bytes must fit the u32 preamble field, got {self.max_header_bytes}")
         for name in ("timeout_s", "connect_timeout_s", "handler_timeout_s", "ack_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -117,9 +117,7 @@ class LoopbackServer(ConnServer):
 class LoopbackClient(ConnClient):
     """In-process client of a :class:`LoopbackServer`."""
 
-    def __init__(
-        self, server: LoopbackServer, *, secret: bytes | str, limits: TransportLimits | None = None
-    ) -> None:
+    def __init__(self, server: LoopbackServer, *, secret: bytes | str, limits: TransportLimits | None = None) -> None:
         super().__init__(secret, limits)
         self._server = server
 

@@ -113,5 +113,3 @@ async def raw_push(
     finally:
         await ep.close()
     return RawResult(iterations, nbytes, seconds)
-
-

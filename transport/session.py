@@ -99,9 +99,7 @@ async def recv_preamble(conn: Conn, timeout: float, what: str) -> Preamble:
 
 async def recv_header(conn: Conn, pre: Preamble, limit: int, timeout: float, what: str) -> dict[str, Any]:
     if not 1 <= pre.header_len <= limit:
-        raise ProtocolError(
-            f"{pre.kind.name} header must be 1..{limit} bytes, the preamble announced {pre.header_len}"
-        )
+        raise ProtocolError(f"{pre.kind.name} header must be 1..{limit} bytes, the preamble announced {pre.header_len}")
     if pre.inline:
         return unpack_header(pre.inline, pre.kind.name)
     buf = np.zeros(pre.header_len, dtype=np.uint8)
@@ -143,9 +141,7 @@ async def server_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -
         raise ProtocolError(f"HELLO must list the client's protocol versions, got {offered!r}")
     common = set(offered) & set(SUPPORTED_VERSIONS)
     if not common:
-        raise ProtocolError(
-            f"no common protocol version: server speaks {list(SUPPORTED_VERSIONS)}, client offers {offered}"
-        )
+        raise ProtocolError(f"no common protocol version: server speaks {list(SUPPORTED_VERSIONS)}, client offers {offered}")
     version = max(common)
     client_nonce = _bytes_field(hello, "nonce", auth.NONCE_BYTES, "HELLO")
     server_nonce = auth.new_nonce()
@@ -431,15 +427,11 @@ class ConnServer(TransportServer):
             await self._send_error(conn, version, exc, seq=seq, fatal=True)
         return False
 
-    async def _send_error(
-        self, conn: Conn, version: int, exc: BaseException, *, seq: int | None, fatal: bool
-    ) -> bool:
+    async def _send_error(self, conn: Conn, version: int, exc: BaseException, *, seq: int | None, fatal: bool) -> bool:
         """Best-effort ERROR frame; returns whether the connection is still usable. After a
         fatal one the connection closes once the peer has read it (:meth:`_linger`)."""
         try:
-            await send_message(
-                conn, version, Kind.ERROR, error_header(exc, seq=seq, fatal=fatal), timeout=self.limits.timeout_s
-            )
+            await send_message(conn, version, Kind.ERROR, error_header(exc, seq=seq, fatal=fatal), timeout=self.limits.timeout_s)
         except (TransportError, R3TimeoutError):
             return False
         if fatal:

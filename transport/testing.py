@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import multiprocessing.connection
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +50,15 @@ class RecordCopy:
     @classmethod
     def of(cls, r: RequestRecord) -> RecordCopy:
         return cls(
-            r.rollout_id, r.request_id, r.ids_TLK.copy(), r.layer_map, r.num_experts, r.start_row, r.crc32c,
-            r.final, r.total_rows,
+            r.rollout_id,
+            r.request_id,
+            r.ids_TLK.copy(),
+            r.layer_map,
+            r.num_experts,
+            r.start_row,
+            r.crc32c,
+            r.final,
+            r.total_rows,
         )
 
 
@@ -156,9 +164,7 @@ class UcxxProcessHarness(Harness):
     def spawn(self, timeout: float = 60.0) -> None:
         ctx = mp.get_context("spawn")  # no fork: UCX and threads do not survive fork
         ours, theirs = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_server_main, args=(theirs, "transport", self._secret, asdict(self._limits)), daemon=True
-        )
+        self._proc = ctx.Process(target=_server_main, args=(theirs, "transport", self._secret, asdict(self._limits)), daemon=True)
         self._proc.start()
         theirs.close()
         self._pipe = ours
@@ -212,13 +218,11 @@ def _server_main(pipe: multiprocessing.connection.Connection, what: str, secret:
     asyncio.run(_server_async(pipe, what, secret, TransportLimits(**limits)))
 
 
-async def _server_async(
-    pipe: multiprocessing.connection.Connection, what: str, secret: bytes, limits: TransportLimits
-) -> None:
+async def _server_async(pipe: multiprocessing.connection.Connection, what: str, secret: bytes, limits: TransportLimits) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     from .raw_baseline import RawSinkServer
     from .ucxx_transport import UcxxServer
-
-    from concurrent.futures import ThreadPoolExecutor
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

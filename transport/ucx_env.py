@@ -23,8 +23,15 @@ from types import MappingProxyType, ModuleType
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["UCX_ENV_DEFAULTS", "STORE_NODE_UCX_ENV", "configure_ucx_env", "import_ucxx", "next_progress", "stop_ucxx",
-           "without_our_choices"]
+__all__ = [
+    "UCX_ENV_DEFAULTS",
+    "STORE_NODE_UCX_ENV",
+    "configure_ucx_env",
+    "import_ucxx",
+    "next_progress",
+    "stop_ucxx",
+    "without_our_choices",
+]
 
 #: Defaults applied with ``setdefault`` semantics (the user's environment wins).
 UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
@@ -68,9 +75,7 @@ UCX_ENV_DEFAULTS: Mapping[str, str] = MappingProxyType(
 #: that long (issue 19). It lets the node bind a port with lingering connections only, never
 #: one another process listens on. The name exists in the bundled UCX: libuct's TCP_CM_
 #: config table has a REUSEADDR field ("Allow using an address that is already in use").
-STORE_NODE_UCX_ENV: Mapping[str, str] = MappingProxyType(
-    {"UCXPY_PROGRESS_MODE": "blocking", "UCX_TCP_CM_REUSEADDR": "y"}
-)
+STORE_NODE_UCX_ENV: Mapping[str, str] = MappingProxyType({"UCXPY_PROGRESS_MODE": "blocking", "UCX_TCP_CM_REUSEADDR": "y"})
 
 # Deliberately *not* set:
 # - UCX_TLS / UCX_NET_DEVICES: the default ("all") picks shared memory or TCP loopback on a
@@ -142,22 +147,18 @@ def import_ucxx() -> ModuleType:
     try:
         import ucxx
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise ConfigError(
-            "the UCXX transport needs the `ucxx` package (pip install ucxx-cu13)"
-        ) from e
+        raise ConfigError("the UCXX transport needs the `ucxx` package (pip install ucxx-cu13)") from e
     _rearming_blocking_mode()
     return ucxx
 
 
 # Event loops whose UCX worker is progressed in blocking mode (by the class below), and per loop
 # the futures waiting for its next progress. Both touched only from that loop's thread.
-_blocking_loops: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
-_progress_waiters: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[asyncio.Future[None]]]" = (
-    weakref.WeakKeyDictionary()
-)
+_blocking_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+_progress_waiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = weakref.WeakKeyDictionary()
 
 
-def next_progress(loop: asyncio.AbstractEventLoop) -> "asyncio.Future[None] | None":
+def next_progress(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
     """A future resolved right after the next progress of the UCX worker that ``loop`` drives in
     blocking mode (an event on the worker's fd, or the once-a-second safety progress); None where
     UCX is not progressed that way in ``loop`` (thread mode: a progress thread, no such event).

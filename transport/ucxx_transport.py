@@ -68,9 +68,7 @@ class _UcxxConn(Conn):
         try:
             await self._ep.recv(buf)
         except exc.UCXMessageTruncatedError as e:
-            raise ProtocolError(
-                f"message from {self.peer} is longer than the {buf.nbytes} bytes its preamble announced"
-            ) from e
+            raise ProtocolError(f"message from {self.peer} is longer than the {buf.nbytes} bytes its preamble announced") from e
         except exc.UCXError as e:
             raise TransportError(f"recv from {self.peer} failed: {type(e).__name__}: {e}") from e
 
@@ -134,9 +132,7 @@ class UcxxServer(ConnServer):
     async def _listen(self) -> ServerAddress:
         ucxx = import_ucxx()
         try:
-            self._listener = ucxx.create_listener(
-                self._on_connect, port=self._port, connect_timeout=self.limits.timeout_s
-            )
+            self._listener = ucxx.create_listener(self._on_connect, port=self._port, connect_timeout=self.limits.timeout_s)
         except ucxx.exceptions.UCXError as e:
             raise TransportError(f"cannot listen on port {self._port}: {e}") from e
         return ServerAddress(self._host, int(self._listener.port))
@@ -167,9 +163,7 @@ class UcxxServer(ConnServer):
 class UcxxClient(ConnClient):
     """Connects with ucxx to a :class:`UcxxServer` at ``host:port``."""
 
-    def __init__(
-        self, host: str, port: int, *, secret: bytes | str, limits: TransportLimits | None = None
-    ) -> None:
+    def __init__(self, host: str, port: int, *, secret: bytes | str, limits: TransportLimits | None = None) -> None:
         super().__init__(secret, limits)
         self._host = host
         self._port = port

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["run_all", "machine_info", "add_arguments", "main"]
 
@@ -40,8 +41,15 @@ def machine_info() -> dict[str, Any]:
         mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
     except (ValueError, OSError, AttributeError):
         pass
-    info: dict[str, Any] = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb,
-                            "os": platform.platform(), "python": platform.python_version(), "gpu": None}
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": mem_gb,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "gpu": None,
+    }
     try:
         import torch
 
@@ -73,8 +81,14 @@ def _capture_runs(batches: list[int], quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = False, skip: tuple[str, ...] = (),
-            capture: bool | None = None, progress: bool = True) -> dict[str, Any]:
+def run_all(
+    *,
+    out: str | os.PathLike[str] = "bench_results",
+    quick: bool = False,
+    skip: tuple[str, ...] = (),
+    capture: bool | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     from r3rdma.bench import plots
     from r3rdma.bench.codec_bench import run_codec_bench
     from r3rdma.bench.store_bench import run_store_bench
@@ -107,11 +121,22 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
 
     step("store", lambda: run_store_bench(requests=4 if quick else 96, rounds=1 if quick else 3, progress=False))
     flushes = [1 << 18, 1 << 20] if quick else [1 << 19, 2 << 20, 8 << 20, 32 << 20]
-    step("store_batch", lambda: [run_store_bench(requests=3 if quick else 48, rounds=1 if quick else 2, flush_bytes=f,
-                                                 progress=False) for f in flushes])
-    step("transport", lambda: run_transport_bench(sizes_mb=(0.0625, 0.25) if quick else (0.0625, 0.25, 1, 4, 16, 64),
-                                                  rounds=1 if quick else 3, iterations=1 if quick else 4,
-                                                  mb_per_round=1 if quick else 64, progress=False))
+    step(
+        "store_batch",
+        lambda: [
+            run_store_bench(requests=3 if quick else 48, rounds=1 if quick else 2, flush_bytes=f, progress=False) for f in flushes
+        ],
+    )
+    step(
+        "transport",
+        lambda: run_transport_bench(
+            sizes_mb=(0.0625, 0.25) if quick else (0.0625, 0.25, 1, 4, 16, 64),
+            rounds=1 if quick else 3,
+            iterations=1 if quick else 4,
+            mb_per_round=1 if quick else 64,
+            progress=False,
+        ),
+    )
     step("codecs", lambda: run_codec_bench(quick=quick, repeats=1 if quick else 2, progress=progress))
     if capture:
         step("capture", lambda: _capture_runs([8] if quick else [16, 64, 256], quick))
@@ -119,8 +144,9 @@ def run_all(*, out: str | os.PathLike[str] = "bench_results", quick: bool = Fals
     if "transport" in results:
         pngs["transport"] = plots.plot_transport(results["transport"], out_dir / "transport_vs_message_size.png", label)
     if "store_batch" in results:
-        pngs["batch_overhead"] = plots.plot_batch_overhead(results["store_batch"], results.get("capture", []),
-                                                           out_dir / "overhead_vs_batch_size.png", label)
+        pngs["batch_overhead"] = plots.plot_batch_overhead(
+            results["store_batch"], results.get("capture", []), out_dir / "overhead_vs_batch_size.png", label
+        )
     if "codecs" in results:
         pngs["codecs"] = plots.plot_codecs(results["codecs"], out_dir / "bytes_per_token.png", label)
     results["errors"] = errors
@@ -146,34 +172,80 @@ def markdown_tables(results: dict[str, Any]) -> str:
     out = [f"# r3rdma bench all, {when}", "", f"Machine: {label}.", ""]
     if "store" in results:
         s = results["store"]
-        out += ["## Store ingest", "", "| machine | requests | MB | ingest GB/s | raw zarr GB/s | ratio |", "|---|---|---|---|---|---|",
-                f"| {m['host']}, {when} | {s['requests']} | {s['bytes'] / 1e6:.0f} | {s['ingest_gbps']} | {s['raw_zarr_gbps']} | {s['ratio']} |", ""]
+        out += [
+            "## Store ingest",
+            "",
+            "| machine | requests | MB | ingest GB/s | raw zarr GB/s | ratio |",
+            "|---|---|---|---|---|---|",
+            f"| {m['host']}, {when} | {s['requests']} | {s['bytes'] / 1e6:.0f} | {s['ingest_gbps']} | {s['raw_zarr_gbps']} | {s['ratio']} |",
+            "",
+        ]
     if "store_batch" in results:
-        out += ["## Store ingest overhead vs writer batch size", "", "| flush_bytes (MB) | ingest GB/s | raw zarr GB/s | ratio |", "|---|---|---|---|"]
-        out += [f"| {r['flush_bytes'] / (1 << 20):g} | {r['ingest_gbps']} | {r['raw_zarr_gbps']} | {r['ratio']} |" for r in results["store_batch"]]
+        out += [
+            "## Store ingest overhead vs writer batch size",
+            "",
+            "| flush_bytes (MB) | ingest GB/s | raw zarr GB/s | ratio |",
+            "|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['flush_bytes'] / (1 << 20):g} | {r['ingest_gbps']} | {r['raw_zarr_gbps']} | {r['ratio']} |"
+            for r in results["store_batch"]
+        ]
         out += [""]
     if "transport" in results:
-        out += ["## Transport: push vs raw ucxx send, by message size", "", f"Path: {results['transport']['path']}.", "",
-                "| message MB | requests | push GB/s | raw ucxx GB/s | ratio |", "|---|---|---|---|---|"]
-        out += [f"| {r['bytes'] / (1 << 20):.3g} | {r['requests']} | {r['push_gbps']} | {r['raw_ucxx_gbps']} | {r['ratio']} |"
-                for r in results["transport"]["by_size"]]
+        out += [
+            "## Transport: push vs raw ucxx send, by message size",
+            "",
+            f"Path: {results['transport']['path']}.",
+            "",
+            "| message MB | requests | push GB/s | raw ucxx GB/s | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['bytes'] / (1 << 20):.3g} | {r['requests']} | {r['push_gbps']} | {r['raw_ucxx_gbps']} | {r['ratio']} |"
+            for r in results["transport"]["by_size"]
+        ]
         out += [""]
     if "codecs" in results:
         from r3rdma.bench.codec_bench import markdown_table
 
         c = results["codecs"]
-        out += ["## Bytes per token by codec", "", "Sources: " + "; ".join(
-            f"{k} ({v['requests']} requests, {v['tokens']} tokens, {v['layers']} layers x top-{v['top_k']} of {v['num_experts']})"
-            for k, v in c["sources"].items()) + ".", "", markdown_table(c), ""]
+        out += [
+            "## Bytes per token by codec",
+            "",
+            "Sources: "
+            + "; ".join(
+                f"{k} ({v['requests']} requests, {v['tokens']} tokens, {v['layers']} layers x top-{v['top_k']} of {v['num_experts']})"
+                for k, v in c["sources"].items()
+            )
+            + ".",
+            "",
+            markdown_table(c),
+            "",
+        ]
         if c.get("chunking"):
-            out += ["Inner chunk size (synthetic-skewed):", "", "| codec | chunk_rows | B/token | enc MB/s | dec MB/s |", "|---|---|---|---|---|"]
-            out += [f"| {r['codec']} | {r['chunk_rows']} | {r['bytes_per_token']} | {r['encode_mbps']} | {r['decode_mbps']} |" for r in c["chunking"]]
+            out += [
+                "Inner chunk size (synthetic-skewed):",
+                "",
+                "| codec | chunk_rows | B/token | enc MB/s | dec MB/s |",
+                "|---|---|---|---|---|",
+            ]
+            out += [
+                f"| {r['codec']} | {r['chunk_rows']} | {r['bytes_per_token']} | {r['encode_mbps']} | {r['decode_mbps']} |"
+                for r in c["chunking"]
+            ]
             out += [""]
     if "capture" in results:
-        out += ["## Capture overhead vs decode batch size (GPU)", "", "| device | batch | step ms off | step ms on | overhead % | CUDA graphs |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {r.get('device')} | {r['batch']} | {r['step_ms_off']} | {r['step_ms_on']} | {r['overhead_pct']} | {r.get('cuda_graphs')} |"
-                for r in results["capture"]]
+        out += [
+            "## Capture overhead vs decode batch size (GPU)",
+            "",
+            "| device | batch | step ms off | step ms on | overhead % | CUDA graphs |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r.get('device')} | {r['batch']} | {r['step_ms_off']} | {r['step_ms_on']} | {r['overhead_pct']} | {r.get('cuda_graphs')} |"
+            for r in results["capture"]
+        ]
         out += [""]
     if results.get("errors"):
         out += ["## Benches that failed", ""] + [f"- {k}: {v}" for k, v in results["errors"].items()] + [""]
@@ -186,7 +258,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="bench_results", help="directory for results.json, tables.md and PNGs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, numbers mean nothing")
     parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "codecs", "capture"])
-    parser.add_argument("--capture", choices=["auto", "on", "off"], default="auto", help="capture bench (default: when CUDA is available)")
+    parser.add_argument(
+        "--capture", choices=["auto", "on", "off"], default="auto", help="capture bench (default: when CUDA is available)"
+    )
 
 
 def main(args) -> int:

@@ -42,11 +42,19 @@ def _build(args, device):
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
 
     config = tiny_qwen3_moe(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        num_experts=args.experts, num_experts_per_tok=args.top_k, mlp_only_layers=[],
-        max_position_embeddings=4096, experts_implementation=args.experts_impl,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+        experts_implementation=args.experts_impl,
     )
     with torch.device(device):  # made on the device: the default model is tens of GB
         model = build_model(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -67,7 +75,9 @@ class _Loop:
         gen = torch.Generator(device="cpu").manual_seed(1)
         prompt = torch.randint(0, config.vocab_size, (B, P), generator=gen).to(device)
         with torch.no_grad():
-            out = model(input_ids=prompt, cache_position=torch.arange(P, device=device), past_key_values=self.cache, use_cache=True)
+            out = model(
+                input_ids=prompt, cache_position=torch.arange(P, device=device), past_key_values=self.cache, use_cache=True
+            )
         self.ids = out.logits[:, -1:].argmax(-1).clone()  # [B, 1] static input
         self.first_ids = self.ids.clone()
         self.pos = torch.full((B, 1), P, dtype=torch.long, device=device)
@@ -92,8 +102,9 @@ class _Loop:
                 layer.cumulative_length = P
 
     def forward(self) -> None:
-        out = self.model(input_ids=self.ids, position_ids=self.pos, cache_position=self.cpos,
-                         past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=self.ids, position_ids=self.pos, cache_position=self.cpos, past_key_values=self.cache, use_cache=True
+        )
         self.ids.copy_(out.logits[:, -1:].argmax(-1))
         self.pos.add_(1)
         self.cpos.add_(1)
@@ -107,8 +118,9 @@ class _Loop:
         B = self.args.batch
         for s in range(n):
             if capturer is not None:  # graphed=True: the forward writes the step buffer itself
-                capturer.begin_step(self.request_ids, [self.args.prompt_len + s] * B, [1] * B, self.slots(s),
-                                    graphed=graphed or model_writes)
+                capturer.begin_step(
+                    self.request_ids, [self.args.prompt_len + s] * B, [1] * B, self.slots(s), graphed=graphed or model_writes
+                )
             if graphed:
                 self.graphs[capturer is not None].replay()
             else:
@@ -195,13 +207,22 @@ def run_capture_bench(args) -> dict:
     if op_path:
         from r3rdma.kernels.record_op import new_step_buffer
 
-        step_buf = new_step_buffer(max_tokens=args.batch, num_layers=len(routers), top_k=args.top_k,
-                                   num_experts=args.experts, device=device)
-    capturer = RoutingCapturer(layer_map=[r.layer_idx for r in routers], top_k=args.top_k, num_experts=args.experts,
-                               num_slots=args.batch * loop.max_len, device=device, step_buffer=step_buf)
+        step_buf = new_step_buffer(
+            max_tokens=args.batch, num_layers=len(routers), top_k=args.top_k, num_experts=args.experts, device=device
+        )
+    capturer = RoutingCapturer(
+        layer_map=[r.layer_idx for r in routers],
+        top_k=args.top_k,
+        num_experts=args.experts,
+        num_slots=args.batch * loop.max_len,
+        device=device,
+        step_buffer=step_buf,
+    )
     build_s = time.perf_counter() - t0
     log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
-    log(f"model built in {build_s:.1f} s on {device}: {args.layers} layers, {args.experts} experts, top-{args.top_k}, batch {args.batch}")
+    log(
+        f"model built in {build_s:.1f} s on {device}: {args.layers} layers, {args.experts} experts, top-{args.top_k}, batch {args.batch}"
+    )
 
     detach = None
 
@@ -258,6 +279,7 @@ def run_capture_bench(args) -> dict:
                 loop.reset()
                 with torch.no_grad():
                     loop.run_steps(n, capturer if on else None, graphed, model_writes=op_path)
+
             return go
 
         syncs_off = _count_syncs(steps(False)) / n
@@ -272,7 +294,7 @@ def run_capture_bench(args) -> dict:
         "bench": "capture",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "model": f"Qwen3-MoE random bf16: {args.layers} layers, {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, "
-                 f"moe_intermediate {args.moe_intermediate}, experts {args.experts_impl}",
+        f"moe_intermediate {args.moe_intermediate}, experts {args.experts_impl}",
         "batch": args.batch,
         "steps_per_round": args.steps,
         "rounds": args.rounds,
@@ -309,9 +331,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per setting (interleaved)")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
-    parser.add_argument("--record-path", choices=["hook", "op"], default="hook",
-                        help="hook: capturer.record from a Python hook; op: the vLLM plug-in's record op into a fixed "
-                             "step buffer (r3rdma.kernels.record_op)")
+    parser.add_argument(
+        "--record-path",
+        choices=["hook", "op"],
+        default="hook",
+        help="hook: capturer.record from a Python hook; op: the vLLM plug-in's record op into a fixed "
+        "step buffer (r3rdma.kernels.record_op)",
+    )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test only; no timing meaning)")
     parser.add_argument("--quiet", dest="verbose", action="store_false")
 

@@ -135,8 +135,9 @@ def _run(args, running: int, graphed: bool) -> dict:
     max_tokens = running + args.prefill_budget
     kwargs = dict(layer_map=list(range(L)), top_k=K, num_experts=args.experts, num_slots=sim.num_slots, device="cpu")
     if graphed:
-        kwargs["step_buffer"] = new_step_buffer(max_tokens=max_tokens, num_layers=L, top_k=K,
-                                                num_experts=args.experts, device="cpu")
+        kwargs["step_buffer"] = new_step_buffer(
+            max_tokens=max_tokens, num_layers=L, top_k=K, num_experts=args.experts, device="cpu"
+        )
     cap = RoutingCapturer(**kwargs)
     topk = torch.randint(0, args.experts, (max_tokens, K), dtype=torch.int64)
     layers = list(range(L))
@@ -192,12 +193,12 @@ def _run(args, running: int, graphed: bool) -> dict:
         "begin_us": us(begin_ns),
         "end_us": us(end_ns),
         "begin_end_us": us([a + b for a, b in zip(begin_ns, end_ns)]),
-        "begin_end_us_decode_only_steps": us([a + b for a, b, t in zip(begin_ns, end_ns, tokens) if t == running]
-                                             or [0]),
+        "begin_end_us_decode_only_steps": us([a + b for a, b, t in zip(begin_ns, end_ns, tokens) if t == running] or [0]),
         "finish_us_per_step_mean": round(sum(finish_ns) / len(finish_ns) / 1e3, 2),
         "finish_us_per_request": round(sum(finish_ns) / max(n_fin, 1) / 1e3, 2),
-        "capturer_us_per_step_mean": round((sum(begin_ns) + sum(end_ns) + sum(record_ns) + sum(finish_ns))
-                                           / len(begin_ns) / 1e3, 2),
+        "capturer_us_per_step_mean": round(
+            (sum(begin_ns) + sum(end_ns) + sum(record_ns) + sum(finish_ns)) / len(begin_ns) / 1e3, 2
+        ),
         "yardstick_engine_slot_mapping_us": us(slots_ns),
         "tracked_positions": cap.tracked_positions,
     }
@@ -227,11 +228,15 @@ def _run_plugin(args, running: int) -> dict:
         runner = SimpleNamespace(device=torch.device("cpu"), input_batch=None)
         recorder = RunnerRecorder(runner, R3Config(local_store_dir=root, rollout_id="bench"))
         recorder.layer_map, recorder.top_k, recorder.num_experts = tuple(range(args.layers)), args.top_k, args.experts
-        recorder.step_buf = new_step_buffer(max_tokens=max_tokens, num_layers=args.layers, top_k=args.top_k,
-                                            num_experts=args.experts, device="cpu")
+        recorder.step_buf = new_step_buffer(
+            max_tokens=max_tokens, num_layers=args.layers, top_k=args.top_k, num_experts=args.experts, device="cpu"
+        )
         recorder._check_next_step = False  # the first-step check reads the device once; no forward runs here
-        recorder.build(SimpleNamespace(num_blocks=sim.num_blocks,
-                                       kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))]))
+        recorder.build(
+            SimpleNamespace(
+                num_blocks=sim.num_blocks, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))]
+            )
+        )
         finished: dict[str, FinishedRequest] = {}
         per_step_us: list[float] = []
         decode_us: list[float] = []  # steps of decodes only, no request finishing
@@ -239,11 +244,16 @@ def _run_plugin(args, running: int) -> dict:
             for step in range(args.warmup + args.steps):
                 lanes, counts = sim.schedule()
                 ids = [sim.rid[i] for i in lanes.tolist()]
-                output = SimpleNamespace(num_scheduled_tokens=dict(zip(ids, counts.tolist())),
-                                         finished_req_ids=set(finished), preempted_req_ids=set(), r3_finished=finished)
+                output = SimpleNamespace(
+                    num_scheduled_tokens=dict(zip(ids, counts.tolist())),
+                    finished_req_ids=set(finished),
+                    preempted_req_ids=set(),
+                    r3_finished=finished,
+                )
                 table = SimpleNamespace(block_size=BLOCK, block_table=SimpleNamespace(np=sim.block_table[lanes]))
-                runner.input_batch = SimpleNamespace(req_ids=ids, num_reqs=len(ids), block_table=[table],
-                                                     num_computed_tokens_cpu=sim.computed[lanes].copy())
+                runner.input_batch = SimpleNamespace(
+                    req_ids=ids, num_reqs=len(ids), block_table=[table], num_computed_tokens_cpu=sim.computed[lanes].copy()
+                )
                 before = recorder.host_seconds
                 recorder.lifecycle(output)  # execute_model: requests the scheduler freed since the last step
                 recorder.prepare(output)  # _prepare_inputs
@@ -255,22 +265,23 @@ def _run_plugin(args, running: int) -> dict:
                         decode_us.append(per_step_us[-1])
                 finished = {}
                 for lane in sim.advance(lanes, counts):
-                    finished[sim.rid[lane]] = FinishedRequest(sim.rid[lane], "bench", int(sim.prompt[lane]),
-                                                              int(sim.gen[lane]))
+                    finished[sim.rid[lane]] = FinishedRequest(sim.rid[lane], "bench", int(sim.prompt[lane]), int(sim.gen[lane]))
                     sim.retire(lane)
             stored = recorder.flush(60)["stored"]
         finally:
             recorder.close()
-    return {"running": running, "record_path": "vllm_plugin",
-            "plugin_host_us": {"median": round(statistics.median(per_step_us), 2),
-                               "mean": round(statistics.fmean(per_step_us), 2)},
-            "plugin_host_us_decode_only_steps": round(statistics.median(decode_us or [0.0]), 2),
-            "requests_stored": stored}
+    return {
+        "running": running,
+        "record_path": "vllm_plugin",
+        "plugin_host_us": {"median": round(statistics.median(per_step_us), 2), "mean": round(statistics.fmean(per_step_us), 2)},
+        "plugin_host_us_decode_only_steps": round(statistics.median(decode_us or [0.0]), 2),
+        "requests_stored": stored,
+    }
 
 
 def run_capture_host_bench(args) -> dict:
     results = []
-    for graphed in ([True, False] if args.eager else [True]):
+    for graphed in [True, False] if args.eager else [True]:
         for running in args.running:
             results.append(_run(args, running, graphed))
             if args.verbose:
@@ -291,25 +302,27 @@ def run_capture_host_bench(args) -> dict:
         "steps": args.steps,
         "begin_end_us_median": {n: r["begin_end_us"]["median"] for n, r in graphed.items()},
         "capturer_us_per_step_mean": {n: r["capturer_us_per_step_mean"] for n, r in graphed.items()},
-        "begin_end_us_decode_only_steps_median": {n: r["begin_end_us_decode_only_steps"]["median"]
-                                                  for n, r in graphed.items()},
-        "yardstick_engine_slot_mapping_us_median": {n: r["yardstick_engine_slot_mapping_us"]["median"]
-                                                    for n, r in graphed.items()},
-        "begin_end_over_yardstick": {n: round(r["begin_end_us"]["median"] / r["yardstick_engine_slot_mapping_us"]["median"], 2)
-                                     for n, r in graphed.items()},
+        "begin_end_us_decode_only_steps_median": {n: r["begin_end_us_decode_only_steps"]["median"] for n, r in graphed.items()},
+        "yardstick_engine_slot_mapping_us_median": {
+            n: r["yardstick_engine_slot_mapping_us"]["median"] for n, r in graphed.items()
+        },
+        "begin_end_over_yardstick": {
+            n: round(r["begin_end_us"]["median"] / r["yardstick_engine_slot_mapping_us"]["median"], 2) for n, r in graphed.items()
+        },
         "results": results,
     }
     if plugin:
         summary["vllm_plugin_host_us_median"] = {n: r["plugin_host_us"]["median"] for n, r in plugin.items()}
         summary["vllm_plugin_host_us_mean"] = {n: r["plugin_host_us"]["mean"] for n, r in plugin.items()}
         summary["vllm_plugin_host_us_decode_only_steps_median"] = {
-            n: r["plugin_host_us_decode_only_steps"] for n, r in plugin.items()}
+            n: r["plugin_host_us_decode_only_steps"] for n, r in plugin.items()
+        }
         summary["goal_vllm_plugin_host_us_at_64"] = 150
         if len(plugin) > 1:
-            summary["vllm_plugin_host_us_per_extra_request"] = _per_extra_request(
-                plugin, lambda r: r["plugin_host_us"]["median"])
+            summary["vllm_plugin_host_us_per_extra_request"] = _per_extra_request(plugin, lambda r: r["plugin_host_us"]["median"])
             summary["vllm_plugin_decode_only_us_per_extra_request"] = _per_extra_request(
-                plugin, lambda r: r["plugin_host_us_decode_only_steps"])
+                plugin, lambda r: r["plugin_host_us_decode_only_steps"]
+            )
         summary["plugin_results"] = list(plugin.values())
     if len(graphed) > 1:
         summary["begin_end_us_per_extra_request"] = _per_extra_request(graphed, lambda r: r["begin_end_us"]["median"])
@@ -336,12 +349,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk", type=int, default=128, help="most prefill tokens of one request per step")
     parser.add_argument("--prefill-budget", type=int, default=256, help="most prefill tokens per step")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager record() variant")
-    parser.add_argument("--no-plugin", dest="plugin", action="store_false",
-                        help="skip the vLLM plug-in's whole step path (RunnerRecorder)")
+    parser.add_argument(
+        "--no-plugin", dest="plugin", action="store_false", help="skip the vLLM plug-in's whole step path (RunnerRecorder)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", dest="verbose", action="store_false")
 
 
 def main(args) -> int:
     return emit(run_capture_host_bench(args))
-

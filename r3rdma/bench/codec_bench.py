@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from r3rdma.records import RequestRecord, batches_by_size
-from r3rdma.bench.synthetic import synthetic_records
 from r3rdma.bench.support import bar, emit
+from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.records import RequestRecord, batches_by_size
 
 __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_arguments", "main"]
 
@@ -52,31 +53,54 @@ def _codecs() -> list[CodecChoice]:
 
     base = [CodecChoice("none", ())]
     base += [CodecChoice(f"zstd-{level}", (ZstdCodec(level=level),)) for level in (1, 3, 9, 19)]
-    base += [CodecChoice(name, (BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle"),))
-             for name, cname, level in (("blosc-lz4-bitshuffle", "lz4", 5), ("blosc-zstd3-bitshuffle", "zstd", 3),
-                                        ("blosc-zstd5-bitshuffle", "zstd", 5))]
+    base += [
+        CodecChoice(name, (BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle"),))
+        for name, cname, level in (
+            ("blosc-lz4-bitshuffle", "lz4", 5),
+            ("blosc-zstd3-bitshuffle", "zstd", 3),
+            ("blosc-zstd5-bitshuffle", "zstd", 5),
+        )
+    ]
     return base + [CodecChoice(c.name + "+sorted", c.compressors, True) for c in base if c.name != "none"]
 
 
 CODECS = _codecs()
 
 
-def model_records(config, *, num_requests: int, seed: int = 0, min_prompt: int = 16, max_prompt: int = 160,
-                  min_new: int = 8, max_new: int = 64, batch_size: int = 8, rollout_id: str = "codec") -> list[RequestRecord]:
+def model_records(
+    config,
+    *,
+    num_requests: int,
+    seed: int = 0,
+    min_prompt: int = 16,
+    max_prompt: int = 160,
+    min_new: int = 8,
+    max_new: int = 64,
+    batch_size: int = 8,
+    rollout_id: str = "codec",
+) -> list[RequestRecord]:
     """Routing captured while generating with a random-init model of ``config`` (CPU)."""
     from r3rdma.cli.demo import make_requests
     from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
-    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
     from r3rdma.integrations.hf_models import build_model
+    from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
 
     model = build_model(config, seed=seed)
-    requests = make_requests(num_requests, vocab=config.vocab_size, seed=seed, min_prompt=min_prompt,
-                             max_prompt=max_prompt, min_new=min_new, max_new=max_new)
+    requests = make_requests(
+        num_requests,
+        vocab=config.vocab_size,
+        seed=seed,
+        min_prompt=min_prompt,
+        max_prompt=max_prompt,
+        min_new=min_new,
+        max_new=max_new,
+    )
     blocks = batch_size * (-(-(max_prompt + max_new) // 16) + 1)
     allocator = BlockAllocator(num_blocks=blocks, block_size=16)
     records: list[RequestRecord] = []
-    capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=SimpleNamespace(submit=records.append),
-                                  rollout_id=rollout_id)
+    capturer = capturer_for_model(
+        model, num_slots=allocator.num_slots, sink=SimpleNamespace(submit=records.append), rollout_id=rollout_id
+    )
     detach = attach_capturer(model, capturer)
     try:
         HFRolloutDriver(model, capturer, allocator=allocator, batch_size=batch_size, seed=seed).run(requests)
@@ -92,16 +116,25 @@ def routing_sources(*, quick: bool = False, large: bool = True, seed: int = 0) -
 
     sources: dict[str, list[RequestRecord]] = {}
     n = 4 if quick else 24
-    sources["tiny-qwen3-moe"] = model_records(tiny_qwen3_moe(), num_requests=n, seed=seed,
-                                              max_prompt=32 if quick else 160, max_new=8 if quick else 64)
+    sources["tiny-qwen3-moe"] = model_records(
+        tiny_qwen3_moe(), num_requests=n, seed=seed, max_prompt=32 if quick else 160, max_new=8 if quick else 64
+    )
     if large:
         layers = 2 if quick else 16
-        config = tiny_qwen3_moe(num_hidden_layers=layers, num_experts=128, num_experts_per_tok=8, mlp_only_layers=[],
-                                moe_intermediate_size=8, hidden_size=64)
-        sources[f"qwen3-moe-L{layers}-E128-K8"] = model_records(config, num_requests=4 if quick else 16, seed=seed,
-                                                                max_prompt=32 if quick else 160, max_new=8 if quick else 48)
-    sources["synthetic-skewed"] = synthetic_records(2 if quick else 12, seed=seed, min_rows=64 if quick else 256,
-                                                    max_rows=256 if quick else 2048, rollout_id="codec")
+        config = tiny_qwen3_moe(
+            num_hidden_layers=layers,
+            num_experts=128,
+            num_experts_per_tok=8,
+            mlp_only_layers=[],
+            moe_intermediate_size=8,
+            hidden_size=64,
+        )
+        sources[f"qwen3-moe-L{layers}-E128-K8"] = model_records(
+            config, num_requests=4 if quick else 16, seed=seed, max_prompt=32 if quick else 160, max_new=8 if quick else 48
+        )
+    sources["synthetic-skewed"] = synthetic_records(
+        2 if quick else 12, seed=seed, min_rows=64 if quick else 256, max_rows=256 if quick else 2048, rollout_id="codec"
+    )
     return sources
 
 
@@ -123,8 +156,7 @@ def stored_records(spec: str) -> tuple[str, list[RequestRecord]]:
             rollout = names[0]
         info = reader.info(rollout)
         arrays = reader.get_numpy(rollout, info.request_ids)
-    records = [RequestRecord("codec", rid, arrays[rid], tuple(info.layer_map), info.num_experts)
-               for rid in info.request_ids]
+    records = [RequestRecord("codec", rid, arrays[rid], tuple(info.layer_map), info.num_experts) for rid in info.request_ids]
     return f"stored:{rollout}", records
 
 
@@ -150,19 +182,25 @@ def _write(data: np.ndarray, compressors: list[Any], chunk_rows: int):
     rows, layers, top_k = data.shape
     chunk = max(1, min(chunk_rows, rows))
     store = _new_store()
-    array = zarr.create_array(store, name="a", data=data, chunks=(chunk, layers, top_k),
-                              shards=(-(-rows // chunk) * chunk, layers, top_k),
-                              compressors=[*compressors, Crc32cCodec()], fill_value=0)
+    array = zarr.create_array(
+        store,
+        name="a",
+        data=data,
+        chunks=(chunk, layers, top_k),
+        shards=(-(-rows // chunk) * chunk, layers, top_k),
+        compressors=[*compressors, Crc32cCodec()],
+        fill_value=0,
+    )
 
     async def stored() -> int:
-        return sum([len((await store.get(key, default_buffer_prototype())).to_bytes())
-                    async for key in store.list_prefix("a/")])
+        return sum([len((await store.get(key, default_buffer_prototype())).to_bytes()) async for key in store.list_prefix("a/")])
 
     return array, sync(stored())
 
 
-def measure(records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows: int = 1024,
-            flush_bytes: int = 8 << 20, repeats: int = 1) -> dict[str, Any]:
+def measure(
+    records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows: int = 1024, flush_bytes: int = 8 << 20, repeats: int = 1
+) -> dict[str, Any]:
     """Bytes per token and encode/decode throughput of one codec choice on ``records``; every
     array read back must equal what was written (raises ``AssertionError`` otherwise)."""
     batches = _batches(records, flush_bytes)
@@ -181,8 +219,14 @@ def measure(records: Sequence[RequestRecord], codec: CodecChoice, *, chunk_rows:
         back = [array[:] for array, _ in written]
         dec_s = min(dec_s, time.perf_counter() - t0)
         assert all(np.array_equal(got, b) for got, b in zip(back, batches)), f"{codec.name}: decoded bytes differ"
-    return {"tokens": tokens, "raw_bytes": raw, "stored_bytes": stored, "bytes_per_token": stored / tokens,
-            "encode_mbps": raw / enc_s / 1e6, "decode_mbps": raw / dec_s / 1e6}
+    return {
+        "tokens": tokens,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "bytes_per_token": stored / tokens,
+        "encode_mbps": raw / enc_s / 1e6,
+        "decode_mbps": raw / dec_s / 1e6,
+    }
 
 
 def yardsticks(records: Sequence[RequestRecord]) -> dict[str, float]:
@@ -191,13 +235,26 @@ def yardsticks(records: Sequence[RequestRecord]) -> dict[str, float]:
     ids = sum(r.ids_TLK[0].size * r.num_rows for r in records)
     b64 = sum(4 * math.ceil(r.ids_TLK.size * 4 / 3) for r in records)  # base64 of each request's int32 array
     stored_dtype = records[0].ids_TLK.dtype
-    return {"int32_raw": ids * 4 / tokens, "uint8_raw": ids / tokens, "base64_int32": b64 / tokens,
-            "stored_dtype_raw": ids * stored_dtype.itemsize / tokens}
+    return {
+        "int32_raw": ids * 4 / tokens,
+        "uint8_raw": ids / tokens,
+        "base64_int32": b64 / tokens,
+        "stored_dtype_raw": ids * stored_dtype.itemsize / tokens,
+    }
 
 
-def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence[str] | None = None,
-                    chunk_rows: Sequence[int] = (256, 1024, 4096), repeats: int = 2, seed: int = 0,
-                    progress: bool = True, routing: Sequence[str] = (), routing_only: bool = False) -> dict[str, Any]:
+def run_codec_bench(
+    *,
+    quick: bool = False,
+    large: bool = True,
+    codecs: Sequence[str] | None = None,
+    chunk_rows: Sequence[int] = (256, 1024, 4096),
+    repeats: int = 2,
+    seed: int = 0,
+    progress: bool = True,
+    routing: Sequence[str] = (),
+    routing_only: bool = False,
+) -> dict[str, Any]:
     """The study; ``routing``: stored rollouts (``ROOT:ROLLOUT``) measured as extra sources,
     ``routing_only``: only those (chunking then runs on the first of them)."""
     chosen = [c for c in CODECS if codecs is None or c.name in codecs]
@@ -213,17 +270,30 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
         for source, records in sources.items():
             ys = yardsticks(records)
             first = records[0]
-            info[source] = {"requests": len(records), "tokens": sum(r.num_rows for r in records),
-                            "layers": len(first.layer_map), "top_k": first.top_k, "num_experts": first.num_experts,
-                            "dtype": first.ids_TLK.dtype.name, **{k: round(v, 2) for k, v in ys.items()}}
+            info[source] = {
+                "requests": len(records),
+                "tokens": sum(r.num_rows for r in records),
+                "layers": len(first.layer_map),
+                "top_k": first.top_k,
+                "num_experts": first.num_experts,
+                "dtype": first.ids_TLK.dtype.name,
+                **{k: round(v, 2) for k, v in ys.items()},
+            }
             for codec in chosen:
                 m = measure(records, codec, repeats=repeats)
-                rows.append({"source": source, "codec": codec.name, "chunk_rows": 1024,
-                             "bytes_per_token": round(m["bytes_per_token"], 2),
-                             "vs_uint8": round(m["bytes_per_token"] / ys["uint8_raw"], 3),
-                             "vs_int32": round(m["bytes_per_token"] / ys["int32_raw"], 4),
-                             "vs_base64": round(m["bytes_per_token"] / ys["base64_int32"], 4),
-                             "encode_mbps": round(m["encode_mbps"], 1), "decode_mbps": round(m["decode_mbps"], 1)})
+                rows.append(
+                    {
+                        "source": source,
+                        "codec": codec.name,
+                        "chunk_rows": 1024,
+                        "bytes_per_token": round(m["bytes_per_token"], 2),
+                        "vs_uint8": round(m["bytes_per_token"] / ys["uint8_raw"], 3),
+                        "vs_int32": round(m["bytes_per_token"] / ys["int32_raw"], 4),
+                        "vs_base64": round(m["bytes_per_token"] / ys["base64_int32"], 4),
+                        "encode_mbps": round(m["encode_mbps"], 1),
+                        "decode_mbps": round(m["decode_mbps"], 1),
+                    }
+                )
                 shown.update()
     # Chunking: the default codec (and its best rival) at several inner-chunk sizes, skewed data.
     chunking = []
@@ -235,8 +305,16 @@ def run_codec_bench(*, quick: bool = False, large: bool = True, codecs: Sequence
             continue
         for rows_per_chunk in chunk_rows:
             m = measure(skewed, codec, chunk_rows=rows_per_chunk, repeats=repeats)
-            chunking.append({"source": chunk_source, "codec": name, "chunk_rows": rows_per_chunk, "bytes_per_token": round(m["bytes_per_token"], 2),
-                             "encode_mbps": round(m["encode_mbps"], 1), "decode_mbps": round(m["decode_mbps"], 1)})
+            chunking.append(
+                {
+                    "source": chunk_source,
+                    "codec": name,
+                    "chunk_rows": rows_per_chunk,
+                    "bytes_per_token": round(m["bytes_per_token"], 2),
+                    "encode_mbps": round(m["encode_mbps"], 1),
+                    "decode_mbps": round(m["decode_mbps"], 1),
+                }
+            )
     return {"bench": "codecs", "sources": info, "rows": rows, "chunking": chunking}
 
 
@@ -248,7 +326,10 @@ def markdown_table(result: dict[str, Any]) -> str:
     head = "| codec | " + " | ".join(f"{s}: B/token (x uint8) | enc/dec MB/s" for s in sources) + " |"
     lines = [head, "|---|" + "---|---|" * len(sources)]
     for s in ("int32_raw", "base64_int32", "uint8_raw"):
-        cells = " | ".join(f"{result['sources'][src][s]} ({result['sources'][src][s] / result['sources'][src]['uint8_raw']:.2f}) | " for src in sources)
+        cells = " | ".join(
+            f"{result['sources'][src][s]} ({result['sources'][src][s] / result['sources'][src]['uint8_raw']:.2f}) | "
+            for src in sources
+        )
         lines.append(f"| *{s} (yardstick)* | {cells} |")
     for codec in codecs:
         cells = []
@@ -266,15 +347,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--codecs", nargs="+", default=None, help=f"subset of: {' '.join(c.name for c in CODECS)}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (before the JSON line)")
-    parser.add_argument("--routing", action="append", default=[], metavar="ROOT:ROLLOUT",
-                        help="also measure a stored rollout (a local store root, then ':' and the rollout id), "
-                             "e.g. what `r3rdma verify --model CKPT --root ROOT` captured; repeatable")
+    parser.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        metavar="ROOT:ROLLOUT",
+        help="also measure a stored rollout (a local store root, then ':' and the rollout id), "
+        "e.g. what `r3rdma verify --model CKPT --root ROOT` captured; repeatable",
+    )
     parser.add_argument("--routing-only", action="store_true", help="measure only the --routing rollouts")
 
 
 def main(args) -> int:
-    result = run_codec_bench(quick=args.quick, large=args.large, codecs=args.codecs, repeats=args.repeats,
-                             routing=args.routing, routing_only=args.routing_only)
+    result = run_codec_bench(
+        quick=args.quick,
+        large=args.large,
+        codecs=args.codecs,
+        repeats=args.repeats,
+        routing=args.routing,
+        routing_only=args.routing_only,
+    )
     if args.markdown:
         print(markdown_table(result))
     return emit(result)

@@ -78,6 +78,7 @@ def _cases(layers: int, top_k: int, num_slots: int):
     cases = []
     for T in (64, 256, 4096):
         for rows_mode in ("dense", "router_rows", "router_rows+expert_map"):
+
             def make(T=T, rows_mode=rows_mode):
                 pad = T + T // 4
                 ids = torch.randint(0, 128, (pad, top_k), device=dev, generator=gen)
@@ -89,9 +90,11 @@ def _cases(layers: int, top_k: int, num_slots: int):
                     "torch": lambda: reference.record_layer(buf, 3, src, rows, emap),
                     "triton": lambda: triton_kernels.record_layer(buf, 3, src, rows, emap),
                 }
+
             cases.append(("record_layer", f"T={T} {rows_mode}", T, make))
     for T in (64, 1024, 8192):
         for mode in ("all", "accepted"):
+
             def make(T=T, mode=mode):
                 rows = torch.randint(0, 128, (T, layers, top_k), device=dev, generator=gen).to(torch.uint8)
                 idx = torch.randperm(T, device=dev, generator=gen)[: T // 2].sort().values if mode == "accepted" else None
@@ -101,8 +104,10 @@ def _cases(layers: int, top_k: int, num_slots: int):
                     "torch": lambda: reference.write_step_rows(table, slots, rows, idx),
                     "triton": lambda: triton_kernels.write_step_rows(table, slots, rows, idx),
                 }
+
             cases.append(("write_step_rows", f"T={T} {mode}", T, make))
     for T in (1024, 8192, 32768):
+
         def make(T=T):
             slots = torch.randperm(num_slots, device=dev, generator=gen)[:T]
             out = torch.empty((T, layers, top_k), dtype=torch.uint8, device=dev)
@@ -110,12 +115,14 @@ def _cases(layers: int, top_k: int, num_slots: int):
                 "torch": lambda: reference.gather_rows(table, slots, out),
                 "triton": lambda: triton_kernels.gather_rows(table, slots, out),
             }
+
         cases.append(("gather_rows", f"T={T}", T, make))
     return cases
 
 
-def run_kernel_bench(*, layers: int = 48, top_k: int = 8, num_slots: int = 1 << 18, calls: int = 50, repeats: int = 20,
-                     verbose: bool = True) -> dict:
+def run_kernel_bench(
+    *, layers: int = 48, top_k: int = 8, num_slots: int = 1 << 18, calls: int = 50, repeats: int = 20, verbose: bool = True
+) -> dict:
     import torch
 
     if not torch.cuda.is_available():
@@ -131,17 +138,25 @@ def run_kernel_bench(*, layers: int = 48, top_k: int = 8, num_slots: int = 1 << 
         row["eager_speedup"] = round(row["torch_eager_us"] / row["triton_eager_us"], 2)
         rows.append(row)
         if verbose:
-            print(f"{op:16s} {label:34s} torch gpu {row['torch_gpu_us']:8.2f} us eager {row['torch_eager_us']:8.2f} us | "
-                  f"triton gpu {row['triton_gpu_us']:8.2f} us eager {row['triton_eager_us']:8.2f} us | "
-                  f"x{row['gpu_speedup']:.2f} gpu x{row['eager_speedup']:.2f} eager", flush=True)
+            print(
+                f"{op:16s} {label:34s} torch gpu {row['torch_gpu_us']:8.2f} us eager {row['torch_eager_us']:8.2f} us | "
+                f"triton gpu {row['triton_gpu_us']:8.2f} us eager {row['triton_eager_us']:8.2f} us | "
+                f"x{row['gpu_speedup']:.2f} gpu x{row['eager_speedup']:.2f} eager",
+                flush=True,
+            )
     # The regime each op runs in decides (see the module docstring).
     regime = {"record_layer": "gpu", "write_step_rows": "eager", "gather_rows": "gpu"}
     summary = {}
     for op, key in regime.items():
         ratios = [r[f"{key}_speedup"] for r in rows if r["op"] == op]
         geo = statistics.geometric_mean(ratios)
-        summary[op] = {"regime": key, "geomean_speedup": round(geo, 3), "min": min(ratios), "max": max(ratios),
-                       "custom_wins": geo > 1.05 and min(ratios) > 0.95}
+        summary[op] = {
+            "regime": key,
+            "geomean_speedup": round(geo, 3),
+            "min": min(ratios),
+            "max": max(ratios),
+            "custom_wins": geo > 1.05 and min(ratios) > 0.95,
+        }
     return {
         "bench": "kernels",
         "device": torch.cuda.get_device_name(),
@@ -162,6 +177,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    result = run_kernel_bench(layers=args.layers, top_k=args.top_k, num_slots=args.num_slots,
-                              calls=args.calls, repeats=args.repeats)
+    result = run_kernel_bench(
+        layers=args.layers, top_k=args.top_k, num_slots=args.num_slots, calls=args.calls, repeats=args.repeats
+    )
     return emit(result)

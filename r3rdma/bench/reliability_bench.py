@@ -65,10 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inflight-mb", type=int, default=64, help="load: each node's --max-inflight-mb")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller sizes for the failover parts (replicas, bad records, multi-turn, restart, "
-                             "stalled senders, replicas ingest ratio): under a minute; the other parts take "
-                             "their own options above")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes for the failover parts (replicas, bad records, multi-turn, restart, "
+        "stalled senders, replicas ingest ratio): under a minute; the other parts take "
+        "their own options above",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -93,8 +96,7 @@ def main(args: argparse.Namespace) -> int:
             node.kill()
         full = disk_full(work / "disk")
         log(f"disk full: {full}")
-        ld = load(work / "load", clients=args.clients, duration_s=args.duration_s, inflight_mb=args.inflight_mb,
-                  seed=args.seed)
+        ld = load(work / "load", clients=args.clients, duration_s=args.duration_s, inflight_mb=args.inflight_mb, seed=args.seed)
         log(f"load: {ld}")
         failover = failover_figures(work / "failover", quick=args.quick, seed=args.seed, log=log)
     result = {

@@ -84,15 +84,44 @@ import numpy as np
 from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
 from r3rdma.bench.support import Worker, bar, cpu_seconds, emit, log, node_samples, preset, stop_all, worker_context
 
-__all__ = ["run_rlstep_bench", "plan_rollout", "contiguous_runs", "disk_write_gbps", "zstd_gbps_all_cores",
-           "add_arguments", "main", "QUICK", "FULL"]
+__all__ = [
+    "run_rlstep_bench",
+    "plan_rollout",
+    "contiguous_runs",
+    "disk_write_gbps",
+    "zstd_gbps_all_cores",
+    "add_arguments",
+    "main",
+    "QUICK",
+    "FULL",
+]
 
 #: ``FULL``: a 16-core GPU host (~10 GB decoded, ~21 GB written with 2 replicas). ``QUICK``: the
 #: 2-core CPU machine (~0.3 GB decoded).
-FULL = {"requests": 16384, "min_rows": 100, "max_rows": 16000, "median_rows": 1000, "nodes": 4, "engines": 4,
-        "trainers": 8, "rollout_seconds": 60.0, "batch_mb": 8.0, "rounds": 2}
-QUICK = {"requests": 4096, "min_rows": 16, "max_rows": 2000, "median_rows": 120, "nodes": 2, "engines": 2,
-         "trainers": 4, "rollout_seconds": 20.0, "batch_mb": 2.0, "rounds": 1}
+FULL = {
+    "requests": 16384,
+    "min_rows": 100,
+    "max_rows": 16000,
+    "median_rows": 1000,
+    "nodes": 4,
+    "engines": 4,
+    "trainers": 8,
+    "rollout_seconds": 60.0,
+    "batch_mb": 8.0,
+    "rounds": 2,
+}
+QUICK = {
+    "requests": 4096,
+    "min_rows": 16,
+    "max_rows": 2000,
+    "median_rows": 120,
+    "nodes": 2,
+    "engines": 2,
+    "trainers": 4,
+    "rollout_seconds": 20.0,
+    "batch_mb": 2.0,
+    "rounds": 1,
+}
 
 ROLLOUT_ID = "rlstep-0"
 
@@ -106,14 +135,17 @@ def _store_defaults() -> tuple[int, int]:
     return params["zstd_level"].default, params["chunk_rows"].default
 
 
-def plan_rollout(requests: int, *, min_rows: int, max_rows: int, median_rows: float, sigma: float,
-                 rollout_seconds: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def plan_rollout(
+    requests: int, *, min_rows: int, max_rows: int, median_rows: float, sigma: float, rollout_seconds: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(rows, finish seconds) per request: a lognormal of rows clipped to ``min_rows..max_rows``;
     finish times proportional to length times a uniform 0.5-1 factor, the last at ``rollout_seconds``
     (module docstring)."""
     if not 1 <= min_rows <= max_rows or median_rows <= 0 or sigma < 0 or rollout_seconds < 0:
-        raise ValueError(f"need 1 <= min_rows <= max_rows, median_rows > 0, sigma >= 0, rollout_seconds >= 0; got "
-                         f"{min_rows}, {max_rows}, {median_rows}, {sigma}, {rollout_seconds}")
+        raise ValueError(
+            f"need 1 <= min_rows <= max_rows, median_rows > 0, sigma >= 0, rollout_seconds >= 0; got "
+            f"{min_rows}, {max_rows}, {median_rows}, {sigma}, {rollout_seconds}"
+        )
     rng = np.random.default_rng(seed + 2)
     rows = np.clip(np.rint(rng.lognormal(np.log(median_rows), sigma, size=requests)), min_rows, max_rows).astype(np.int64)
     score = rows * rng.uniform(0.5, 1.0, size=requests)
@@ -140,8 +172,9 @@ def disk_write_gbps(path: Path, nbytes: int, source: np.ndarray, block: int = 8 
     return written / seconds / 1e9
 
 
-def zstd_gbps_all_cores(pool: np.ndarray, nbytes: int, *, chunk_rows: int, level: int,
-                        workers: int | None = None) -> tuple[float, float]:
+def zstd_gbps_all_cores(
+    pool: np.ndarray, nbytes: int, *, chunk_rows: int, level: int, workers: int | None = None
+) -> tuple[float, float]:
     """(GB/s, compressed / raw) of numcodecs Zstd compressing ``nbytes`` of ``pool``'s rows in
     chunks of ``chunk_rows`` rows, ``workers`` threads (default ``os.cpu_count()``; numcodecs'
     Zstd releases the GIL, so threads use every core)."""
@@ -241,22 +274,57 @@ def run_rlstep_bench(
     from r3rdma.testing.harness import spawn_nodes
 
     if min(nodes, engines, trainers, micro_batch, rounds) < 1 or requests < trainers or not 1 <= replicas <= nodes:
-        raise ValueError(f"need nodes, engines, trainers, micro_batch, rounds >= 1, requests >= trainers and "
-                         f"1 <= replicas <= nodes; got {nodes}, {engines}, {trainers}, {micro_batch}, {rounds}, "
-                         f"{requests}, {replicas}")
+        raise ValueError(
+            f"need nodes, engines, trainers, micro_batch, rounds >= 1, requests >= trainers and "
+            f"1 <= replicas <= nodes; got {nodes}, {engines}, {trainers}, {micro_batch}, {rounds}, "
+            f"{requests}, {replicas}"
+        )
     began = time.perf_counter()
-    params = dict(requests=requests, min_rows=min_rows, max_rows=max_rows, median_rows=median_rows, sigma=sigma,
-                  layers=layers, top_k=top_k, experts=experts, nodes=nodes, replicas=replicas, engines=engines,
-                  trainers=trainers, rollout_seconds_planned=rollout_seconds, batch_mb=batch_mb, micro_batch=micro_batch,
-                  poll_s=poll_s, rounds=rounds, seed=seed)
+    params = dict(
+        requests=requests,
+        min_rows=min_rows,
+        max_rows=max_rows,
+        median_rows=median_rows,
+        sigma=sigma,
+        layers=layers,
+        top_k=top_k,
+        experts=experts,
+        nodes=nodes,
+        replicas=replicas,
+        engines=engines,
+        trainers=trainers,
+        rollout_seconds_planned=rollout_seconds,
+        batch_mb=batch_mb,
+        micro_batch=micro_batch,
+        poll_s=poll_s,
+        rounds=rounds,
+        seed=seed,
+    )
     result: dict[str, Any] = {"bench": "rlstep", "quick": quick, "cpu_count": os.cpu_count(), **params}
-    lengths, finish_s = plan_rollout(requests, min_rows=min_rows, max_rows=max_rows, median_rows=median_rows,
-                                     sigma=sigma, rollout_seconds=rollout_seconds, seed=seed)
-    rollout_kw = dict(num_requests=requests, min_rows=min_rows, max_rows=max_rows, num_layers=layers, top_k=top_k,
-                      num_experts=experts, rollout_id=ROLLOUT_ID, seed=seed, lengths=lengths)
+    lengths, finish_s = plan_rollout(
+        requests,
+        min_rows=min_rows,
+        max_rows=max_rows,
+        median_rows=median_rows,
+        sigma=sigma,
+        rollout_seconds=rollout_seconds,
+        seed=seed,
+    )
+    rollout_kw = dict(
+        num_requests=requests,
+        min_rows=min_rows,
+        max_rows=max_rows,
+        num_layers=layers,
+        top_k=top_k,
+        num_experts=experts,
+        rollout_id=ROLLOUT_ID,
+        seed=seed,
+        lengths=lengths,
+    )
     owner = np.random.default_rng(seed + 3).integers(0, engines, size=requests)  # which engine serves each request
-    schedules = [sorted(((int(i), float(finish_s[i])) for i in np.flatnonzero(owner == e)), key=lambda x: x[1])
-                 for e in range(engines)]
+    schedules = [
+        sorted(((int(i), float(finish_s[i])) for i in np.flatnonzero(owner == e)), key=lambda x: x[1]) for e in range(engines)
+    ]
     D = trainers
     shares = [[TiledRollout.request_id(i) for i in range(r, requests, D)] for r in range(D)]
 
@@ -275,15 +343,26 @@ def run_rlstep_bench(
         urls = [n.http_url for n in node_procs]
         push_urls = [n.push_url for n in node_procs]
         ctx = worker_context()
-        engine_procs = [Worker(ctx, e, engine_main, (e, push_urls, token, replicas, rollout_kw, schedules[e], batch_mb),
-                               f"r3rdma-rlstep-engine-{e}") for e in range(engines)]
-        trainer_procs = [Worker(ctx, r, trainer_main, (r, urls, read_token), f"r3rdma-rlstep-trainer-{r}")
-                         for r in range(D)]
+        engine_procs = [
+            Worker(
+                ctx,
+                e,
+                engine_main,
+                (e, push_urls, token, replicas, rollout_kw, schedules[e], batch_mb),
+                f"r3rdma-rlstep-engine-{e}",
+            )
+            for e in range(engines)
+        ]
+        trainer_procs = [Worker(ctx, r, trainer_main, (r, urls, read_token), f"r3rdma-rlstep-trainer-{r}") for r in range(D)]
         procs = engine_procs + trainer_procs
         rollout = TiledRollout(**rollout_kw)  # here: sizes, the expected CRCs, the yardsticks' bytes
         size = {rollout.request_id(i): rollout.nbytes(i) for i in range(requests)}
-        result.update(tokens=int(lengths.sum()), bytes_raw=rollout.total_bytes,
-                      rows_median=int(np.median(lengths)), rows_p99=int(np.percentile(lengths, 99)))
+        result.update(
+            tokens=int(lengths.sum()),
+            bytes_raw=rollout.total_bytes,
+            rows_median=int(np.median(lengths)),
+            rows_p99=int(np.percentile(lengths, 99)),
+        )
         warm_ids = [rid for p in engine_procs for rid in p.recv(timeout)["warm"]]
         for p in trainer_procs:
             assert p.recv(timeout)["event"] == "ready"
@@ -292,15 +371,25 @@ def run_rlstep_bench(
         for p in trainer_procs:
             p.recv(timeout)
         result["phase_seconds"] = phases = {"start": round(time.perf_counter() - began, 1)}
-        say(f"{requests} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
-                       f"{result['rows_p99']}), {rollout.total_bytes / 1e9:.3f} GB decoded over a {rollout_seconds} s rollout")
+        say(
+            f"{requests} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
+            f"{result['rows_p99']}), {rollout.total_bytes / 1e9:.3f} GB decoded over a {rollout_seconds} s rollout"
+        )
 
         # -- the step ----------------------------------------------------------------------
         ingested0 = [_bytes_ingested(n) for n in node_procs]
         cpu0, wall0 = sum(cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
         for r, p in enumerate(trainer_procs):  # the step begins: each rank names its share
-            p.send({"cmd": "collect", "rollout": ROLLOUT_ID, "ids": shares[r], "poll_s": poll_s, "verify": verify,
-                    "timeout": timeout})
+            p.send(
+                {
+                    "cmd": "collect",
+                    "rollout": ROLLOUT_ID,
+                    "ids": shares[r],
+                    "poll_s": poll_s,
+                    "verify": verify,
+                    "timeout": timeout,
+                }
+            )
         t0 = time.time() + 0.2  # every engine has its go before the first request is due
         for p in engine_procs:
             p.send({"cmd": "go", "t0": t0})
@@ -333,22 +422,27 @@ def run_rlstep_bench(
         ingest_nodes = [b / rollout_s / 1e9 for b in ingested]
         ingest = statistics.fmean(ingest_nodes)
         result.update(
-            rollout_seconds=round(rollout_s, 3), stall_seconds=round(stall, 3),
-            stall_vs_rollout=round(stall / rollout_s, 4), stall_per_rank=[round(s, 3) for s in stall_per_rank],
+            rollout_seconds=round(rollout_s, 3),
+            stall_seconds=round(stall, 3),
+            stall_vs_rollout=round(stall / rollout_s, 4),
+            stall_per_rank=[round(s, 3) for s in stall_per_rank],
             last_finish_to_ack_seconds=round(last_ack - (t0 + float(finish_s.max())), 3),
             engine_late_seconds=round(max(a["late_s"] for a in eng), 3),
             engine_batches=sum(len(a["acks"]) for a in eng),
-            ingest_gbps_per_node=round(ingest, 4), ingest_gbps_nodes=[round(g, 4) for g in ingest_nodes],
+            ingest_gbps_per_node=round(ingest, 4),
+            ingest_gbps_nodes=[round(g, 4) for g in ingest_nodes],
             offered_gbps_per_node=round(sum(ingested) / len(ingested) / rollout_seconds / 1e9, 4) if rollout_seconds else None,
             node_bytes_ingested=[int(b) for b in ingested],
             step_node_cores=round(node_cpu / step_wall, 2),
             step_engine_cpu_s=round(sum(a["cpu_s"] for a in eng), 2),
             step_trainer_cpu_s=round(sum(a["cpu_s"] for a in ranks), 2),
-            collect_polls=[a["polls"] for a in ranks], collect_reads=[a["reads"] for a in ranks],
+            collect_polls=[a["polls"] for a in ranks],
+            collect_reads=[a["reads"] for a in ranks],
         )
         share_bytes = [sum(size[rid] for rid in share) for share in shares]
-        complete = all(a["requests"] == len(s) and a["bytes"] == b and a["order_ok"]
-                       for a, s, b in zip(ranks, shares, share_bytes))
+        complete = all(
+            a["requests"] == len(s) and a["bytes"] == b and a["order_ok"] for a, s, b in zip(ranks, shares, share_bytes)
+        )
         result["shares_complete"] = complete
         if verify:
             verified = mismatched = 0
@@ -377,8 +471,13 @@ def run_rlstep_bench(
         contiguous = contiguous_runs(order, size, share_bytes)
 
         def read_cmd(ids: list[str]) -> dict[str, Any]:
-            return {"cmd": "read", "rollout": ROLLOUT_ID, "seconds": 0, "verify": False,
-                    "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]}
+            return {
+                "cmd": "read",
+                "rollout": ROLLOUT_ID,
+                "seconds": 0,
+                "verify": False,
+                "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)],
+            }
 
         reads = ReadPhases(node_procs, timeout)
         rank_bytes, rank_seconds = [0] * D, [0.0] * D
@@ -395,7 +494,8 @@ def run_rlstep_bench(
         rates = [reads.totals[n]["rates"] for n in ("scattered", "contiguous")]
         result.update(
             rank_read_gbps=[round(b / max(s, 1e-9) / 1e9, 4) for b, s in zip(rank_bytes, rank_seconds)],
-            scattered_read_gbps=round(scattered_gbps, 4), contiguous_read_gbps=round(contiguous_gbps, 4),
+            scattered_read_gbps=round(scattered_gbps, 4),
+            contiguous_read_gbps=round(contiguous_gbps, 4),
             scattered_vs_contiguous=round(scattered_gbps / contiguous_gbps, 3),
             scattered_vs_contiguous_per_round=[round(s / c, 3) for s, c in zip(*rates)],
             contiguous_bytes_per_rank=[sum(size[rid] for rid in run) for run in contiguous],
@@ -405,9 +505,12 @@ def run_rlstep_bench(
 
         # -- what the nodes store ----------------------------------------------------------
         stored = [sum(f.stat().st_size for f in (n.root / ROLLOUT_ID).rglob("*") if f.is_file()) for n in node_procs]
-        result.update(bytes_stored=sum(stored), bytes_stored_nodes=stored,
-                      bytes_stored_per_replica=sum(stored) // replicas,
-                      stored_vs_raw=round(sum(stored) / replicas / rollout.total_bytes, 4))
+        result.update(
+            bytes_stored=sum(stored),
+            bytes_stored_nodes=stored,
+            bytes_stored_per_replica=sum(stored) // replicas,
+            stored_vs_raw=round(sum(stored) / replicas / rollout.total_bytes, 4),
+        )
 
         # -- yardsticks: the per-node bytes written to this disk, and compressed on every core
         mark = time.perf_counter()
@@ -419,10 +522,17 @@ def run_rlstep_bench(
         disk = disk_write_gbps(base / "yardstick.bin", per_node, rollout.pool)
         zstd, ratio = zstd_gbps_all_cores(rollout.pool, per_node, chunk_rows=chunk_rows, level=level)
         store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=int(batch_mb * 2**20))
-        result.update(disk_write_gbps=round(disk, 4), zstd_gbps_all_cores=round(zstd, 4), zstd_ratio=round(ratio, 4),
-                      zstd_level=level, chunk_rows=chunk_rows, yardstick_bytes=per_node,
-                      ingest_vs_yardstick=round(ingest / min(disk, zstd), 3),
-                      store_commit_gbps=round(store_gbps, 4), store_vs_yardstick=round(store_gbps / min(disk, zstd), 3))
+        result.update(
+            disk_write_gbps=round(disk, 4),
+            zstd_gbps_all_cores=round(zstd, 4),
+            zstd_ratio=round(ratio, 4),
+            zstd_level=level,
+            chunk_rows=chunk_rows,
+            yardstick_bytes=per_node,
+            ingest_vs_yardstick=round(ingest / min(disk, zstd), 3),
+            store_commit_gbps=round(store_gbps, 4),
+            store_vs_yardstick=round(store_gbps / min(disk, zstd), 3),
+        )
         phases["yardsticks"] = round(time.perf_counter() - mark, 1)
 
         result["goals"] = {
@@ -449,15 +559,22 @@ def run_rlstep_bench(
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help=f"2-core CPU machine, under 2 min: {QUICK['requests']} requests of {QUICK['min_rows']}-"
-                             f"{QUICK['max_rows']} rows, {QUICK['nodes']} nodes, {QUICK['engines']} engines, "
-                             f"{QUICK['trainers']} trainers, a {QUICK['rollout_seconds']:g} s rollout")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"2-core CPU machine, under 2 min: {QUICK['requests']} requests of {QUICK['min_rows']}-"
+        f"{QUICK['max_rows']} rows, {QUICK['nodes']} nodes, {QUICK['engines']} engines, "
+        f"{QUICK['trainers']} trainers, a {QUICK['rollout_seconds']:g} s rollout",
+    )
     parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
     parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
     parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']}")
-    parser.add_argument("--median-rows", type=float, default=None,
-                        help=f"median of the lognormal of rows per request (default {FULL['median_rows']})")
+    parser.add_argument(
+        "--median-rows",
+        type=float,
+        default=None,
+        help=f"median of the lognormal of rows per request (default {FULL['median_rows']})",
+    )
     parser.add_argument("--sigma", type=float, default=1.0, help="sigma of that lognormal (log-rows)")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=8)
@@ -466,23 +583,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="nodes holding each request")
     parser.add_argument("--engines", type=int, default=None, help=f"engine (TP-owner rank) processes, default {FULL['engines']}")
     parser.add_argument("--trainers", type=int, default=None, help=f"trainer DP rank processes, default {FULL['trainers']}")
-    parser.add_argument("--rollout-seconds", type=float, default=None,
-                        help=f"when the last request finishes (default {FULL['rollout_seconds']:g}); 0: all at once")
-    parser.add_argument("--batch-mb", type=float, default=None, help=f"each engine writer's batch size, default {FULL['batch_mb']}")
+    parser.add_argument(
+        "--rollout-seconds",
+        type=float,
+        default=None,
+        help=f"when the last request finishes (default {FULL['rollout_seconds']:g}); 0: all at once",
+    )
+    parser.add_argument(
+        "--batch-mb", type=float, default=None, help=f"each engine writer's batch size, default {FULL['batch_mb']}"
+    )
     parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed in the after-step reads")
     parser.add_argument("--poll-s", type=float, default=0.1, help="how often each rank's collector polls the index")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help=f"after-step scattered / contiguous read rounds (default {FULL['rounds']}, --quick {QUICK['rounds']})")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"after-step scattered / contiguous read rounds (default {FULL['rounds']}, --quick {QUICK['rounds']})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-workers", default="auto", help="each node's --http-workers (auto: a quarter of the cores)")
-    parser.add_argument("--verify", action="store_true", help="ranks hash every request collected, checked against what was pushed")
+    parser.add_argument(
+        "--verify", action="store_true", help="ranks hash every request collected, checked against what was pushed"
+    )
     parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
 def main(args) -> int:
-    result = run_rlstep_bench(**preset(args, QUICK, FULL), sigma=args.sigma, layers=args.layers, top_k=args.top_k,
-                              experts=args.experts, replicas=args.replicas, micro_batch=args.micro_batch,
-                              poll_s=args.poll_s, root=args.root, seed=args.seed, verify=args.verify, quick=args.quick,
-                              http_workers=args.http_workers)
+    result = run_rlstep_bench(
+        **preset(args, QUICK, FULL),
+        sigma=args.sigma,
+        layers=args.layers,
+        top_k=args.top_k,
+        experts=args.experts,
+        replicas=args.replicas,
+        micro_batch=args.micro_batch,
+        poll_s=args.poll_s,
+        root=args.root,
+        seed=args.seed,
+        verify=args.verify,
+        quick=args.quick,
+        http_workers=args.http_workers,
+    )
     return emit(result, args.json_out)

@@ -26,8 +26,16 @@ __all__ = ["engine_main", "trainer_main", "WARM_ROLLOUT"]
 WARM_ROLLOUT = "rlstep-warm"
 
 
-def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int, rollout_kw: dict[str, Any],
-                schedule: list[tuple[int, float]], batch_mb: float) -> None:
+def engine_main(
+    conn,
+    rank: int,
+    push_urls: list[str],
+    token: str,
+    replicas: int,
+    rollout_kw: dict[str, Any],
+    schedule: list[tuple[int, float]],
+    batch_mb: float,
+) -> None:
     """One engine rank: connect (warm-up pushes until every node took one), say ready, then on
     ``go`` submit request ``i`` at ``t0 + finish_s`` for each ``(i, finish_s)`` of ``schedule``
     (sorted), flush, and report first submit, ack times and how late submits ran."""
@@ -71,9 +79,17 @@ def engine_main(conn, rank: int, push_urls: list[str], token: str, replicas: int
                 writer.flush()
             finally:
                 writer.close()
-            conn.send({"event": "done", "first_submit": first, "acks": [(acked, ids) for _, acked, ids in clock.log],
-                       "late_s": late, "requests": len(schedule), "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
-                       "cpu_s": time.process_time() - cpu0})
+            conn.send(
+                {
+                    "event": "done",
+                    "first_submit": first,
+                    "acks": [(acked, ids) for _, acked, ids in clock.log],
+                    "late_s": late,
+                    "requests": len(schedule),
+                    "bytes": sum(rollout.nbytes(i) for i, _ in schedule),
+                    "cpu_s": time.process_time() - cpu0,
+                }
+            )
 
         serve(conn, {"go": go})
     finally:
@@ -107,10 +123,19 @@ def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
             if cmd["verify"]:  # outside the clock: what arrived, hashed, for the parent to compare
                 crcs = {rid: checksum(array) for rid, array in collector.result(0).items()}
             ids_TLK = packed.ids_TLK
-            answer = {"event": "done", "started": started, "done": done, "requests": len(packed.request_ids),
-                      "rows": int(ids_TLK.shape[0]), "bytes": ids_TLK.numel() * ids_TLK.element_size(),
-                      "order_ok": list(packed.request_ids) == list(cmd["ids"]), "polls": collector.polls,
-                      "reads": collector.reads, "cpu_s": time.process_time() - cpu0, "crcs": crcs}
+            answer = {
+                "event": "done",
+                "started": started,
+                "done": done,
+                "requests": len(packed.request_ids),
+                "rows": int(ids_TLK.shape[0]),
+                "bytes": ids_TLK.numel() * ids_TLK.element_size(),
+                "order_ok": list(packed.request_ids) == list(cmd["ids"]),
+                "polls": collector.polls,
+                "reads": collector.reads,
+                "cpu_s": time.process_time() - cpu0,
+                "crcs": crcs,
+            }
         del packed, ids_TLK  # the share's memory back before the after-step reads
         conn.send(answer)
 

@@ -56,14 +56,13 @@ from pathlib import Path
 from typing import Any
 
 from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
-from r3rdma.bench.support import bar, log, preset, emit, run_phase, span_rate, stop_all, worker_context
+from r3rdma.bench.support import bar, emit, log, preset, run_phase, span_rate, stop_all, worker_context
 
 __all__ = ["run_scale_bench", "add_arguments", "main", "QUICK", "FULL"]
 
 #: ``--quick``: the 2-core CPU machine, about 90 s. ``FULL``: a 16-core GPU host (~26 GB decoded).
 QUICK = {"requests": 16384, "min_rows": 8, "max_rows": 64, "batch_mb": 2.0, "readers": 8, "read_seconds": 5.0, "rounds": 2}
-FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0,
-        "rounds": 3}
+FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0, "rounds": 3}
 
 _CURVE_POINTS = 128  # commit-time curves are binned to at most this many points in the JSON
 
@@ -75,9 +74,13 @@ def _growth(log: list[tuple[int, float]]) -> dict[str, float]:
     first, last = statistics.fmean(ms[:tenth]), statistics.fmean(ms[-tenth:])
     # Medians of the same windows: one slow fsync among ten commits moves a mean, not these.
     first_med, last_med = statistics.median(ms[:tenth]), statistics.median(ms[-tenth:])
-    return {"first": round(first, 3), "last": round(last, 3), "growth": round(last / first, 3) if first > 0 else None,
-            "median": round(statistics.median(ms), 3),
-            "growth_median": round(last_med / first_med, 3) if first_med > 0 else None}
+    return {
+        "first": round(first, 3),
+        "last": round(last, 3),
+        "growth": round(last / first, 3) if first > 0 else None,
+        "median": round(statistics.median(ms), 3),
+        "growth_median": round(last_med / first_med, 3) if first_med > 0 else None,
+    }
 
 
 def _curve(log: list[tuple[int, float]]) -> list[list[float]]:
@@ -135,8 +138,10 @@ def run_scale_bench(
     from r3rdma.testing.harness import spawn_nodes
 
     if readers < 1 or nodes < 1 or requests < readers or micro_batch < 1 or rounds < 1:
-        raise ValueError(f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1, rounds >= 1; got "
-                         f"{readers}, {nodes}, {requests}, {micro_batch}, {rounds}")
+        raise ValueError(
+            f"need readers >= 1, nodes >= 1, requests >= readers, micro_batch >= 1, rounds >= 1; got "
+            f"{readers}, {nodes}, {requests}, {micro_batch}, {rounds}"
+        )
     began = time.perf_counter()
     base = Path(root) if root else Path(tempfile.mkdtemp(prefix="r3rdma-bench-scale-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -152,8 +157,16 @@ def run_scale_bench(
         urls = [n.http_url for n in node_procs]
         ctx = worker_context()
         workers = [reader_worker(ctx, r, urls, node_procs[0].read_token) for r in range(readers)]  # start while we generate
-        rollout = TiledRollout(requests, min_rows=min_rows, max_rows=max_rows, num_layers=layers, top_k=top_k,
-                               num_experts=experts, rollout_id=rollout_id, seed=seed)
+        rollout = TiledRollout(
+            requests,
+            min_rows=min_rows,
+            max_rows=max_rows,
+            num_layers=layers,
+            top_k=top_k,
+            num_experts=experts,
+            rollout_id=rollout_id,
+            seed=seed,
+        )
         total_bytes = rollout.total_bytes
         for worker in workers:
             assert worker.recv(timeout)["event"] == "ready"
@@ -163,18 +176,37 @@ def run_scale_bench(
         # 1. push through RoutingWriter -> StoreNodesClient -> nodes
         push_log, batches, push_s, (node_s, node_n) = _push(rollout, node_procs, token, replicas, batch_mb, progress)
         result["http_workers"] = node_procs[0].http_workers
-        result.update(requests=requests, tokens=int(rollout.lengths.sum()), bytes=total_bytes,
-                      layers=layers, top_k=top_k, experts=experts, min_rows=min_rows, max_rows=max_rows,
-                      nodes=nodes, replicas=replicas, readers=readers, batch_mb=batch_mb, micro_batch=micro_batch)
+        result.update(
+            requests=requests,
+            tokens=int(rollout.lengths.sum()),
+            bytes=total_bytes,
+            layers=layers,
+            top_k=top_k,
+            experts=experts,
+            min_rows=min_rows,
+            max_rows=max_rows,
+            nodes=nodes,
+            replicas=replicas,
+            readers=readers,
+            batch_mb=batch_mb,
+            micro_batch=micro_batch,
+        )
         push = _growth(push_log)
         result.update(
-            commits=len(push_log), ingest_seconds=round(push_s, 3), ingest_gbps=round(total_bytes / push_s / 1e9, 4),
-            push_ms_first=push["first"], push_ms_last=push["last"], push_growth=push["growth"],
+            commits=len(push_log),
+            ingest_seconds=round(push_s, 3),
+            ingest_gbps=round(total_bytes / push_s / 1e9, 4),
+            push_ms_first=push["first"],
+            push_ms_last=push["last"],
+            push_growth=push["growth"],
             push_growth_median=push["growth_median"],
-            push_ms_median=push["median"], node_ack_ms_mean=round(node_s / node_n * 1e3, 3) if node_n else None,
+            push_ms_median=push["median"],
+            node_ack_ms_mean=round(node_s / node_n * 1e3, 3) if node_n else None,
         )
-        say(f"pushed in {push_s:.1f} s ({result['ingest_gbps']} GB/s), {len(push_log)} batches, "
-            f"ack ms first {push['first']} last {push['last']}")
+        say(
+            f"pushed in {push_s:.1f} s ({result['ingest_gbps']} GB/s), {len(push_log)} batches, "
+            f"ack ms first {push['first']} last {push['last']}"
+        )
 
         # 2. the same batches committed in-process, each commit timed
         mark = time.perf_counter()
@@ -182,8 +214,13 @@ def run_scale_bench(
         commit = _growth(commit_log)
         phases_s["commit"] = round(time.perf_counter() - mark, 1)
         mark = time.perf_counter()
-        result.update(commit_ms_first=commit["first"], commit_ms_last=commit["last"], commit_growth=commit["growth"],
-                      commit_growth_median=commit["growth_median"], commit_ms_median=commit["median"])
+        result.update(
+            commit_ms_first=commit["first"],
+            commit_ms_last=commit["last"],
+            commit_growth=commit["growth"],
+            commit_growth_median=commit["growth_median"],
+            commit_ms_median=commit["median"],
+        )
         say(f"in-process commits: first {commit['first']} ms, last {commit['last']} ms, growth {commit['growth']}")
 
         # 3. a fresh reader opening the committed rollout
@@ -198,8 +235,13 @@ def run_scale_bench(
         D = readers
 
         def read_cmd(ids: list[str]) -> dict[str, Any]:
-            return {"cmd": "read", "rollout": rollout_id, "seconds": read_seconds, "verify": verify,
-                    "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]}
+            return {
+                "cmd": "read",
+                "rollout": rollout_id,
+                "seconds": read_seconds,
+                "verify": verify,
+                "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)],
+            }
 
         scattered = [order[r::D] for r in range(D)]
         contiguous = [order[r * requests // D : (r + 1) * requests // D] for r in range(D)]
@@ -254,12 +296,20 @@ def run_scale_bench(
             warm[node.http_url] = "zarr.json"  # the root's group document: connects without touching the rollout
         stored = sum(s for s, _ in files)
         say(f"raw GET: {len(files)} files, {stored / 1e9:.3f} GB")
-        answers = run_phase(workers, [{"cmd": "raw", "files": share, "warm": warm, "seconds": read_seconds}
-                                       for share in _balanced(files, D)], timeout)
+        answers = run_phase(
+            workers,
+            [{"cmd": "raw", "files": share, "warm": warm, "seconds": read_seconds} for share in _balanced(files, D)],
+            timeout,
+        )
         gbps, span, moved = span_rate(answers)
-        result.update(raw_get_gbps=round(gbps, 4), raw_get_seconds=round(span, 3), raw_get_fraction=round(moved / stored, 4),
-                      raw_get_files=len(files), stored_bytes=stored,
-                      dp_vs_raw=round(result["dp_read_gbps"] * stored / total_bytes / gbps, 3))
+        result.update(
+            raw_get_gbps=round(gbps, 4),
+            raw_get_seconds=round(span, 3),
+            raw_get_fraction=round(moved / stored, 4),
+            raw_get_files=len(files),
+            stored_bytes=stored,
+            dp_vs_raw=round(result["dp_read_gbps"] * stored / total_bytes / gbps, 3),
+        )
         phases_s["raw_get"] = round(time.perf_counter() - mark, 1)
         phases_s["push"] = round(push_s, 1)
         result["phase_seconds"] = phases_s
@@ -335,12 +385,17 @@ def _commit_inprocess(rollout, batches: list[list[str]], path: Path, progress: b
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help=f"2-core CPU machine, ~90 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} "
-                             f"rows, {QUICK['batch_mb']} MB batches, reads capped at {QUICK['read_seconds']} s a phase")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"2-core CPU machine, ~90 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} "
+        f"rows, {QUICK['batch_mb']} MB batches, reads capped at {QUICK['read_seconds']} s a phase",
+    )
     parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
     parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
-    parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']} (~26 GB decoded at 16384 requests)")
+    parser.add_argument(
+        "--max-rows", type=int, default=None, help=f"default {FULL['max_rows']} (~26 GB decoded at 16384 requests)"
+    )
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts", type=int, default=128)
@@ -349,14 +404,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--readers", type=int, default=None, help=f"trainer (DP) reader processes, default {FULL['readers']}")
     parser.add_argument("--batch-mb", type=float, default=None, help=f"writer batch size, default {FULL['batch_mb']}")
     parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed (or prefetch step)")
-    parser.add_argument("--read-seconds", type=float, default=None,
-                        help=f"cap of each read phase, 0: none (default {FULL['read_seconds']}, --quick {QUICK['read_seconds']})")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help=f"scattered and contiguous reads alternate this many times (default {FULL['rounds']}, "
-                             f"--quick {QUICK['rounds']})")
+    parser.add_argument(
+        "--read-seconds",
+        type=float,
+        default=None,
+        help=f"cap of each read phase, 0: none (default {FULL['read_seconds']}, --quick {QUICK['read_seconds']})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"scattered and contiguous reads alternate this many times (default {FULL['rounds']}, --quick {QUICK['rounds']})",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-workers", default="auto",
-                        help="each node's --http-workers (processes serving its HTTP port; auto: a quarter of the cores)")
+    parser.add_argument(
+        "--http-workers",
+        default="auto",
+        help="each node's --http-workers (processes serving its HTTP port; auto: a quarter of the cores)",
+    )
     parser.add_argument("--verify", action="store_true", help="check every request read against what was pushed (slower reads)")
     parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
@@ -366,9 +431,18 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     result = run_scale_bench(
-        **preset(args, QUICK, FULL), layers=args.layers, top_k=args.top_k, experts=args.experts, nodes=args.nodes,
-        replicas=args.replicas, micro_batch=args.micro_batch, root=args.root, seed=args.seed, verify=args.verify,
-        quick=args.quick, http_workers=args.http_workers,
+        **preset(args, QUICK, FULL),
+        layers=args.layers,
+        top_k=args.top_k,
+        experts=args.experts,
+        nodes=args.nodes,
+        replicas=args.replicas,
+        micro_batch=args.micro_batch,
+        root=args.root,
+        seed=args.seed,
+        verify=args.verify,
+        quick=args.quick,
+        http_workers=args.http_workers,
     )
     if args.png:
         from r3rdma.bench.plots import plot_scale

@@ -39,8 +39,10 @@ def reader_main(conn, urls: list[str], token: str) -> None:
             fresh.close()
         conn.send({"event": "done", "ms": times, "requests": len(info.request_ids)})
 
-    serve(conn, {"read": lambda cmd: worker_read(reader, cmd, conn), "raw": lambda cmd: _worker_raw(raw, cmd, conn),
-                 "open": open_fresh})
+    serve(
+        conn,
+        {"read": lambda cmd: worker_read(reader, cmd, conn), "raw": lambda cmd: _worker_raw(raw, cmd, conn), "open": open_fresh},
+    )
     reader.close()
     raw.close()
 
@@ -87,8 +89,19 @@ def worker_read(reader, cmd: dict[str, Any], conn) -> None:
                 break
     finally:
         stream.close()
-    conn.send({"event": "done", "start": start, "end": time.time(), "requests": requests, "rows": rows, "bytes": nbytes,
-               "cpu_s": time.process_time() - cpu0, "api": "prefetch", "crcs": crcs})
+    conn.send(
+        {
+            "event": "done",
+            "start": start,
+            "end": time.time(),
+            "requests": requests,
+            "rows": rows,
+            "bytes": nbytes,
+            "cpu_s": time.process_time() - cpu0,
+            "api": "prefetch",
+            "crcs": crcs,
+        }
+    )
 
 
 def _worker_raw(raw: FileGetter, cmd: dict[str, Any], conn) -> None:
@@ -124,8 +137,9 @@ class ReadPhases:
         answers = run_phase(workers, commands, self.timeout)
         node_cpu = sum(cpu_seconds(n.proc.pid) for n in self.nodes) - cpu0
         gbps, span, moved = span_rate(answers)
-        t = self.totals.setdefault(name, {"node_cpu": 0.0, "wall": 0.0, "reader_cpu": 0.0, "span": 0.0, "moved": 0,
-                                          "wanted": 0, "rates": []})
+        t = self.totals.setdefault(
+            name, {"node_cpu": 0.0, "wall": 0.0, "reader_cpu": 0.0, "span": 0.0, "moved": 0, "wanted": 0, "rates": []}
+        )
         t["node_cpu"] += node_cpu
         t["wall"] += time.perf_counter() - wall0
         t["reader_cpu"] += sum(a["cpu_s"] for a in answers)

@@ -25,18 +25,28 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
+from r3rdma.bench.support import emit
+from r3rdma.bench.support import rounds_bar as _rounds
+from r3rdma.bench.synthetic import synthetic_records
+from r3rdma.records import batches_by_size
 from r3rdma.store.layout import fsync_paths, tree_paths
 from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.write.writer import RoutingWriter
-from r3rdma.records import batches_by_size
-from r3rdma.bench.synthetic import synthetic_records
-from r3rdma.bench.support import emit, rounds_bar as _rounds
 
 __all__ = ["run_store_bench"]
 
 
-def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8 << 20, zstd_level: int = 3,
-                    chunk_rows: int = 1024, root: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+def run_store_bench(
+    *,
+    requests: int = 96,
+    rounds: int = 3,
+    flush_bytes: int = 8 << 20,
+    zstd_level: int = 3,
+    chunk_rows: int = 1024,
+    root: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     records = synthetic_records(requests, seed=seed)
     total = sum(r.nbytes for r in records)
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
@@ -60,17 +70,27 @@ def run_store_bench(*, requests: int = 96, rounds: int = 3, flush_bytes: int = 8
                 data = np.concatenate([r.ids_TLK for r in batch])
                 rows, layers, k = data.shape
                 chunk = min(chunk_rows, rows)
-                zarr.create_array(store, name=f"bench/a{n}", data=data, chunks=(chunk, layers, k),
-                                  shards=(-(-rows // chunk) * chunk, layers, k), compressors=zarr_codecs(zstd_level),
-                                  fill_value=0, config={"write_empty_chunks": not scan})
+                zarr.create_array(
+                    store,
+                    name=f"bench/a{n}",
+                    data=data,
+                    chunks=(chunk, layers, k),
+                    shards=(-(-rows // chunk) * chunk, layers, k),
+                    compressors=zarr_codecs(zstd_level),
+                    fill_value=0,
+                    config={"write_empty_chunks": not scan},
+                )
                 if durable:  # the same array, on disk before the next one: what an ack promises
                     fsync_paths(tree_paths(d / "bench" / f"a{n}") + [d / "bench"])
             times.append(time.perf_counter() - t0)
             shutil.rmtree(d)
         if progress:
-            print(f"round {rnd + 1}/{rounds}: ingest {total / ingest_s[-1] / 1e9:.3f} GB/s, raw zarr {total / raw_s[-1] / 1e9:.3f} "
-                  f"GB/s, raw zarr + fsync {total / raw_sync_s[-1] / 1e9:.3f} GB/s, raw zarr without the empty-chunk "
-                  f"scan {total / raw_no_scan_s[-1] / 1e9:.3f} GB/s", flush=True)
+            print(
+                f"round {rnd + 1}/{rounds}: ingest {total / ingest_s[-1] / 1e9:.3f} GB/s, raw zarr {total / raw_s[-1] / 1e9:.3f} "
+                f"GB/s, raw zarr + fsync {total / raw_sync_s[-1] / 1e9:.3f} GB/s, raw zarr without the empty-chunk "
+                f"scan {total / raw_no_scan_s[-1] / 1e9:.3f} GB/s",
+                flush=True,
+            )
     shutil.rmtree(base, ignore_errors=True)
     ingest = total / statistics.median(ingest_s) / 1e9
     raw = total / statistics.median(raw_s) / 1e9

@@ -16,8 +16,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["log", "bar", "rounds_bar", "worker_context", "Worker", "serve", "wait_go", "run_phase", "span_rate", "stop_all",
-           "node_samples", "cpu_seconds", "TimedCommits", "warm_connections", "preset", "emit"]
+__all__ = [
+    "log",
+    "bar",
+    "rounds_bar",
+    "worker_context",
+    "Worker",
+    "serve",
+    "wait_go",
+    "run_phase",
+    "span_rate",
+    "stop_all",
+    "node_samples",
+    "cpu_seconds",
+    "TimedCommits",
+    "warm_connections",
+    "preset",
+    "emit",
+]
 
 
 def log(bench: str, progress: bool, message: str) -> None:
@@ -29,16 +45,22 @@ def bar(progress: bool, total: int, desc: str, unit: str = "req"):
     """A tqdm bar on stderr, shown only when stderr is a terminal."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, mininterval=0.5,
-                disable=not (progress and sys.stderr.isatty()))
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        leave=False,
+        mininterval=0.5,
+        disable=not (progress and sys.stderr.isatty()),
+    )
 
 
 def rounds_bar(rounds: int, name: str):
     """``range(rounds)`` with a progress bar (stderr, terminal only)."""
     from tqdm.auto import tqdm
 
-    return tqdm(range(rounds), desc=f"bench {name}", unit="round", file=sys.stderr, disable=not sys.stderr.isatty(),
-                leave=False)
+    return tqdm(range(rounds), desc=f"bench {name}", unit="round", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
 
 
 # -- worker processes -----------------------------------------------------------------------------
@@ -51,8 +73,9 @@ def worker_context():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.scale_readers",
-                                "r3rdma.bench.rlstep_workers"])
+    ctx.set_forkserver_preload(
+        ["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.scale_readers", "r3rdma.bench.rlstep_workers"]
+    )
     return ctx
 
 
@@ -238,8 +261,7 @@ def warm_connections(client, rollout, rollout_id: str, prefix: str) -> list[str]
     for j in range(1000):
         if len(covered) == len(client.nodes):
             break
-        warm = RequestRecord(rollout_id, f"{prefix}w{j}", rollout.ids(j % len(rollout)), rollout.layer_map,
-                             rollout.num_experts)
+        warm = RequestRecord(rollout_id, f"{prefix}w{j}", rollout.ids(j % len(rollout)), rollout.layer_map, rollout.num_experts)
         if not set(client.replica_set(warm)) <= covered:
             client.commit([warm])
             covered.update(client.replica_set(warm))

@@ -97,7 +97,11 @@ class TiledRollout:
             self.lengths = rng.integers(min_rows, max_rows + 1, size=num_requests)
         else:
             self.lengths = np.asarray(lengths, dtype=np.int64)
-            if self.lengths.shape != (num_requests,) or not (min_rows <= self.lengths).all() or not (self.lengths <= max_rows).all():
+            if (
+                self.lengths.shape != (num_requests,)
+                or not (min_rows <= self.lengths).all()
+                or not (self.lengths <= max_rows).all()
+            ):
                 raise ValueError(f"lengths must be {num_requests} row counts in {min_rows}..{max_rows}")
         self.offsets = rng.permutation(starts)[:num_requests]
         self.rollout_id = rollout_id

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import secrets
+import select
 import statistics
 import subprocess
 import sys
@@ -67,7 +67,13 @@ async def _serve(secret: str) -> None:
 
 
 async def _client(
-    push_port: int, raw_port: int, secret: str, sizes: list[int], rounds: int, iterations: int, bytes_per_round: int,
+    push_port: int,
+    raw_port: int,
+    secret: str,
+    sizes: list[int],
+    rounds: int,
+    iterations: int,
+    bytes_per_round: int,
     progress: bool,
 ):
     from r3rdma.transport import TransportLimits, UcxxClient
@@ -99,9 +105,15 @@ async def _client(
             # machine's drifts (on the 2-core VM the raw path alone moves between ~0.8 and ~1.7
             # GB/s from run to run); the headline is the median of those per-round ratios.
             ratios = sorted(r / p for p, r in zip(push_s, raw_s))
-            row = {"bytes": nbytes, "requests": len(records), "pushes_per_round": pushes, "push_gbps": round(push, 4),
-                   "raw_ucxx_gbps": round(rawg, 4), "ratio": round(statistics.median(ratios), 3),
-                   "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
+            row = {
+                "bytes": nbytes,
+                "requests": len(records),
+                "pushes_per_round": pushes,
+                "push_gbps": round(push, 4),
+                "raw_ucxx_gbps": round(rawg, 4),
+                "ratio": round(statistics.median(ratios), 3),
+                "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            }
             if progress:
                 print(json.dumps(row), file=sys.stderr, flush=True)
             results.append(row)
@@ -113,17 +125,24 @@ def run_transport_bench(
 ) -> dict:
     secret = secrets.token_hex(32)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    server = subprocess.Popen([sys.executable, "-m", "r3rdma.bench.transport_bench", "--serve", secret],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "r3rdma.bench.transport_bench", "--serve", secret],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         ready, _, _ = select.select([server.stdout], [], [], 120)
         if not ready:
             raise TimeoutError("bench server did not start in 120 s")
         ports = json.loads(server.stdout.readline())
         sizes = [int(mb * (1 << 20)) for mb in sizes_mb]
-        rows = asyncio.run(_client(
-            ports["push_port"], ports["raw_port"], secret, sizes, rounds, iterations, int(mb_per_round * (1 << 20)), progress
-        ))
+        rows = asyncio.run(
+            _client(
+                ports["push_port"], ports["raw_port"], secret, sizes, rounds, iterations, int(mb_per_round * (1 << 20)), progress
+            )
+        )
     finally:
         server.stdin.close()
         try:
@@ -131,21 +150,32 @@ def run_transport_bench(
         except subprocess.TimeoutExpired:
             server.kill()
     main_row = rows[-1]  # the largest message: MB-sized batches are how pushes are made
-    return {"bench": "transport", "path": "ucxx tcp loopback, host memory, 2 processes",
-            "push_gbps": main_row["push_gbps"], "raw_ucxx_gbps": main_row["raw_ucxx_gbps"], "ratio": main_row["ratio"],
-            "message_bytes": main_row["bytes"], "by_size": rows}
+    return {
+        "bench": "transport",
+        "path": "ucxx tcp loopback, host memory, 2 processes",
+        "push_gbps": main_row["push_gbps"],
+        "raw_ucxx_gbps": main_row["raw_ucxx_gbps"],
+        "ratio": main_row["ratio"],
+        "message_bytes": main_row["bytes"],
+        "by_size": rows,
+    }
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 8, 64], help="batch sizes to measure; the last is headlined")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="+", default=[1, 8, 64], help="batch sizes to measure; the last is headlined"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=4, help="pushes per round, at least")
     parser.add_argument("--mb-per-round", type=float, default=64, help="each round pushes at least this much per path")
 
 
 def main(args) -> int:
-    return emit(run_transport_bench(sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations,
-                                    mb_per_round=args.mb_per_round))
+    return emit(
+        run_transport_bench(
+            sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations, mb_per_round=args.mb_per_round
+        )
+    )
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":

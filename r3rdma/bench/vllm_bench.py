@@ -39,8 +39,18 @@ def _workload(n: int, max_new: int, seed: int) -> tuple[list[dict], list[int]]:
     return prompts, [int(x) for x in new_lens]
 
 
-def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, layers: int = 8, experts: int = 64,
-                   top_k: int = 8, hidden: int = 256, seed: int = 0, modes: tuple[str, ...] = ("compiled", "eager")) -> dict:
+def run_vllm_bench(
+    *,
+    requests: int = 64,
+    max_new: int = 128,
+    rounds: int = 3,
+    layers: int = 8,
+    experts: int = 64,
+    top_k: int = 8,
+    hidden: int = 256,
+    seed: int = 0,
+    modes: tuple[str, ...] = ("compiled", "eager"),
+) -> dict:
     """Both modes' measurements (:func:`_run_mode`) and the ratios side by side."""
     import vllm
 
@@ -48,46 +58,76 @@ def run_vllm_bench(*, requests: int = 64, max_new: int = 128, rounds: int = 3, l
 
     work = tempfile.mkdtemp(prefix="r3rdma-bench-vllm-")
     try:
-        model = str(write_tiny_checkpoint(f"{work}/model", seed=seed, tokenizer=False, num_hidden_layers=layers,
-                                          num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
-                                          head_dim=64, num_attention_heads=max(hidden // 64, 1),
-                                          num_key_value_heads=max(hidden // 128, 1), mlp_only_layers=[],
-                                          moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden))
+        model = str(
+            write_tiny_checkpoint(
+                f"{work}/model",
+                seed=seed,
+                tokenizer=False,
+                num_hidden_layers=layers,
+                num_experts=experts,
+                num_experts_per_tok=top_k,
+                hidden_size=hidden,
+                head_dim=64,
+                num_attention_heads=max(hidden // 64, 1),
+                num_key_value_heads=max(hidden // 128, 1),
+                mlp_only_layers=[],
+                moe_intermediate_size=hidden // 2,
+                intermediate_size=2 * hidden,
+            )
+        )
         prompts, new_lens = _workload(requests, max_new, seed)
-        per_mode = {mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed)
-                    for mode in modes}
+        per_mode = {mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed) for mode in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"bench": "vllm", "vllm": vllm.__version__,
-              "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
-              "requests": requests, "output_tokens_per_round": sum(new_lens), "rounds": rounds, "goal_compiled_ratio": 0.97}
+    result = {
+        "bench": "vllm",
+        "vllm": vllm.__version__,
+        "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
+        "requests": requests,
+        "output_tokens_per_round": sum(new_lens),
+        "rounds": rounds,
+        "goal_compiled_ratio": 0.97,
+    }
     for mode, measured in per_mode.items():
         result[f"{mode}_ratio"] = measured["ratio"]
     result["modes"] = per_mode
     return result
 
 
-def _run_mode(mode: str, model: str, store: str, prompts: list[dict], new_lens: list[int], rounds: int,
-              seed: int) -> dict:
+def _run_mode(mode: str, model: str, store: str, prompts: list[dict], new_lens: list[int], rounds: int, seed: int) -> dict:
     """Plug-in off and on for one compilation mode: two engines, rounds interleaved."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
     from r3rdma.integrations.vllm import flush_routing
 
-    common = dict(model=model, dtype="bfloat16", enforce_eager=mode == "eager", skip_tokenizer_init=True, seed=seed,
-                  max_model_len=512, max_num_seqs=32, gpu_memory_utilization=0.15)
-    engines = {"off": LLM(**common),
-               "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
+    common = dict(
+        model=model,
+        dtype="bfloat16",
+        enforce_eager=mode == "eager",
+        skip_tokenizer_init=True,
+        seed=seed,
+        max_model_len=512,
+        max_num_seqs=32,
+        gpu_memory_utilization=0.15,
+    )
+    engines = {"off": LLM(**common), "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     host_s, steps = 0.0, 0
     flush_s: list[float] = []
     try:
         for rnd in rounds_bar(rounds + 1, f"vllm {mode}"):
             for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-                params = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, detokenize=False,
-                                         extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"})
-                          for i, m in enumerate(new_lens)]
+                params = [
+                    SamplingParams(
+                        max_tokens=m,
+                        temperature=1.0,
+                        ignore_eos=True,
+                        detokenize=False,
+                        extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"},
+                    )
+                    for i, m in enumerate(new_lens)
+                ]
                 t0 = time.perf_counter()
                 outs = engines[side].generate(prompts, params, use_tqdm=False)
                 t1 = time.perf_counter()
@@ -128,8 +168,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", choices=["both", "compiled", "eager"], default="both",
-                        help="compiled: vLLM's default compilation; eager: enforce_eager")
+    parser.add_argument(
+        "--mode",
+        choices=["both", "compiled", "eager"],
+        default="both",
+        help="compiled: vLLM's default compilation; eager: enforce_eager",
+    )
 
 
 def main(args) -> int:
@@ -138,6 +182,8 @@ def main(args) -> int:
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
     result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **sizes)
     for mode, m in result["modes"].items():
-        print(f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
-              f"(ratio {m['ratio']:.3f}); plug-in host time {m['host_us_per_step']:.0f} us per step")
+        print(
+            f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
+            f"(ratio {m['ratio']:.3f}); plug-in host time {m['host_us_per_step']:.0f} us per step"
+        )
     return emit(result)

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import ContextManager, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import ContextManager
 
 import numpy as np
 import torch
@@ -144,7 +145,7 @@ class RoutingCapturer:
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
         expert_map: torch.Tensor | Sequence[int] | None = None,
-        tp_group: "torch.distributed.ProcessGroup | None" = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
         transfer_mode: str = "staged",
         owns_sink: bool = False,
         check_ids: bool = False,
@@ -170,8 +171,14 @@ class RoutingCapturer:
         if (self.device.type == "cuda" or pin_memory) and not torch.cuda.is_available():
             what = f"device {self.device}" if self.device.type == "cuda" else "pin_memory=True (page-locked host memory)"
             raise ConfigError(f"{what} needs CUDA, but torch sees no CUDA device (torch {torch.__version__})")
-        self._table = SlotTable(num_slots=self.num_slots, num_layers=len(self.layer_map), top_k=self.top_k,
-                                num_experts=self.num_experts, device=self.device, pin_memory=pin_memory)
+        self._table = SlotTable(
+            num_slots=self.num_slots,
+            num_layers=len(self.layer_map),
+            top_k=self.top_k,
+            num_experts=self.num_experts,
+            device=self.device,
+            pin_memory=pin_memory,
+        )
         if transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"transfer_mode must be auto, staged or gpu_direct, got {transfer_mode!r}")
         self.transfer_probe = None
@@ -189,19 +196,31 @@ class RoutingCapturer:
             )
         self.transfer_mode = transfer_mode
         self.check_ids = bool(check_ids)
-        self._ids = id_range_check(self.check_ids, layer_map=self.layer_map, num_experts=self.num_experts,
-                                   storage_dtype=self.storage_dtype, device=self.device)
-        self._steps = StepRecorder(table=self._table, layer_map=self.layer_map, top_k=self.top_k, ids=self._ids,
-                                   tp_group=tp_group)
+        self._ids = id_range_check(
+            self.check_ids,
+            layer_map=self.layer_map,
+            num_experts=self.num_experts,
+            storage_dtype=self.storage_dtype,
+            device=self.device,
+        )
+        self._steps = StepRecorder(
+            table=self._table, layer_map=self.layer_map, top_k=self.top_k, ids=self._ids, tp_group=tp_group
+        )
         if step_buffer is not None:
             if tp_group is not None:
-                raise ConfigError("step_buffer with tp_group: under TP each rank routes a share of the tokens and "
-                                  "end_step gathers them; a model-written buffer holds one rank's view")
+                raise ConfigError(
+                    "step_buffer with tp_group: under TP each rank routes a share of the tokens and "
+                    "end_step gathers them; a model-written buffer holds one rank's view"
+                )
             self._table.fix_step_buffer(step_buffer)
         self._ledger = RequestLedger(self._table)
-        self._finishing = Finishing(table=self._table, sink=sink, transfer_mode=transfer_mode,
-                                    storage_dtype=self.storage_dtype,
-                                    row_bytes=len(self.layer_map) * self.top_k * self.storage_dtype.itemsize)
+        self._finishing = Finishing(
+            table=self._table,
+            sink=sink,
+            transfer_mode=transfer_mode,
+            storage_dtype=self.storage_dtype,
+            row_bytes=len(self.layer_map) * self.top_k * self.storage_dtype.itemsize,
+        )
         self._suspended = 0
         if expert_map is not None:
             self.set_expert_map(expert_map)
@@ -394,8 +413,7 @@ class RoutingCapturer:
         The request's bookkeeping is released either way; the engine may then free its slots.
         """
         try:
-            slots = self._ledger.resolve(request_id, start_row=start_row, prompt_len=prompt_len,
-                                         generated_len=generated_len)
+            slots = self._ledger.resolve(request_id, start_row=start_row, prompt_len=prompt_len, generated_len=generated_len)
         finally:
             self._steps.retire(request_id)
         self._ids.check(block=False)
@@ -404,8 +422,15 @@ class RoutingCapturer:
         if not self.pushes(store_as or request_id):
             self.requests_finished += 1
             return None  # another rank of the TP group pushes it (see tp_group)
-        meta = dict(rollout_id=rollout_id or self.rollout_id, request_id=store_as or request_id, layer_map=self.layer_map,
-                    num_experts=self.num_experts, start_row=start_row, final=final, total_rows=total_rows)
+        meta = dict(
+            rollout_id=rollout_id or self.rollout_id,
+            request_id=store_as or request_id,
+            layer_map=self.layer_map,
+            num_experts=self.num_experts,
+            start_row=start_row,
+            final=final,
+            total_rows=total_rows,
+        )
         self.requests_finished += 1
         return self._finishing.finish(slots, meta)
 
@@ -441,7 +466,7 @@ class RoutingCapturer:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "RoutingCapturer":
+    def __enter__(self) -> RoutingCapturer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -160,8 +160,9 @@ class Finishing:
     :meth:`flush`.
     """
 
-    def __init__(self, *, table: SlotTable, sink: RoutingSink | None, transfer_mode: str, storage_dtype: np.dtype,
-                 row_bytes: int) -> None:
+    def __init__(
+        self, *, table: SlotTable, sink: RoutingSink | None, transfer_mode: str, storage_dtype: np.dtype, row_bytes: int
+    ) -> None:
         self.table = table
         self.sink = sink
         self.transfer_mode = transfer_mode

@@ -20,7 +20,8 @@ few finishes after the step that produced it. What it costs: BENCHMARKS.md, "Cap
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -77,8 +78,7 @@ class DeviceIdRangeCheck:
 
     enabled = True
 
-    def __init__(self, *, layer_map: Sequence[int], num_experts: int, storage_dtype: np.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, *, layer_map: Sequence[int], num_experts: int, storage_dtype: np.dtype, device: torch.device) -> None:
         self.layer_map = tuple(layer_map)
         self.num_layers = len(self.layer_map)
         self.num_experts = num_experts
@@ -176,8 +176,9 @@ class DeviceIdRangeCheck:
             )
 
 
-def id_range_check(enabled: bool, *, layer_map: Sequence[int], num_experts: int, storage_dtype: np.dtype,
-                   device: torch.device) -> IdRangeCheck:
+def id_range_check(
+    enabled: bool, *, layer_map: Sequence[int], num_experts: int, storage_dtype: np.dtype, device: torch.device
+) -> IdRangeCheck:
     """The real check when ``enabled``, else the no-op one."""
     if not enabled:
         return NoIdRangeCheck()

@@ -25,7 +25,7 @@ decode hot path):
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -257,8 +257,9 @@ class RequestLedger:
         lane = self._lanes[request_id]
         self._write(np.full(pos.size, lane, np.int64), pos, slt, self.table.gen[slt])
 
-    def fork(self, parent_id: str, child_id: str, num_positions: int,
-             slots: Sequence[int] | np.ndarray | torch.Tensor | None) -> None:
+    def fork(
+        self, parent_id: str, child_id: str, num_positions: int, slots: Sequence[int] | np.ndarray | torch.Tensor | None
+    ) -> None:
         """``child_id`` starts with positions ``0 .. num_positions - 1`` of ``parent_id``
         (see :meth:`RoutingCapturer.fork_request`)."""
         parent = self._lanes.get(parent_id)
@@ -271,9 +272,7 @@ class RequestLedger:
         src, gens = self._read(parent, 0, num_positions)
         missing = np.flatnonzero(gens < 0)
         if missing.size:
-            raise MissingRowsError(
-                f"fork_request: positions {missing[:8].tolist()} of {parent_id!r} were never computed"
-            )
+            raise MissingRowsError(f"fork_request: positions {missing[:8].tolist()} of {parent_id!r} were never computed")
         stale = self.table.stale(src, gens)
         if stale.size:
             raise StaleSlotError(f"fork_request: slots of positions {stale[:8].tolist()} of {parent_id!r} were rewritten")

@@ -21,7 +21,7 @@ CUDA device nothing here synchronises the host: indices travel through pinned st
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ class SlotTable:
         pin_memory: keep the table in pinned host memory (on CUDA mapped into the device).
     """
 
-    def __init__(self, *, num_slots: int, num_layers: int, top_k: int, num_experts: int, device: torch.device,
-                 pin_memory: bool) -> None:
+    def __init__(
+        self, *, num_slots: int, num_layers: int, top_k: int, num_experts: int, device: torch.device, pin_memory: bool
+    ) -> None:
         self.num_slots = num_slots
         self.device = device
         self.cuda = device.type == "cuda"
@@ -124,11 +125,14 @@ class SlotTable:
         graphed."""
         _, num_layers, top_k = self.step_buf.shape
         if buf_TLK.dim() != 3 or tuple(buf_TLK.shape[1:]) != (num_layers, top_k) or buf_TLK.shape[0] < 1:
-            raise ShapeMismatchError(f"step_buffer must have shape [max_tokens, {num_layers}, {top_k}], "
-                                     f"got {tuple(buf_TLK.shape)}")
+            raise ShapeMismatchError(
+                f"step_buffer must have shape [max_tokens, {num_layers}, {top_k}], got {tuple(buf_TLK.shape)}"
+            )
         if buf_TLK.dtype != self.table_SLK.dtype or buf_TLK.device != self.table_SLK.device:
-            raise ShapeMismatchError(f"step_buffer must be {self.table_SLK.dtype} on {self.table_SLK.device} (the slot "
-                                     f"table's), got {buf_TLK.dtype} on {buf_TLK.device}")
+            raise ShapeMismatchError(
+                f"step_buffer must be {self.table_SLK.dtype} on {self.table_SLK.device} (the slot "
+                f"table's), got {buf_TLK.dtype} on {buf_TLK.device}"
+            )
         if not buf_TLK.is_contiguous():
             raise ShapeMismatchError("step_buffer must be contiguous")
         self.step_buf = buf_TLK
@@ -138,8 +142,10 @@ class SlotTable:
         """Grow the step buffer to hold at least ``rows`` rows (a graph keeps its old address)."""
         if self.fixed_step_rows:
             if rows > self.fixed_step_rows:
-                raise ShapeMismatchError(f"a step of {rows} tokens does not fit the fixed step buffer of "
-                                         f"{self.fixed_step_rows} rows (size it from the engine's token budget)")
+                raise ShapeMismatchError(
+                    f"a step of {rows} tokens does not fit the fixed step buffer of "
+                    f"{self.fixed_step_rows} rows (size it from the engine's token budget)"
+                )
             return
         if self.step_buf.shape[0] < rows:
             _, num_layers, top_k = self.step_buf.shape
@@ -171,8 +177,15 @@ class SlotTable:
     def graph_token_counts(self) -> list[int]:
         return sorted(self._graph_tokens)
 
-    def record(self, begin: int, n: int, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None,
-               expert_map: torch.Tensor | None) -> None:
+    def record(
+        self,
+        begin: int,
+        n: int,
+        moe: int,
+        topk_ids_TK: torch.Tensor,
+        router_rows: torch.Tensor | None,
+        expert_map: torch.Tensor | None,
+    ) -> None:
         """One kernel: select the router rows, map EPLB replicas to logical ids, narrow, and store
         them as rows ``begin .. begin + n - 1`` of the step buffer, MoE layer ``moe``."""
         record_layer(self.step_buf[begin : begin + n], moe, topk_ids_TK, router_rows, expert_map)
@@ -249,8 +262,12 @@ class _PinnedOnDevice:
     def __init__(self, host: torch.Tensor) -> None:
         typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4"}[host.dtype]
         self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape), "typestr": typestr, "data": (host.data_ptr(), False),
-            "version": 3, "strides": None, "stream": None,
+            "shape": tuple(host.shape),
+            "typestr": typestr,
+            "data": (host.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
         }
 
 
@@ -265,6 +282,8 @@ def host_int64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     """Slots or positions the engine passes, as a flat host int64 array (never a device read)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
-            raise ShapeMismatchError("slot and position arrays must be host values (the engine's own mapping), got a device tensor")
+            raise ShapeMismatchError(
+                "slot and position arrays must be host values (the engine's own mapping), got a device tensor"
+            )
         values = values.numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)

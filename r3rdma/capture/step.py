@@ -14,7 +14,8 @@ rows into the :class:`~r3rdma.capture.slot_table.SlotTable`.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,8 +58,22 @@ _NONE_RETIRED: frozenset[str] = frozenset()
 
 
 class _OpenStep:
-    __slots__ = ("request_ids", "members", "retired", "starts", "counts", "fewest", "slots", "router_rows", "total",
-                 "recorded", "covered", "chunk", "base", "local")
+    __slots__ = (
+        "request_ids",
+        "members",
+        "retired",
+        "starts",
+        "counts",
+        "fewest",
+        "slots",
+        "router_rows",
+        "total",
+        "recorded",
+        "covered",
+        "chunk",
+        "base",
+        "local",
+    )
 
     def __init__(self, request_ids, starts, counts, fewest, slots, router_rows, num_layers, recorded) -> None:
         self.request_ids = request_ids
@@ -83,8 +98,15 @@ class StepRecorder:
     steps ended with a token and all-gathers issued.
     """
 
-    def __init__(self, *, table: SlotTable, layer_map: tuple[int, ...], top_k: int, ids: IdRangeCheck,
-                 tp_group: "torch.distributed.ProcessGroup | None") -> None:
+    def __init__(
+        self,
+        *,
+        table: SlotTable,
+        layer_map: tuple[int, ...],
+        top_k: int,
+        ids: IdRangeCheck,
+        tp_group: torch.distributed.ProcessGroup | None,
+    ) -> None:
         self.table = table
         self.layer_map = layer_map
         self.num_layers = len(layer_map)
@@ -107,9 +129,16 @@ class StepRecorder:
     def is_open(self) -> bool:
         return self.open is not None
 
-    def begin(self, request_ids: Sequence[str], start_positions: Sequence[int], num_tokens: Sequence[int],
-              slots_T: Sequence[int] | np.ndarray | torch.Tensor, *, router_rows: torch.Tensor | None,
-              graphed: bool) -> None:
+    def begin(
+        self,
+        request_ids: Sequence[str],
+        start_positions: Sequence[int],
+        num_tokens: Sequence[int],
+        slots_T: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        router_rows: torch.Tensor | None,
+        graphed: bool,
+    ) -> None:
         """Validate and open a step (see :meth:`RoutingCapturer.begin_step`)."""
         if self.open is not None:
             raise CaptureStateError("begin_step called twice without end_step")
@@ -134,26 +163,34 @@ class StepRecorder:
             raise ShapeMismatchError(f"router_rows must have shape ({total},), got {tuple(router_rows.shape)}")
         if graphed:
             if self.table.fixed_step_rows and router_rows is not None:
-                raise CaptureStateError("begin_step(router_rows=...) with a fixed step_buffer: the model writes its "
-                                        "router's rows itself, so there is nothing to select")
+                raise CaptureStateError(
+                    "begin_step(router_rows=...) with a fixed step_buffer: the model writes its "
+                    "router's rows itself, so there is nothing to select"
+                )
             captured = self.table.graph_for(total)
             if captured is None and self.table.fixed_step_rows:
-                raise ShapeMismatchError(f"a step of {total} tokens does not fit the fixed step buffer of "
-                                         f"{self.table.fixed_step_rows} rows")
+                raise ShapeMismatchError(
+                    f"a step of {total} tokens does not fit the fixed step buffer of {self.table.fixed_step_rows} rows"
+                )
             if captured is None:
-                raise CaptureStateError(f"begin_step(graphed=True) with {total} tokens, but graph_capture() was used for "
-                                        f"{self.table.graph_token_counts()} tokens only")
+                raise CaptureStateError(
+                    f"begin_step(graphed=True) with {total} tokens, but graph_capture() was used for "
+                    f"{self.table.graph_token_counts()} tokens only"
+                )
             if captured != self.table.graph_key(router_rows is not None):
-                raise CaptureStateError("begin_step(graphed=True): the step buffers moved or router_rows use differs since "
-                                        "graph_capture(); capture the graph again")
+                raise CaptureStateError(
+                    "begin_step(graphed=True): the step buffers moved or router_rows use differs since "
+                    "graph_capture(); capture the graph again"
+                )
         # A replay writes every layer itself: the step starts with each one recorded.
         step = self._open_step(tuple(request_ids), starts, counts, fewest, slots, router_rows, graphed, recorded=graphed)
         if graphed:
             step.covered = [step.local] * self.num_layers
         self.open = step
 
-    def _open_step(self, request_ids, starts, counts, fewest, slots, router_rows, graphed: bool, *,
-                   recorded: bool = False) -> _OpenStep:
+    def _open_step(
+        self, request_ids, starts, counts, fewest, slots, router_rows, graphed: bool, *, recorded: bool = False
+    ) -> _OpenStep:
         total = int(slots.shape[0])
         chunk = -(-total // self.tp_size)  # tokens per TP rank (the last may have fewer)
         self.table.reserve_step(chunk * self.tp_size)
@@ -284,8 +321,17 @@ class StepRecorder:
         if slots.size == 0:
             return None
         gens = self.table.write_step(slots, step.total, token_idx)
-        return EndedStep(step.request_ids, step.starts, step.counts, step.total, step.fewest, token_idx,
-                         slots, gens, frozenset(step.retired) if step.retired else _NONE_RETIRED)
+        return EndedStep(
+            step.request_ids,
+            step.starts,
+            step.counts,
+            step.total,
+            step.fewest,
+            token_idx,
+            slots,
+            gens,
+            frozenset(step.retired) if step.retired else _NONE_RETIRED,
+        )
 
     def _gather(self, step: _OpenStep) -> None:
         """One all-gather per step: every rank's share of every layer's rows, as raw bytes.

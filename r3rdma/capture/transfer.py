@@ -66,7 +66,9 @@ def stage_to_host(rows: torch.Tensor, *, out: torch.Tensor | None = None) -> Sta
     if out is None:
         out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     elif not out.is_pinned() or out.shape != rows.shape or out.dtype != rows.dtype:
-        raise ShapeMismatchError(f"staging buffer must be pinned {rows.dtype} {tuple(rows.shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise ShapeMismatchError(
+            f"staging buffer must be pinned {rows.dtype} {tuple(rows.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     out.copy_(rows, non_blocking=True)
     event = torch.cuda.Event()
     event.record()

@@ -26,8 +26,11 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(parser) -> None:
     from r3rdma.cli.credentials import add_read_token_arguments
 
-    parser.add_argument("--http-urls", default=os.environ.get("R3_STORE_HTTP_URLS", ""),
-                        help="store node HTTP URLs, comma separated (default: $R3_STORE_HTTP_URLS)")
+    parser.add_argument(
+        "--http-urls",
+        default=os.environ.get("R3_STORE_HTTP_URLS", ""),
+        help="store node HTTP URLs, comma separated (default: $R3_STORE_HTTP_URLS)",
+    )
     add_read_token_arguments(parser)
     parser.add_argument("--rollout-id", default="rollout-0")
     parser.add_argument("--shadow-dir", required=True)
@@ -41,16 +44,22 @@ def main(args) -> int:
 
     urls = [u.strip() for u in args.http_urls.split(",") if u.strip()]
     if not urls:
-        print("r3rdma check: no store node URLs: pass --http-urls http://host:port,... or set R3_STORE_HTTP_URLS "
-              "(scripts/start_store_nodes.sh writes it into DIR/env)", file=sys.stderr)
+        print(
+            "r3rdma check: no store node URLs: pass --http-urls http://host:port,... or set R3_STORE_HTTP_URLS "
+            "(scripts/start_store_nodes.sh writes it into DIR/env)",
+            file=sys.stderr,
+        )
         return 2
     shadow: dict[str, np.ndarray] = {}
     for path in sorted(glob.glob(os.path.join(args.shadow_dir, "dp*.npz"))):
         with np.load(path) as data:
             shadow.update({k: data[k] for k in data.files})
     if not shadow:
-        print(f"r3rdma check: no shadow records (dp*.npz) in --shadow-dir {args.shadow_dir!r}: "
-              "expected the directory r3rdma rollout --shadow-dir wrote", file=sys.stderr)
+        print(
+            f"r3rdma check: no shadow records (dp*.npz) in --shadow-dir {args.shadow_dir!r}: "
+            "expected the directory r3rdma rollout --shadow-dir wrote",
+            file=sys.stderr,
+        )
         return 2
     try:
         token = read_token(args.read_token_file, args.token_file)
@@ -75,11 +84,23 @@ def main(args) -> int:
     exact = bool(shadow) and not mismatched and not extra
     read_from = [name for name in names if name not in unreachable]
     of = f" of {len(names)}" if unreachable else ""
-    print(f"r3rdma check: {len(shadow)} requests, {tokens} rows read over HTTP from {len(read_from)}{of} store nodes"
-          + (f" ({', '.join(unreachable)} could not be reached)" if unreachable else ""))
+    print(
+        f"r3rdma check: {len(shadow)} requests, {tokens} rows read over HTTP from {len(read_from)}{of} store nodes"
+        + (f" ({', '.join(unreachable)} could not be reached)" if unreachable else "")
+    )
     for url, nbytes in per_node.items():
         print(f"  {url}: {nbytes} bytes stored")
     print(f"  round trip: {'bit-exact for every request' if exact else f'MISMATCH {mismatched[:5]} extra {extra[:5]}'}")
-    print(json.dumps({"requests": len(shadow), "tokens": tokens, "stored_bytes": sum(per_node.values()),
-                      "roundtrip_exact": exact, "store_nodes": len(read_from), "unreachable_nodes": list(unreachable)}))
+    print(
+        json.dumps(
+            {
+                "requests": len(shadow),
+                "tokens": tokens,
+                "stored_bytes": sum(per_node.values()),
+                "roundtrip_exact": exact,
+                "store_nodes": len(read_from),
+                "unreachable_nodes": list(unreachable),
+            }
+        )
+    )
     return 0 if exact else 1

@@ -26,11 +26,17 @@ SECRET_FILE_ENV = "R3_STORE_TOKEN_FILE"
 def add_read_token_arguments(parser) -> None:
     """``--read-token-file`` or ``--token-file`` (the push secret, derived here): see :func:`read_token`."""
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--read-token-file", default=None,
-                       help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)")
-    which.add_argument("--token-file", default=None,
-                       help="or the push secret file: the read token is derived from it here and only that is sent "
-                            "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)")
+    which.add_argument(
+        "--read-token-file",
+        default=None,
+        help="file holding the store nodes' HTTP read token (default: $R3_STORE_READ_TOKEN_FILE)",
+    )
+    which.add_argument(
+        "--token-file",
+        default=None,
+        help="or the push secret file: the read token is derived from it here and only that is sent "
+        "(default when no read token file is set: $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN)",
+    )
 
 
 def read_token(read_token_file: str | None, secret_file: str | None) -> str | None:

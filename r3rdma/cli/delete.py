@@ -24,16 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--rollout", action="append", help="rollout id to delete on every node (repeatable)")
     what.add_argument("--older-than-s", type=float, help="delete every rollout whose last commit is older than this")
-    parser.add_argument("--token-file", default=None,
-                        help="the push secret file (else $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN): the admin token "
-                             "is derived from it here and only that is sent; the read token cannot delete")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="the push secret file (else $R3_STORE_TOKEN_FILE, then $R3_STORE_TOKEN): the admin token "
+        "is derived from it here and only that is sent; the read token cannot delete",
+    )
     parser.add_argument("--timeout-s", type=float, default=30.0)
 
 
-SECRET_HINT = ("deleting needs the admin token, which r3rdma delete derives from the push secret file the store "
-               "nodes were started with: pass that file as --token-file (r3rdma-store --token-file F; with "
-               "scripts/start_store_nodes.sh it is DIR/token, R3_STORE_TOKEN_FILE in DIR/env), not the read token "
-               "file F.read that trainers hold")
+SECRET_HINT = (
+    "deleting needs the admin token, which r3rdma delete derives from the push secret file the store "
+    "nodes were started with: pass that file as --token-file (r3rdma-store --token-file F; with "
+    "scripts/start_store_nodes.sh it is DIR/token, R3_STORE_TOKEN_FILE in DIR/env), not the read token "
+    "file F.read that trainers hold"
+)
 
 
 def _is_read_token_file(path: str) -> bool:
@@ -59,21 +64,27 @@ def main(args: argparse.Namespace) -> int:
     if secret_file and _is_read_token_file(secret_file):
         # A read token cannot delete (nodes answer it with HTTP 403), and an admin token
         # "derived" from it is no token at all (401): say so before sending anything.
-        print(f"r3rdma delete: AuthenticationError: {secret_file} is a read token file; a read token cannot "
-              f"delete (store nodes refuse it with HTTP 403), so nothing was sent. {SECRET_HINT}", file=sys.stderr)
+        print(
+            f"r3rdma delete: AuthenticationError: {secret_file} is a read token file; a read token cannot "
+            f"delete (store nodes refuse it with HTTP 403), so nothing was sent. {SECRET_HINT}",
+            file=sys.stderr,
+        )
         return 2
     try:
         token = admin_token(args.token_file)
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         if args.rollout:
-            out: dict[str, Any] = {"deleted": {rid: delete_rollout(nodes, rid, token=token, timeout_s=args.timeout_s)
-                                               for rid in args.rollout}}
+            out: dict[str, Any] = {
+                "deleted": {rid: delete_rollout(nodes, rid, token=token, timeout_s=args.timeout_s) for rid in args.rollout}
+            }
         else:
             out = {"deleted_older_than": delete_older_than(nodes, args.older_than_s, token=token, timeout_s=args.timeout_s)}
     except AuthenticationError as e:
         source = secret_file or "$R3_STORE_TOKEN"
-        print(f"r3rdma delete: AuthenticationError: {e}. The admin token derived from {source} was refused: "
-              f"{SECRET_HINT}", file=sys.stderr)
+        print(
+            f"r3rdma delete: AuthenticationError: {e}. The admin token derived from {source} was refused: {SECRET_HINT}",
+            file=sys.stderr,
+        )
         return 2
     except R3Error as e:
         print(f"r3rdma delete: {type(e).__name__}: {e}", file=sys.stderr)

@@ -51,8 +51,9 @@ class DemoResult:
         }
 
 
-def make_requests(n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_prompt: int = 48,
-                  min_new: int = 2, max_new: int = 24) -> "list[RolloutRequest]":
+def make_requests(
+    n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_prompt: int = 48, min_new: int = 2, max_new: int = 24
+) -> list[RolloutRequest]:
     import numpy as np
 
     from r3rdma.integrations.hf_rollout import RolloutRequest
@@ -69,12 +70,25 @@ def make_requests(n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_pro
 def demo_config(root: str, rollout_id: str = "demo-rollout-0") -> R3Config:
     """The pipeline the demo builds without ``--routing-replay-config``: a local store at
     ``root``, small writer batches, the slot table on the model's device, staged transfers."""
-    return R3Config(routing_store_type="local", local_store_dir=root, rollout_id=rollout_id,
-                    flush_bytes=DEMO_FLUSH_BYTES, slot_table_device="auto", transfer_mode="staged")
+    return R3Config(
+        routing_store_type="local",
+        local_store_dir=root,
+        rollout_id=rollout_id,
+        flush_bytes=DEMO_FLUSH_BYTES,
+        slot_table_device="auto",
+        transfer_mode="staged",
+    )
 
 
-def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int = 5, seed: int = 0,
-             rollout_id: str = "demo-rollout-0", config: R3Config | None = None) -> DemoResult:
+def run_demo(
+    *,
+    root: str | None = None,
+    num_requests: int = 12,
+    batch_size: int = 5,
+    seed: int = 0,
+    rollout_id: str = "demo-rollout-0",
+    config: R3Config | None = None,
+) -> DemoResult:
     """Generate, capture through ``build_capturer(config, ...)``, store, read back, compare with shadow hooks.
 
     ``config``: the pipeline to build (a local store: the demo reads its root back); None:
@@ -94,11 +108,14 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
     if config is None:
         config = demo_config(root or tempfile.mkdtemp(prefix="r3rdma-demo-"), rollout_id)
     elif root is not None:
-        raise ConfigError(f"run_demo takes root or config, not both (root={root!r}, config's local_store_dir="
-                          f"{config.local_store_dir!r})")
+        raise ConfigError(
+            f"run_demo takes root or config, not both (root={root!r}, config's local_store_dir={config.local_store_dir!r})"
+        )
     if config.routing_store_type != "local":
-        raise ConfigError("r3rdma demo reads its rollout back from a local root: expected routing_store_type 'local', "
-                          f"got {config.routing_store_type!r} (r3rdma rollout pushes to store nodes)")
+        raise ConfigError(
+            "r3rdma demo reads its rollout back from a local root: expected routing_store_type 'local', "
+            f"got {config.routing_store_type!r} (r3rdma rollout pushes to store nodes)"
+        )
     if not config.enable_routing_replay:
         raise ConfigError("r3rdma demo checks a capture round trip: expected enable_routing_replay true, got false")
     root, rollout_id = config.local_store_dir, config.rollout_id
@@ -112,8 +129,15 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
         detach = attach_capturer(model, capturer)
         shadow = ShadowRecorder(model)
         try:
-            driver = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=batch_size,
-                                     eos_token_id=7, seed=seed, step_listeners=[shadow.on_step])
+            driver = HFRolloutDriver(
+                model,
+                capturer,
+                allocator=allocator,
+                batch_size=batch_size,
+                eos_token_id=7,
+                seed=seed,
+                step_listeners=[shadow.on_step],
+            )
             outputs = driver.run(requests)
         finally:
             detach()
@@ -129,9 +153,7 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
             mismatched.append(out.request_id)
     shadow.close()
     rollout_dir = os.path.join(root, rollout_id)
-    stored_bytes = sum(
-        os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(rollout_dir) for f in files
-    )
+    stored_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(rollout_dir) for f in files)
     info = reader.info(rollout_id)
     return DemoResult(
         requests=len(outputs),
@@ -146,17 +168,27 @@ def run_demo(*, root: str | None = None, num_requests: int = 12, batch_size: int
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--root", default=None,
-                        help="store root (default: a new temporary directory; with --routing-replay-config, "
-                             "the config's local_store_dir unless given)")
+    parser.add_argument(
+        "--root",
+        default=None,
+        help="store root (default: a new temporary directory; with --routing-replay-config, "
+        "the config's local_store_dir unless given)",
+    )
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routing-replay-config", metavar="JSON", default=None,
-                        help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
-                             "R3_* variables fill the keys it omits); routing_store_type must be 'local'")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the temporary store root the demo makes without --root (default: removed at the end)")
+    parser.add_argument(
+        "--routing-replay-config",
+        metavar="JSON",
+        default=None,
+        help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
+        "R3_* variables fill the keys it omits); routing_store_type must be 'local'",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the temporary store root the demo makes without --root (default: removed at the end)",
+    )
 
 
 def _refuse_other_stores(config_json: str) -> None:
@@ -171,8 +203,10 @@ def _refuse_other_stores(config_json: str) -> None:
         return
     store = given.get("routing_store_type", os.environ.get("R3_ROUTING_STORE_TYPE") or "local")
     if store != "local":
-        raise ConfigError("r3rdma demo reads its rollout back from a local root: expected routing_store_type "
-                          f"'local', got {store!r} (r3rdma rollout, scripts/demo.sh, pushes to store nodes)")
+        raise ConfigError(
+            "r3rdma demo reads its rollout back from a local root: expected routing_store_type "
+            f"'local', got {store!r} (r3rdma rollout, scripts/demo.sh, pushes to store nodes)"
+        )
 
 
 def main(args) -> int:
@@ -189,8 +223,7 @@ def main(args) -> int:
         made = root = tempfile.mkdtemp(prefix="r3rdma-demo-")
     keep = bool(getattr(args, "keep", False))
     try:
-        result = run_demo(root=root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed,
-                          config=config)
+        result = run_demo(root=root, num_requests=args.requests, batch_size=args.batch_size, seed=args.seed, config=config)
     finally:
         if made is not None and not keep:
             shutil.rmtree(made, ignore_errors=True)
@@ -203,7 +236,9 @@ def main(args) -> int:
     print(f"r3rdma demo: tiny Qwen3-MoE, {result.requests} requests, {result.tokens} routing rows")
     print(f"  store root:   {where}")
     print(f"  stored bytes: {result.stored_bytes} on disk (int32 raw would be {result.raw_int32_bytes})")
-    print(f"  round trip:   {'bit-exact for every request' if result.roundtrip_exact else 'MISMATCH: ' + ', '.join(result.mismatched)}")
+    print(
+        f"  round trip:   {'bit-exact for every request' if result.roundtrip_exact else 'MISMATCH: ' + ', '.join(result.mismatched)}"
+    )
     print(f"  time:         {result.seconds:.2f} s")
     print(json.dumps({**result.summary(), "root_kept": made is None or keep}))
     return 0 if result.roundtrip_exact else 1

@@ -20,8 +20,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,8 +60,14 @@ class RolloutSummary:
         return asdict(self)
 
 
-def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str | None = None,
-                    batch_requests: int = 256, progress: bool | None = None) -> tuple[RolloutSummary, np.ndarray]:
+def inspect_rollout(
+    sources: str | Sequence[str],
+    rollout_id: str,
+    *,
+    token: str | None = None,
+    batch_requests: int = 256,
+    progress: bool | None = None,
+) -> tuple[RolloutSummary, np.ndarray]:
     """Summary of ``rollout_id`` and its expert load ``[num_layers, num_experts]`` (token counts)."""
     from tqdm.auto import tqdm
 
@@ -75,8 +82,9 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
         lengths: list[int] = []
         ids = list(info.request_ids)
         show = sys.stderr.isatty() if progress is None else progress
-        with tqdm(total=len(ids), desc="requests", unit="req", disable=not show or len(ids) <= batch_requests,
-                  file=sys.stderr) as bar:
+        with tqdm(
+            total=len(ids), desc="requests", unit="req", disable=not show or len(ids) <= batch_requests, file=sys.stderr
+        ) as bar:
             for first in range(0, len(ids), batch_requests):
                 chunk = reader.get_numpy(rollout_id, ids[first : first + batch_requests])
                 for array in chunk.values():
@@ -113,7 +121,7 @@ def inspect_rollout(sources: str | Sequence[str], rollout_id: str, *, token: str
     return summary, load
 
 
-def stored_bytes_reachable(reader: "RoutingReader", rollout_id: str, *, token: str | None) -> dict[str, int]:
+def stored_bytes_reachable(reader: RoutingReader, rollout_id: str, *, token: str | None) -> dict[str, int]:
     """Bytes each source of ``reader`` that its last index fetch reached stores for the rollout,
     by name. :meth:`RoutingReader.stored_bytes` refuses to size a rollout while a source cannot
     be reached; a rollout read from the replicas on the others is sized on those others (the
@@ -144,12 +152,15 @@ def reader_warnings_quiet() -> Iterator[None]:
 def unreachable_lines(command: str, unreachable: dict[str, str], total: int) -> list[str]:
     """One stderr line per source that could not be reached, saying the rest were read."""
     live = total - len(unreachable)
-    return [f"r3rdma {command}: store node {name} could not be reached; read from the other {live} "
-            f"(its replicas there): {why}" for name, why in unreachable.items()]
+    return [
+        f"r3rdma {command}: store node {name} could not be reached; read from the other {live} (its replicas there): {why}"
+        for name, why in unreachable.items()
+    ]
 
 
-def plot_expert_load(load: np.ndarray, path: str | os.PathLike[str], *, title: str = "",
-                     layer_map: Sequence[int] | None = None) -> None:
+def plot_expert_load(
+    load: np.ndarray, path: str | os.PathLike[str], *, title: str = "", layer_map: Sequence[int] | None = None
+) -> None:
     """Heatmap of the share of each layer's routed tokens that went to each expert.
 
     Needs matplotlib, the ``plot`` extra: :class:`ConfigError` naming it when absent.
@@ -240,13 +251,17 @@ def _main(args) -> int:
     print(f"  requests:  {s.requests}  (rows per request min {s.rows_min}, median {s.rows_median:g}, max {s.rows_max})")
     print(f"  tokens:    {s.tokens}")
     print(f"  geometry:  {s.num_layers} MoE layers {list(s.layer_map)}, top-{s.top_k} of {s.num_experts} experts, {s.dtype}")
-    print(f"  stored:    {_human(s.stored_bytes)} ({s.bytes_per_token} B/token); raw uint8 {_human(s.raw_uint8_bytes)}, "
-          f"int32 {_human(s.raw_int32_bytes)}, base64 int32 {_human(s.base64_int32_bytes)}")
+    print(
+        f"  stored:    {_human(s.stored_bytes)} ({s.bytes_per_token} B/token); raw uint8 {_human(s.raw_uint8_bytes)}, "
+        f"int32 {_human(s.raw_int32_bytes)}, base64 int32 {_human(s.base64_int32_bytes)}"
+    )
     if s.num_layers:
         worst = int(np.argmax(s.max_load_over_mean))
-        print(f"  balance:   busiest expert / mean load: median {np.median(s.max_load_over_mean):.2f}, "
-              f"worst {s.max_load_over_mean[worst]:.2f} (layer {s.layer_map[worst]}); "
-              f"unused experts: {sum(s.unused_experts)} over all layers")
+        print(
+            f"  balance:   busiest expert / mean load: median {np.median(s.max_load_over_mean):.2f}, "
+            f"worst {s.max_load_over_mean[worst]:.2f} (layer {s.layer_map[worst]}); "
+            f"unused experts: {sum(s.unused_experts)} over all layers"
+        )
     result = s.to_json()
     if args.png:
         try:

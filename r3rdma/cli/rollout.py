@@ -29,17 +29,24 @@ ROLLOUT_FLUSH_BYTES = 1 << 20
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--store-urls", default=None,
-                        help="store node push addresses host:port,... (default: $R3_STORE_URLS; "
-                             "beats the config's store_urls)")
-    parser.add_argument("--token-file", default=None,
-                        help="shared secret file (default: $R3_STORE_TOKEN_FILE, else $R3_STORE_TOKEN; "
-                             "beats the config's store_token_file)")
-    parser.add_argument("--rollout-id", default=None,
-                        help="rollout id (default: rollout-0, or the config's rollout_id)")
-    parser.add_argument("--routing-replay-config", metavar="JSON", default=None,
-                        help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
-                             "R3_* variables fill the keys it omits; the flags above beat it)")
+    parser.add_argument(
+        "--store-urls",
+        default=None,
+        help="store node push addresses host:port,... (default: $R3_STORE_URLS; beats the config's store_urls)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="shared secret file (default: $R3_STORE_TOKEN_FILE, else $R3_STORE_TOKEN; beats the config's store_token_file)",
+    )
+    parser.add_argument("--rollout-id", default=None, help="rollout id (default: rollout-0, or the config's rollout_id)")
+    parser.add_argument(
+        "--routing-replay-config",
+        metavar="JSON",
+        default=None,
+        help="build the capture pipeline from this R3Config JSON (FastDeploy's keys plus r3rdma's; "
+        "R3_* variables fill the keys it omits; the flags above beat it)",
+    )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -75,10 +82,16 @@ def rollout_config(args, env=None):
     if not urls:
         raise ConfigError("no store nodes: pass --store-urls, set R3_STORE_URLS, or pass --routing-replay-config")
     # The worker's own defaults; other R3_* variables (R3_STORE_REPLICAS, ...) fill the rest.
-    return R3Config.from_env(env, routing_store_type="store_nodes", store_urls=urls,
-                             store_token_file=flags.get("store_token_file", env.get("R3_STORE_TOKEN_FILE")),
-                             rollout_id=flags.get("rollout_id", "rollout-0"), flush_bytes=ROLLOUT_FLUSH_BYTES,
-                             slot_table_device="auto", transfer_mode="staged")
+    return R3Config.from_env(
+        env,
+        routing_store_type="store_nodes",
+        store_urls=urls,
+        store_token_file=flags.get("store_token_file", env.get("R3_STORE_TOKEN_FILE")),
+        rollout_id=flags.get("rollout_id", "rollout-0"),
+        flush_bytes=ROLLOUT_FLUSH_BYTES,
+        slot_table_device="auto",
+        transfer_mode="staged",
+    )
 
 
 def main(args) -> int:
@@ -95,9 +108,11 @@ def main(args) -> int:
     from r3rdma.integrations.pipeline import build_capturer
 
     if "RANK" not in os.environ:
-        raise ConfigError("r3rdma rollout is a torchrun worker and RANK is not set: launch it with "
-                          "scripts/launch_rollout.sh --nproc-per-node N -- [rollout flags] (a torchrun wrapper; "
-                          "scripts/demo.sh runs it with 2 store nodes)")
+        raise ConfigError(
+            "r3rdma rollout is a torchrun worker and RANK is not set: launch it with "
+            "scripts/launch_rollout.sh --nproc-per-node N -- [rollout flags] (a torchrun wrapper; "
+            "scripts/demo.sh runs it with 2 store nodes)"
+        )
     r3_config = rollout_config(args)  # before any process group: a bad config fails fast on every rank
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -123,8 +138,15 @@ def main(args) -> int:
     listeners = [shadow.on_step] if shadow else []
     detach = attach_capturer(model, capturer) if capturer is not None else (lambda: None)
     try:
-        outputs = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=args.batch_size,
-                                  eos_token_id=7, seed=args.seed + dp_rank, step_listeners=listeners).run(requests)
+        outputs = HFRolloutDriver(
+            model,
+            capturer,
+            allocator=allocator,
+            batch_size=args.batch_size,
+            eos_token_id=7,
+            seed=args.seed + dp_rank,
+            step_listeners=listeners,
+        ).run(requests)
     finally:
         detach()
         if capturer is not None:
@@ -141,11 +163,20 @@ def main(args) -> int:
         shadow.close()
     total = torch.tensor([pushed], device=device)
     dist.all_reduce(total)
-    summary = {"rank": rank, "world": world, "tp": tp, "dp_rank": dp_rank, "requests": len(outputs),
-               "capture": capturer is not None, "pushed_by_rank": pushed, "pushed_total": int(total.item()),
-               "backend": dist.get_backend(), "all_gathers": capturer.collectives if capturer is not None else 0,
-               "steps": capturer.steps if capturer is not None else 0,
-               "seconds": round(time.perf_counter() - started, 2)}
+    summary = {
+        "rank": rank,
+        "world": world,
+        "tp": tp,
+        "dp_rank": dp_rank,
+        "requests": len(outputs),
+        "capture": capturer is not None,
+        "pushed_by_rank": pushed,
+        "pushed_total": int(total.item()),
+        "backend": dist.get_backend(),
+        "all_gathers": capturer.collectives if capturer is not None else 0,
+        "steps": capturer.steps if capturer is not None else 0,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
     os.write(1, (json.dumps(summary) + "\n").encode())  # one write: ranks share stdout
     dist.destroy_process_group()
     if capturer is None:

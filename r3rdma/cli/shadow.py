@@ -34,6 +34,7 @@ class ShadowRecorder:
     def _hook(self, moe_idx: int):
         def hook(_m, _a, output):
             self._layer_out[moe_idx] = output[2].detach().cpu().numpy().copy()
+
         return hook
 
     def _flush(self) -> None:

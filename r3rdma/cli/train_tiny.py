@@ -106,9 +106,24 @@ class TrainSettings:
 
 
 DEFAULT = TrainSettings()
-QUICK = TrainSettings(layers=4, experts=16, top_k=4, hidden=64, heads=4, kv_heads=2, head_dim=16, moe_intermediate=64,
-                      seq_len=128, batch_size=16, steps=150, warmup_steps=15, lr=3e-3, eval_windows=32,
-                      train_bytes=2_000_000, heldout_bytes=200_000)
+QUICK = TrainSettings(
+    layers=4,
+    experts=16,
+    top_k=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    moe_intermediate=64,
+    seq_len=128,
+    batch_size=16,
+    steps=150,
+    warmup_steps=15,
+    lr=3e-3,
+    eval_windows=32,
+    train_bytes=2_000_000,
+    heldout_bytes=200_000,
+)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -182,8 +197,9 @@ def load_corpus(*, train_bytes: int | None = None, heldout_bytes: int | None = N
     return train, heldout, info
 
 
-def heldout_prompts(n: int, *, seed: int, min_prompt: int, max_prompt: int, min_new: int, max_new: int,
-                    heldout_bytes: int | None = None):
+def heldout_prompts(
+    n: int, *, seed: int, min_prompt: int, max_prompt: int, min_new: int, max_new: int, heldout_bytes: int | None = None
+):
     """``n`` rollout requests whose prompts are windows of held-out standard-library text
     (byte ids), each starting at the beginning of a line; seeded."""
     import numpy as np
@@ -211,13 +227,26 @@ def model_config(settings: TrainSettings):
     from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     return tiny_qwen3_moe(
-        vocab_size=VOCAB_SIZE, hidden_size=settings.hidden, intermediate_size=4 * settings.hidden,
-        moe_intermediate_size=settings.moe_intermediate, num_hidden_layers=settings.layers,
-        num_attention_heads=settings.heads, num_key_value_heads=settings.kv_heads, head_dim=settings.head_dim,
-        num_experts=settings.experts, num_experts_per_tok=settings.top_k, mlp_only_layers=[], decoder_sparse_step=1,
-        max_position_embeddings=max(2048, 2 * settings.seq_len), norm_topk_prob=True,
-        router_aux_loss_coef=settings.router_aux_loss_coef, output_router_logits=False,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=settings.hidden,
+        intermediate_size=4 * settings.hidden,
+        moe_intermediate_size=settings.moe_intermediate,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.kv_heads,
+        head_dim=settings.head_dim,
+        num_experts=settings.experts,
+        num_experts_per_tok=settings.top_k,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        max_position_embeddings=max(2048, 2 * settings.seq_len),
+        norm_topk_prob=True,
+        router_aux_loss_coef=settings.router_aux_loss_coef,
+        output_router_logits=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        tie_word_embeddings=False,
     )
 
 
@@ -288,8 +317,7 @@ def heldout_loss(model, batches, *, top_k: int, num_experts: int):
         for x in batches:
             out = model(input_ids=x, use_cache=False, output_router_logits=True)
             logits = out.logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                     reduction="sum")
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
             total += float(loss)
             count += x[:, 1:].numel()
             part = expert_load(out.router_logits, top_k, num_experts)
@@ -326,8 +354,17 @@ def _lr_at(step: int, steps: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(settings: TrainSettings, out_dir: str, *, seed: int = 0, device: str = "cpu", time_budget: float = 0.0,
-          log_every: int = 50, threads: int | None = None, log=print) -> dict[str, Any]:
+def train(
+    settings: TrainSettings,
+    out_dir: str,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    time_budget: float = 0.0,
+    log_every: int = 50,
+    threads: int | None = None,
+    log=print,
+) -> dict[str, Any]:
     """Train, save the checkpoint and ``train_tiny.json`` under ``out_dir``; returns the JSON dict.
 
     On the CPU, torch's deterministic algorithms are on for the run (restored after): the same
@@ -340,8 +377,9 @@ def train(settings: TrainSettings, out_dir: str, *, seed: int = 0, device: str =
     if deterministic:
         torch.use_deterministic_algorithms(True)
     try:
-        meta = _train(settings, out_dir, seed=seed, device=device, time_budget=time_budget, log_every=log_every,
-                      threads=threads, log=log)
+        meta = _train(
+            settings, out_dir, seed=seed, device=device, time_budget=time_budget, log_every=log_every, threads=threads, log=log
+        )
     finally:
         torch.use_deterministic_algorithms(previous)
     meta["deterministic_algorithms"] = deterministic
@@ -350,8 +388,9 @@ def train(settings: TrainSettings, out_dir: str, *, seed: int = 0, device: str =
     return meta
 
 
-def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, time_budget: float, log_every: int,
-           threads: int | None, log) -> dict[str, Any]:
+def _train(
+    settings: TrainSettings, out_dir: str, *, seed: int, device: str, time_budget: float, log_every: int, threads: int | None, log
+) -> dict[str, Any]:
     import numpy as np
     import torch
     import transformers
@@ -363,9 +402,11 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
     train_ids, heldout, data_info = load_corpus(train_bytes=settings.train_bytes, heldout_bytes=settings.heldout_bytes)
     if train_ids.size <= settings.seq_len + 1:
         raise SystemExit(f"r3rdma train-tiny: training stream too short ({train_ids.size} tokens)")
-    log(f"data: {data_info['train_files']} train files ({data_info['train_tokens'] / 1e6:.2f} M bytes), "
+    log(
+        f"data: {data_info['train_files']} train files ({data_info['train_tokens'] / 1e6:.2f} M bytes), "
         f"{data_info['heldout_files']} held-out files ({data_info['heldout_tokens'] / 1e6:.2f} M bytes), "
-        f"Python {data_info['python']} stdlib")
+        f"Python {data_info['python']} stdlib"
+    )
 
     torch.manual_seed(seed)
     config = model_config(settings)
@@ -375,13 +416,18 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
     n_params = sum(p.numel() for p in model.parameters())
     eval_batches = _eval_batches(heldout, settings, device)
     loss_before, load_before = heldout_loss(model, eval_batches, top_k=settings.top_k, num_experts=settings.experts)
-    log(f"model: {settings.layers} MoE layers x {settings.experts} experts, top-{settings.top_k}, hidden {settings.hidden}, "
-        f"{n_params / 1e6:.1f} M parameters; held-out loss before training {loss_before:.4f} nats/byte")
+    log(
+        f"model: {settings.layers} MoE layers x {settings.experts} experts, top-{settings.top_k}, hidden {settings.hidden}, "
+        f"{n_params / 1e6:.1f} M parameters; held-out loss before training {loss_before:.4f} nats/byte"
+    )
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed_tokens" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
     data = torch.from_numpy(train_ids.astype(np.int64)).to(device)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     offsets_T = torch.arange(settings.seq_len, device=device)
@@ -408,8 +454,7 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
             aux = float(out.aux_loss.detach())
             lm = float(out.loss.detach()) - settings.router_aux_loss_coef * aux
             history.append({"step": step, "loss": round(lm, 4), "aux_loss": round(aux, 4)})
-            log(f"step {step}/{steps}: loss {lm:.4f}, aux {aux:.4f}, "
-                f"{time.perf_counter() - t_loop:.0f} s")
+            log(f"step {step}/{steps}: loss {lm:.4f}, aux {aux:.4f}, {time.perf_counter() - t_loop:.0f} s")
         if step == 20 and time_budget > 0 and steps > 40:
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -421,8 +466,10 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
             projected = (time.perf_counter() - t_loop) + per_step * (steps - step)
             if projected > time_budget:
                 new_steps = max(step + 1, int(step + (time_budget - (time.perf_counter() - t_loop)) / per_step))
-                log(f"time budget {time_budget:.0f} s: {per_step * 1e3:.0f} ms/step projects {projected:.0f} s; "
-                    f"steps {steps} -> {new_steps}")
+                log(
+                    f"time budget {time_budget:.0f} s: {per_step * 1e3:.0f} ms/step projects {projected:.0f} s; "
+                    f"steps {steps} -> {new_steps}"
+                )
                 steps = new_steps
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -443,17 +490,23 @@ def _train(settings: TrainSettings, out_dir: str, *, seed: int, device: str, tim
     s.pop("extra")
     meta = {
         "kind": "r3rdma train-tiny",
-        "tokenizer": {"kind": "bytes", "vocab_size": VOCAB_SIZE, "bos": BOS, "eos": EOS, "pad": PAD,
-                      "note": "ids 0-255 are bytes; EOS between files",
-                      "files": "tokenizer.json: text -> its UTF-8 bytes (AutoTokenizer.from_pretrained(path))"},
+        "tokenizer": {
+            "kind": "bytes",
+            "vocab_size": VOCAB_SIZE,
+            "bos": BOS,
+            "eos": EOS,
+            "pad": PAD,
+            "note": "ids 0-255 are bytes; EOS between files",
+            "files": "tokenizer.json: text -> its UTF-8 bytes (AutoTokenizer.from_pretrained(path))",
+        },
         "data": data_info,
         "seed": seed,
         "settings": {**s, "steps": steps, "steps_requested": settings.steps},
         "device": device if not device.startswith("cuda") else f"{device} ({torch.cuda.get_device_name()})",
         "parameters": n_params,
         "experts_implementation": experts_impl,
-        "active_parameters_per_token": n_params - settings.layers * (settings.experts - settings.top_k) * 3
-        * settings.moe_intermediate * settings.hidden,
+        "active_parameters_per_token": n_params
+        - settings.layers * (settings.experts - settings.top_k) * 3 * settings.moe_intermediate * settings.hidden,
         "tokens_seen": steps * settings.batch_size * settings.seq_len,
         "heldout_loss_before": round(loss_before, 4),
         "heldout_loss_after": round(loss_after, 4),
@@ -486,10 +539,14 @@ def read_meta(path: str) -> dict[str, Any] | None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="train-tiny-out",
-                        help="checkpoint directory, created (default: train-tiny-out, in the current directory)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny model (4 layers x 16 experts, top-4) on a 2 MB slice, CPU, ~1 minute")
+    parser.add_argument(
+        "--out",
+        default="train-tiny-out",
+        help="checkpoint directory, created (default: train-tiny-out, in the current directory)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model (4 layers x 16 experts, top-4) on a 2 MB slice, CPU, ~1 minute"
+    )
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 2500; --quick 150)")
@@ -497,15 +554,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--head-dim", type=int, default=None,
-                        help="attention head size (default 64; --quick 16, which vLLM's CPU attention cannot run: "
-                             "use 32 for a checkpoint for r3rdma verify --engine vllm)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="attention head size (default 64; --quick 16, which vLLM's CPU attention cannot run: "
+        "use 32 for a checkpoint for r3rdma verify --engine vllm)",
+    )
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--router-aux-loss-coef", type=float, default=None)
-    parser.add_argument("--time-budget", type=float, default=480.0,
-                        help="seconds for the training loop: fewer steps if the first 40 project past it (0: off)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=480.0,
+        help="seconds for the training loop: fewer steps if the first 40 project past it (0: off)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -515,14 +580,34 @@ def main(args) -> int:
     import torch
 
     base = QUICK if args.quick else DEFAULT
-    overrides = {k: getattr(args, a) for k, a in (
-        ("steps", "steps"), ("layers", "layers"), ("experts", "experts"), ("top_k", "top_k"), ("hidden", "hidden"),
-        ("head_dim", "head_dim"), ("seq_len", "seq_len"), ("batch_size", "batch_size"), ("lr", "lr"),
-        ("router_aux_loss_coef", "router_aux_loss_coef")) if getattr(args, a) is not None}
+    overrides = {
+        k: getattr(args, a)
+        for k, a in (
+            ("steps", "steps"),
+            ("layers", "layers"),
+            ("experts", "experts"),
+            ("top_k", "top_k"),
+            ("hidden", "hidden"),
+            ("head_dim", "head_dim"),
+            ("seq_len", "seq_len"),
+            ("batch_size", "batch_size"),
+            ("lr", "lr"),
+            ("router_aux_loss_coef", "router_aux_loss_coef"),
+        )
+        if getattr(args, a) is not None
+    }
     settings = dataclasses.replace(base, **overrides)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    meta = train(settings, args.out, seed=args.seed, device=device, time_budget=args.time_budget, threads=args.threads,
-                 log_every=25 if args.quick else 100, log=lambda m: print(m, flush=True))
+    meta = train(
+        settings,
+        args.out,
+        seed=args.seed,
+        device=device,
+        time_budget=args.time_budget,
+        threads=args.threads,
+        log_every=25 if args.quick else 100,
+        log=lambda m: print(m, flush=True),
+    )
     print(f"saved {args.out} (model, byte tokenizer, {META_FILE}); try: r3rdma verify --model {args.out}")
     print(json.dumps(meta))
     return 0 if meta["heldout_loss_after"] < meta["heldout_loss_before"] else 1

@@ -49,8 +49,14 @@ if TYPE_CHECKING:
 
 __all__ = ["PRESETS", "VerifyOptions", "VerifyResult", "report", "resolve_config", "run_verify"]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _qwen3_16x64():
@@ -58,9 +64,18 @@ def _qwen3_16x64():
 
     # >= 16 layers, >= 64 experts, top-8 like Qwen3-30B-A3B; small widths so a GPU runs it quickly.
     return tiny_qwen3_moe(
-        vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
-        num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        num_experts=64, num_experts_per_tok=8, mlp_only_layers=[], max_position_embeddings=4096,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=128,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=64,
+        num_experts_per_tok=8,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
     )
 
 
@@ -87,9 +102,18 @@ def _qwen3_48x128():
 
     # Qwen3-30B-A3B's routing geometry (48 MoE layers, 128 experts, top-8), narrow widths.
     return tiny_qwen3_moe(
-        vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=64,
-        num_hidden_layers=48, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        num_experts=128, num_experts_per_tok=8, mlp_only_layers=[], max_position_embeddings=4096,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=64,
+        num_hidden_layers=48,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=128,
+        num_experts_per_tok=8,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
     )
 
 
@@ -175,6 +199,7 @@ class _RoutingTap:
     def _hook(self, i: int):
         def hook(_m, _a, output):
             self.out[i] = output[2].detach().to("cpu", torch.int64)
+
         return hook
 
     def take(self) -> torch.Tensor:
@@ -364,8 +389,17 @@ def _roll_out(o: VerifyOptions, model: torch.nn.Module, requests: list, root: st
     if o.engine == "vllm":
         from r3rdma.cli.verify_vllm import rollout_with_vllm
 
-        return _Rollout(*rollout_with_vllm(model, requests, root=root, rollout_id=rollout_id, dtype=o.rollout_dtype,
-                                           seed=o.seed, batch_size=o.rollout_batch_size))
+        return _Rollout(
+            *rollout_with_vllm(
+                model,
+                requests,
+                root=root,
+                rollout_id=rollout_id,
+                dtype=o.rollout_dtype,
+                seed=o.seed,
+                batch_size=o.rollout_batch_size,
+            )
+        )
     return _roll_out_hf(o, model, requests, root, rollout_id)
 
 
@@ -390,14 +424,22 @@ def _roll_out_hf(o: VerifyOptions, model: torch.nn.Module, requests: list, root:
     with LocalRoutingStore(root) as store, RoutingWriter(store, flush_bytes=1 << 20) as writer:
         capturer = capturer_for_model(model, num_slots=allocator.num_slots, sink=writer, rollout_id=rollout_id)
         detach = attach_capturer(model, capturer)
-        driver = HFRolloutDriver(model, capturer, allocator=allocator, batch_size=o.rollout_batch_size,
-                                 eos_token_id=None, seed=o.seed, sample_listeners=[on_sample])
+        driver = HFRolloutDriver(
+            model,
+            capturer,
+            allocator=allocator,
+            batch_size=o.rollout_batch_size,
+            eos_token_id=None,
+            seed=o.seed,
+            sample_listeners=[on_sample],
+        )
         outputs = driver.run(requests)
         detach()
         writer.flush()
     seconds = time.perf_counter() - t0
-    return _Rollout(outputs, logp, seconds,
-                    f"{o.rollout_dtype}, batched KV-cache decode (batch {o.rollout_batch_size}, left padding)")
+    return _Rollout(
+        outputs, logp, seconds, f"{o.rollout_dtype}, batched KV-cache decode (batch {o.rollout_batch_size}, left padding)"
+    )
 
 
 class _TrainForward:
@@ -422,8 +464,9 @@ class _TrainForward:
             self.tap = _RoutingTap(self.routers)
             self.replay.set_routing(replayed)
         with torch.no_grad():
-            logits = self.model(input_ids=input_ids.to(self.device), use_cache=False,
-                                **{k: v.to(self.device) for k, v in kwargs.items()}).logits
+            logits = self.model(
+                input_ids=input_ids.to(self.device), use_cache=False, **{k: v.to(self.device) for k, v in kwargs.items()}
+            ).logits
         used_NLK = self.tap.take()
         if replayed is None:
             return logits, used_NLK, None
@@ -435,8 +478,9 @@ class _TrainForward:
         self.tap.close()
 
 
-def _train_forwards(o: VerifyOptions, model: torch.nn.Module, routers, rollout: _Rollout, root: str,
-                    rollout_id: str) -> _Training:
+def _train_forwards(
+    o: VerifyOptions, model: torch.nn.Module, routers, rollout: _Rollout, root: str, rollout_id: str
+) -> _Training:
     """Read the routing back and run the training forwards over another batch composition
     (requests reordered and regrouped, ``o.layout``), without and with replay."""
     from r3rdma.read.reader import RoutingReader
@@ -481,8 +525,9 @@ def _count_routing(tally: _Tally, used_TLK: torch.Tensor, recorded_TLK: torch.Te
     tally.layer += np.asarray(per_layer)
 
 
-def _count_logp(tally: _Tally, logits: torch.Tensor, input_ids: torch.Tensor, group, seqs, rows,
-                logp_rollout: dict[str, dict[int, float]]) -> None:
+def _count_logp(
+    tally: _Tally, logits: torch.Tensor, input_ids: torch.Tensor, group, seqs, rows, logp_rollout: dict[str, dict[int, float]]
+) -> None:
     """Add the trainer's and the rollout's log-probabilities of each generated token."""
     # Logits at the row of position p - 1 predict the token at position p (generated positions
     # only: those have a rollout log-prob).
@@ -496,8 +541,9 @@ def _count_logp(tally: _Tally, logits: torch.Tensor, input_ids: torch.Tensor, gr
         tally.logp_rollout.extend(logp_rollout[out.request_id][pos] for pos in range(len(out.prompt), len(s)))
 
 
-def _summary(o: VerifyOptions, config, meta: dict | None, moe_layers: int, rollout: _Rollout,
-             training: _Training) -> dict[str, Any]:
+def _summary(
+    o: VerifyOptions, config, meta: dict | None, moe_layers: int, rollout: _Rollout, training: _Training
+) -> dict[str, Any]:
     """The run's summary (the JSON line of ``r3rdma verify``), less its total time and verdict."""
     info, rows_total = training.info, training.rows_total
     summary: dict[str, Any] = {
@@ -511,8 +557,13 @@ def _summary(o: VerifyOptions, config, meta: dict | None, moe_layers: int, rollo
         "engine": o.engine,
         "train": f"{o.train_dtype}, full sequence, {o.layout} (batch {o.train_batch_size}, reordered)",
         "device": o.device,
-        "init": ("trained checkpoint" if o.model_path is not None else
-                 o.init if o.init == "hf" else f"fan-in (logit gain {o.logit_gain})"),
+        "init": (
+            "trained checkpoint"
+            if o.model_path is not None
+            else o.init
+            if o.init == "hf"
+            else f"fan-in (logit gain {o.logit_gain})"
+        ),
         "prompts": "held-out stdlib text (bytes), sampled generation" if o.model_path is not None else "random token ids",
         "requests": len(rollout.outputs),
         "routing_rows": rows_total,
@@ -616,19 +667,34 @@ def _require_moe(model: torch.nn.Module, path: str) -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trainer", choices=("hf", "megatron"), default="hf",
-                        help="hf: transformers model (CPU or GPU); megatron: a megatron-core GPTModel rolls out in bf16 "
-                             "and trains in fp32 (GPU only; r3rdma.cli.verify_megatron; uses --requests, batch sizes, "
-                             "lengths, --seed, --logit-gain, --root, --device)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="rollout engine: hf (transformers, batched KV-cache decode) or vllm (a real vLLM engine "
-                             "with r3rdma's plug-in recording the routing; needs vLLM, Qwen3-MoE-family models)")
-    parser.add_argument("--model-config", default=None,
-                        help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type "
-                             f"(default: {DEFAULT_PRESET['hf']}; {DEFAULT_PRESET['vllm']} under --engine vllm)")
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="trained checkpoint (r3rdma train-tiny --out PATH): its weights as trained, prompts from "
-                             "held-out stdlib text; --model-config and --init are ignored")
+    parser.add_argument(
+        "--trainer",
+        choices=("hf", "megatron"),
+        default="hf",
+        help="hf: transformers model (CPU or GPU); megatron: a megatron-core GPTModel rolls out in bf16 "
+        "and trains in fp32 (GPU only; r3rdma.cli.verify_megatron; uses --requests, batch sizes, "
+        "lengths, --seed, --logit-gain, --root, --device)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="rollout engine: hf (transformers, batched KV-cache decode) or vllm (a real vLLM engine "
+        "with r3rdma's plug-in recording the routing; needs vLLM, Qwen3-MoE-family models)",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help=f"preset ({', '.join(PRESETS)}) or a JSON file of config fields with model_type "
+        f"(default: {DEFAULT_PRESET['hf']}; {DEFAULT_PRESET['vllm']} under --engine vllm)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="trained checkpoint (r3rdma train-tiny --out PATH): its weights as trained, prompts from "
+        "held-out stdlib text; --model-config and --init are ignored",
+    )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rollout-batch-size", type=int, default=8)
     parser.add_argument("--train-batch-size", type=int, default=3)
@@ -641,8 +707,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-prompt", type=int, default=48)
     parser.add_argument("--min-new", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=32)
-    parser.add_argument("--init", choices=("fan-in", "hf"), default="fan-in",
-                        help="random weights: fan-in scaled (default; routing matters) or transformers' default")
+    parser.add_argument(
+        "--init",
+        choices=("fan-in", "hf"),
+        default="fan-in",
+        help="random weights: fan-in scaled (default; routing matters) or transformers' default",
+    )
     parser.add_argument("--logit-gain", type=float, default=4.0, help="lm_head scale under --init fan-in")
     parser.add_argument("--root", default=None, help="store root to keep (default: a temporary directory, removed)")
 
@@ -653,12 +723,27 @@ def main(args) -> int:
 
         return megatron_main(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = run_verify(VerifyOptions(
-        model_config=args.model_config, model_path=args.model, init=args.init, logit_gain=args.logit_gain,
-        num_requests=args.requests, min_prompt=args.min_prompt, max_prompt=args.max_prompt, min_new=args.min_new,
-        max_new=args.max_new, seed=args.seed, engine=args.engine, rollout_dtype=args.rollout_dtype,
-        rollout_batch_size=args.rollout_batch_size, train_dtype=args.train_dtype, layout=args.layout,
-        train_batch_size=args.train_batch_size, device=device, root=args.root,
-    ))
+    result = run_verify(
+        VerifyOptions(
+            model_config=args.model_config,
+            model_path=args.model,
+            init=args.init,
+            logit_gain=args.logit_gain,
+            num_requests=args.requests,
+            min_prompt=args.min_prompt,
+            max_prompt=args.max_prompt,
+            min_new=args.min_new,
+            max_new=args.max_new,
+            seed=args.seed,
+            engine=args.engine,
+            rollout_dtype=args.rollout_dtype,
+            rollout_batch_size=args.rollout_batch_size,
+            train_dtype=args.train_dtype,
+            layout=args.layout,
+            train_batch_size=args.train_batch_size,
+            device=device,
+            root=args.root,
+        )
+    )
     s = result.summary
     return report(result, f"r3rdma verify: {s['model_type']} ({s['model_config']})")

@@ -71,8 +71,13 @@ def _init_world(device: str):
     if own_pg:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device).index or 0)
-            torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                                 device_id=torch.device(device if ":" in device else "cuda:0"))
+            torch.distributed.init_process_group(
+                "nccl",
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                device_id=torch.device(device if ":" in device else "cuda:0"),
+            )
         else:
             torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     own_mp = not parallel_state.model_parallel_is_initialized()
@@ -95,13 +100,25 @@ def _config(*, bf16: bool, num_layers: int, hidden_size: int, num_experts: int, 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=2 * hidden_size, num_attention_heads=8,
-        num_moe_experts=num_experts, moe_router_topk=top_k, moe_ffn_hidden_size=128, moe_layer_freq=list(moe_layer_freq),
-        moe_enable_routing_replay=True, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=2 * hidden_size,
+        num_attention_heads=8,
+        num_moe_experts=num_experts,
+        moe_router_topk=top_k,
+        moe_ffn_hidden_size=128,
+        moe_layer_freq=list(moe_layer_freq),
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="alltoall" if device.startswith("cuda") else "allgather",
-        moe_router_dtype="fp32", moe_grouped_gemm=False,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
         use_cpu_initialization=not device.startswith("cuda"),
     )
 
@@ -115,9 +132,14 @@ def _gpt(cfg, *, vocab_size: int, max_len: int, device: str, seed: int):
     if device.startswith("cuda"):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-    return GPTModel(cfg, spec, vocab_size=vocab_size, max_sequence_length=max_len,
-                    position_embedding_type="rope" if device.startswith("cuda") else "learned_absolute",
-                    share_embeddings_and_output_weights=False).to(device)
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_len,
+        position_embedding_type="rope" if device.startswith("cuda") else "learned_absolute",
+        share_embeddings_and_output_weights=False,
+    ).to(device)
 
 
 def fan_in_init(model: torch.nn.Module, *, num_layers: int, seed: int, logit_gain: float) -> None:
@@ -239,33 +261,83 @@ def run_verify_megatron(
     cleanup = _init_world(device)
     moe_layer_freq = [0] + [1] * (num_layers - 1)  # first layer dense, as DeepSeek-V3
     layer_map = tuple(i for i, f in enumerate(moe_layer_freq) if f)
-    geo = {"num_layers": num_layers, "hidden_size": hidden_size, "num_experts": num_experts, "top_k": top_k,
-           "moe_layer_freq": moe_layer_freq, "device": device}
+    geo = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "moe_layer_freq": moe_layer_freq,
+        "device": device,
+    }
     own_root = root is None
     root = root or tempfile.mkdtemp(prefix="r3rdma-verify-megatron-")
     rollout_id = "verify-megatron-0"
     try:
         rollout_model, rollout_replay, train_model, replay = _models(
-            geo, vocab_size=vocab_size, max_len=max_prompt + max_new + 1, seed=seed, logit_gain=logit_gain)
+            geo, vocab_size=vocab_size, max_len=max_prompt + max_new + 1, seed=seed, logit_gain=logit_gain
+        )
         assert [r.decoder_layer for r in rollout_replay.routers] == list(layer_map)
-        requests = make_requests(num_requests, vocab=vocab_size, seed=seed, min_prompt=min_prompt,
-                                 max_prompt=max_prompt, min_new=min_new, max_new=max_new)
-        rollout = _roll_out(rollout_model, rollout_replay.routers, requests, root, rollout_id, layer_map,
-                            num_experts=num_experts, batch_size=rollout_batch_size, device=device, seed=seed)
+        requests = make_requests(
+            num_requests,
+            vocab=vocab_size,
+            seed=seed,
+            min_prompt=min_prompt,
+            max_prompt=max_prompt,
+            min_new=min_new,
+            max_new=max_new,
+        )
+        rollout = _roll_out(
+            rollout_model,
+            rollout_replay.routers,
+            requests,
+            root,
+            rollout_id,
+            layer_map,
+            num_experts=num_experts,
+            batch_size=rollout_batch_size,
+            device=device,
+            seed=seed,
+        )
         del rollout_model, rollout_replay
         tally, rows_total, info, train_s = _train_forwards(
-            train_model, replay, requests, rollout, root, rollout_id, len(layer_map),
-            top_k=top_k, batch_size=train_batch_size, device=device, seed=seed)
+            train_model,
+            replay,
+            requests,
+            rollout,
+            root,
+            rollout_id,
+            len(layer_map),
+            top_k=top_k,
+            batch_size=train_batch_size,
+            device=device,
+            seed=seed,
+        )
     finally:
         cleanup()
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
-    summary = _summary(tally, rows_total, info, len(layer_map), rollout, requests, train_s, num_layers=num_layers,
-                       num_experts=num_experts, top_k=top_k, rollout_batch_size=rollout_batch_size,
-                       train_batch_size=train_batch_size, logit_gain=logit_gain, device=device)
+    summary = _summary(
+        tally,
+        rows_total,
+        info,
+        len(layer_map),
+        rollout,
+        requests,
+        train_s,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        rollout_batch_size=rollout_batch_size,
+        train_batch_size=train_batch_size,
+        logit_gain=logit_gain,
+        device=device,
+    )
     summary["seconds"] = round(time.perf_counter() - started, 3)
-    ok = (tally["replay"].decisions_differ == 0 and tally["replay"].tokens_any == 0
-          and summary["kl_k3_replay"] < summary["kl_k3_no_replay"])
+    ok = (
+        tally["replay"].decisions_differ == 0
+        and tally["replay"].tokens_any == 0
+        and summary["kl_k3_replay"] < summary["kl_k3_no_replay"]
+    )
     summary["ok"] = ok
     return VerifyResult(summary=summary, ok=ok)
 
@@ -294,8 +366,19 @@ def _models(geo: dict, *, vocab_size: int, max_len: int, seed: int, logit_gain: 
     return rollout_model, rollout_replay, train_model, MegatronReplay(train_model, device=device)
 
 
-def _roll_out(model, routers, requests: list, root: str, rollout_id: str, layer_map: tuple[int, ...], *,
-              num_experts: int, batch_size: int, device: str, seed: int) -> _Rollout:
+def _roll_out(
+    model,
+    routers,
+    requests: list,
+    root: str,
+    rollout_id: str,
+    layer_map: tuple[int, ...],
+    *,
+    num_experts: int,
+    batch_size: int,
+    device: str,
+    seed: int,
+) -> _Rollout:
     """Generate ``requests`` token by token on the Megatron model, its routers on RECORD, and
     store each request's routing through RoutingWriter -> LocalRoutingStore."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -328,8 +411,9 @@ def _roll_out(model, routers, requests: list, root: str, rollout_id: str, layer_
     return rollout
 
 
-def _generate(model, routers, group: list, rollout: _Rollout, gen: torch.Generator,
-              device: str) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def _generate(
+    model, routers, group: list, rollout: _Rollout, gen: torch.Generator, device: str
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Sample one group to its lengths (full-sequence forwards of a right-padded batch, no KV
     cache). Returns each sequence and its recorded routing rows, each position's from the
     forward in which it was first an input; logs each sampled token's log-probability into
@@ -363,8 +447,20 @@ def _generate(model, routers, group: list, rollout: _Rollout, gen: torch.Generat
     return seqs, rows
 
 
-def _train_forwards(model, replay, requests: list, rollout: _Rollout, root: str, rollout_id: str, moe_layers: int, *,
-                    top_k: int, batch_size: int, device: str, seed: int):
+def _train_forwards(
+    model,
+    replay,
+    requests: list,
+    rollout: _Rollout,
+    root: str,
+    rollout_id: str,
+    moe_layers: int,
+    *,
+    top_k: int,
+    batch_size: int,
+    device: str,
+    seed: int,
+):
     """The fp32 forwards over another batch composition (requests reordered and regrouped,
     right-padded), routing live and under MegatronReplay. Returns ``(tallies by mode, rows
     read back, the stored rollout's RolloutInfo, seconds)``."""
@@ -391,8 +487,7 @@ def _train_forwards(model, replay, requests: list, rollout: _Rollout, root: str,
     return tally, rows_total, info, time.perf_counter() - t0
 
 
-def _train_batch(model, replay, tap: _Tap, group: list, packed, rollout: _Rollout, tally: dict[str, _Tally],
-                 device: str) -> None:
+def _train_batch(model, replay, tap: _Tap, group: list, packed, rollout: _Rollout, tally: dict[str, _Tally], device: str) -> None:
     """One micro-batch's forwards, routing live and replayed, counted into ``tally``."""
     from r3rdma.integrations.megatron import MicroBatch
 
@@ -427,9 +522,23 @@ def _train_batch(model, replay, tap: _Tap, group: list, packed, rollout: _Rollou
             a.logp_rollout.extend(rollout.logp[q.request_id][p] for p in range(p0, len(s)))
 
 
-def _summary(tally: dict[str, _Tally], rows_total: int, info, moe_layers: int, rollout: _Rollout, requests: list,
-             train_s: float, *, num_layers: int, num_experts: int, top_k: int, rollout_batch_size: int,
-             train_batch_size: int, logit_gain: float, device: str) -> dict[str, Any]:
+def _summary(
+    tally: dict[str, _Tally],
+    rows_total: int,
+    info,
+    moe_layers: int,
+    rollout: _Rollout,
+    requests: list,
+    train_s: float,
+    *,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    rollout_batch_size: int,
+    train_batch_size: int,
+    logit_gain: float,
+    device: str,
+) -> dict[str, Any]:
     """The run's summary (the JSON line of ``r3rdma verify --trainer megatron``), less its total
     time and verdict."""
     summary: dict[str, Any] = {
@@ -469,9 +578,17 @@ def main(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = run_verify_megatron(
-            num_requests=args.requests, rollout_batch_size=args.rollout_batch_size, train_batch_size=args.train_batch_size,
-            seed=args.seed, min_prompt=args.min_prompt, max_prompt=args.max_prompt, min_new=args.min_new,
-            max_new=args.max_new, logit_gain=args.logit_gain, root=args.root, device=device,
+            num_requests=args.requests,
+            rollout_batch_size=args.rollout_batch_size,
+            train_batch_size=args.train_batch_size,
+            seed=args.seed,
+            min_prompt=args.min_prompt,
+            max_prompt=args.max_prompt,
+            min_new=args.min_new,
+            max_new=args.max_new,
+            logit_gain=args.logit_gain,
+            root=args.root,
+            device=device,
         )
     except MegatronVerifyUnavailable as e:
         print(f"error: {e.code}", file=sys.stderr)

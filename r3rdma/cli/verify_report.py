@@ -19,20 +19,45 @@ class VerifyResult:
     ok: bool
 
 
-
 def _table(s: dict[str, Any]) -> str:
     rows = [
-        ("router decisions differing (vs rollout)", f"{s['router_decisions_differ']:.2%}", f"{s['router_decisions_differ_replay']:.2%}", "~10%"),
-        ("tokens differing in >= 1 layer", f"{s['tokens_any_layer_differ']:.2%}", f"{s['tokens_any_layer_differ_replay']:.2%}", "94%"),
-
+        (
+            "router decisions differing (vs rollout)",
+            f"{s['router_decisions_differ']:.2%}",
+            f"{s['router_decisions_differ_replay']:.2%}",
+            "~10%",
+        ),
+        (
+            "tokens differing in >= 1 layer",
+            f"{s['tokens_any_layer_differ']:.2%}",
+            f"{s['tokens_any_layer_differ_replay']:.2%}",
+            "94%",
+        ),
         ("train-inference KL (k3)", f"{s['kl_k3_no_replay']:.3e}", f"{s['kl_k3_replay']:.3e}", "1.5e-3 -> 7.5e-4"),
-        ("extreme tokens (tau > 2 or < 1/2)", f"{s['extreme_ratio_tokens_no_replay']:.3%}", f"{s['extreme_ratio_tokens_replay']:.3%}", "~10x fewer"),
-        ("mean |logp_train - logp_rollout|", f"{s['mean_abs_logp_diff_no_replay']:.3e}", f"{s['mean_abs_logp_diff_replay']:.3e}", ""),
+        (
+            "extreme tokens (tau > 2 or < 1/2)",
+            f"{s['extreme_ratio_tokens_no_replay']:.3%}",
+            f"{s['extreme_ratio_tokens_replay']:.3%}",
+            "~10x fewer",
+        ),
+        (
+            "mean |logp_train - logp_rollout|",
+            f"{s['mean_abs_logp_diff_no_replay']:.3e}",
+            f"{s['mean_abs_logp_diff_replay']:.3e}",
+            "",
+        ),
     ]
     # Rows only this module's summary has (the Megatron path reports through the same table).
     if "mean_layers_differ_per_token" in s:
-        rows.insert(2, ("mean differing layers per token", f"{s['mean_layers_differ_per_token']:.2f}",
-                        f"{s['mean_layers_differ_per_token_replay']:.2f}", ""))
+        rows.insert(
+            2,
+            (
+                "mean differing layers per token",
+                f"{s['mean_layers_differ_per_token']:.2f}",
+                f"{s['mean_layers_differ_per_token_replay']:.2f}",
+                "",
+            ),
+        )
     if s.get("abs_log_ratio_quantiles_no_replay"):
         q0, q1 = s["abs_log_ratio_quantiles_no_replay"], s["abs_log_ratio_quantiles_replay"]
         rows.append(("|log ratio| p99 / max", f"{q0['p99']:.2e}/{q0['max']:.2f}", f"{q1['p99']:.2e}/{q1['max']:.2f}", ""))
@@ -49,10 +74,18 @@ def report(result, title: str) -> int:
     print(f"  rollout: {s['rollout']}; train: {s['train']}")
     print(f"  {s['requests']} requests, {s['routing_rows']} routing rows, {s['generated_tokens']} generated tokens")
     if s.get("heldout_loss_after_training") is not None:
-        print(f"  trained checkpoint: held-out loss {s['heldout_loss_before_training']} -> "
-              f"{s['heldout_loss_after_training']} nats/byte")
+        print(
+            f"  trained checkpoint: held-out loss {s['heldout_loss_before_training']} -> "
+            f"{s['heldout_loss_after_training']} nats/byte"
+        )
     print(_table(s))
-    print("  " + ("OK: replay removes every routing difference and lowers the KL" if result.ok else
-                  "FAIL: replay left routing differences or did not lower the KL"))
+    print(
+        "  "
+        + (
+            "OK: replay removes every routing difference and lowers the KL"
+            if result.ok
+            else "FAIL: replay left routing differences or did not lower the KL"
+        )
+    )
     print(json.dumps(s))
     return 0 if result.ok else 1

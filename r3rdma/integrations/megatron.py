@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -40,9 +41,7 @@ try:
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, MultiTokenPredictionLayer
 except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError(
-        "r3rdma.integrations.megatron needs megatron-core >= 0.16: pip install r3rdma[megatron]"
-    ) from e
+    raise ImportError("r3rdma.integrations.megatron needs megatron-core >= 0.16: pip install r3rdma[megatron]") from e
 
 __all__ = [
     "MegatronReplay",
@@ -72,7 +71,7 @@ class ParallelLayout:
                 raise ConfigError(f"{name}_rank must be in [0, {name}_size), got rank {rank} of size {size}")
 
     @classmethod
-    def from_parallel_state(cls, *, sequence_parallel: bool) -> "ParallelLayout":
+    def from_parallel_state(cls, *, sequence_parallel: bool) -> ParallelLayout:
         """This rank's layout from ``megatron.core.parallel_state`` (initialised model parallel)."""
         from megatron.core import parallel_state as ps
 
@@ -115,14 +114,20 @@ class MicroBatch:
         elif self.fmt == "thd":
             cu = self.cu_seqlens_padded
             if cu is None or len(cu) != len(self.seq_lens) + 1 or cu[0] != 0 or cu[-1] != self.seq_length:
-                raise ConfigError(f"cu_seqlens_padded must be [0, ..., seq_length={self.seq_length}] with one entry per sequence + 1, got {cu}")
+                raise ConfigError(
+                    f"cu_seqlens_padded must be [0, ..., seq_length={self.seq_length}] with one entry per sequence + 1, got {cu}"
+                )
             if any(cu[i + 1] - cu[i] < n for i, n in enumerate(self.seq_lens)):
-                raise ConfigError(f"a padded sequence is shorter than its tokens: seq_lens {self.seq_lens}, cu_seqlens_padded {cu}")
+                raise ConfigError(
+                    f"a padded sequence is shorter than its tokens: seq_lens {self.seq_lens}, cu_seqlens_padded {cu}"
+                )
         else:
             raise ConfigError(f"fmt must be 'padded' or 'thd', got {self.fmt!r}")
 
     @classmethod
-    def padded(cls, request_ids: Sequence[str], seq_lens: Sequence[int], seq_length: int, *, unrecorded_tail: int = 1) -> "MicroBatch":
+    def padded(
+        cls, request_ids: Sequence[str], seq_lens: Sequence[int], seq_length: int, *, unrecorded_tail: int = 1
+    ) -> MicroBatch:
         """A right-padded ``[b, seq_length]`` batch."""
         return cls(tuple(request_ids), tuple(int(n) for n in seq_lens), "padded", int(seq_length), None, unrecorded_tail)
 
@@ -135,7 +140,7 @@ class MicroBatch:
         cu_seqlens_padded: Sequence[int] | None = None,
         pad_to_multiple_of: int = 1,
         unrecorded_tail: int = 1,
-    ) -> "MicroBatch":
+    ) -> MicroBatch:
         """A packed batch. Give Megatron's ``cu_seqlens_padded``, or let each sequence be
         padded to a multiple of ``pad_to_multiple_of`` (``2 * cp * tp`` with CP and SP)."""
         seq_lens = tuple(int(n) for n in seq_lens)
@@ -162,7 +167,9 @@ def _cp_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def local_routing_rows(routing: Any, batch: MicroBatch, layout: ParallelLayout, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_routing_rows(
+    routing: Any, batch: MicroBatch, layout: ParallelLayout, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's routing rows for ``batch``: ``(ids_NLK, recorded_N)``.
 
     ``ids_NLK`` is in the stored dtype, rows in the order the rank's routers see them; rows with
@@ -176,7 +183,9 @@ def local_routing_rows(routing: Any, batch: MicroBatch, layout: ParallelLayout, 
             f"{list(batch.request_ids)[:5]}... (missing: {missing[:5]}); routing must be read for exactly this micro-batch, in its order"
         )
     if any(routing.start_rows):
-        raise ReplayError(f"requests stored from a later position (start_rows {routing.start_rows}) cannot be replayed over whole sequences")
+        raise ReplayError(
+            f"requests stored from a later position (start_rows {routing.start_rows}) cannot be replayed over whole sequences"
+        )
     cu = routing.cu_seqlens.tolist()
     stored = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     expected = [n - batch.unrecorded_tail for n in batch.seq_lens]
@@ -287,7 +296,9 @@ class MegatronReplay:
         for i, chunk in enumerate(chunks):
             _walk(chunk, f"chunk{i}" if len(chunks) > 1 else "", found, mtp_found, i)
         if mtp_found and mtp != "live":
-            raise ConfigError(f"MTP routers {mtp_found[:3]} have no recorded routing; pass mtp='live' to route them live on purpose")
+            raise ConfigError(
+                f"MTP routers {mtp_found[:3]} have no recorded routing; pass mtp='live' to route them live on purpose"
+            )
         if not found:
             raise ConfigError("no MoE router found in the model (walked its modules)")
         routers = []
@@ -298,8 +309,10 @@ class MegatronReplay:
         self._chunks = chunks
         self.topk = routers[0].module.topk
         self.num_experts = routers[0].module.config.num_moe_experts
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         )
         self._active = False
         self._lock = threading.Lock()
@@ -313,17 +326,25 @@ class MegatronReplay:
         if not isinstance(r, TopKRouter):
             raise ConfigError(f"{where} is a {type(r).__name__}; only TopKRouter consults RouterReplay")
         if cfg.moe_router_fusion:
-            raise ConfigError(f"{where}: moe_router_fusion=True takes the fused top-k, which returns before RouterReplay is consulted")
+            raise ConfigError(
+                f"{where}: moe_router_fusion=True takes the fused top-k, which returns before RouterReplay is consulted"
+            )
         if r.routing_type == "sinkhorn":
             raise ConfigError(f"{where}: moe_router_load_balancing_type='sinkhorn' never consults RouterReplay")
         if r.router_replay is None:
             raise ConfigError(f"{where} was built without moe_enable_routing_replay=True: it has no RouterReplay")
         if cfg.moe_expert_capacity_factor is not None and not allow_token_dropping:
-            raise ConfigError(f"{where}: moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} drops replayed tokens (allow_token_dropping=True to accept)")
+            raise ConfigError(
+                f"{where}: moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} drops replayed tokens (allow_token_dropping=True to accept)"
+            )
         if r.layer_number is None:
             raise ConfigError(f"{where} has no layer_number (not inside a TransformerLayer)")
         lay = self.layout
-        if (cfg.tensor_model_parallel_size, cfg.context_parallel_size, bool(cfg.sequence_parallel)) != (lay.tp_size, lay.cp_size, lay.sequence_parallel):
+        if (cfg.tensor_model_parallel_size, cfg.context_parallel_size, bool(cfg.sequence_parallel)) != (
+            lay.tp_size,
+            lay.cp_size,
+            lay.sequence_parallel,
+        ):
             raise ConfigError(
                 f"{where}: config has tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} "
                 f"sequence_parallel={cfg.sequence_parallel}, layout has tp={lay.tp_size} cp={lay.cp_size} sequence_parallel={lay.sequence_parallel}"
@@ -338,7 +359,9 @@ class MegatronReplay:
         routers = [self.routers[i] for i in self._router_indices(chunk)]
         ids_TLK = routing.ids_TLK
         if ids_TLK.dim() != 3 or ids_TLK.shape[2] != self.topk:
-            raise ShapeMismatchError(f"routers take top-{self.topk}, routing has shape {tuple(ids_TLK.shape)} (expected [T, L, {self.topk}])")
+            raise ShapeMismatchError(
+                f"routers take top-{self.topk}, routing has shape {tuple(ids_TLK.shape)} (expected [T, L, {self.topk}])"
+            )
         if len(routing.layer_map) != ids_TLK.shape[1]:
             raise ShapeMismatchError(f"layer_map has {len(routing.layer_map)} layers, ids have {ids_TLK.shape[1]}")
         if routing.num_experts != self.num_experts:
@@ -346,7 +369,9 @@ class MegatronReplay:
         layer_of = {d: i for i, d in enumerate(routing.layer_map)}
         missing = [r.decoder_layer for r in routers if r.decoder_layer not in layer_of]
         if missing:
-            raise ShapeMismatchError(f"MoE decoder layers {missing} of this stage are not in the routing's layer_map {list(routing.layer_map)}")
+            raise ShapeMismatchError(
+                f"MoE decoder layers {missing} of this stage are not in the routing's layer_map {list(routing.layer_map)}"
+            )
         ids, _ = local_routing_rows(routing, batch, self.layout, self.num_experts)
         sel = ids[:, [layer_of[r.decoder_layer] for r in routers], :]
         if sel.numel() and int(sel.max()) >= self.num_experts:
@@ -373,7 +398,9 @@ class MegatronReplay:
             given = set(map(id, _wrapped_chain(chunk)))
             matches = [i for i, c in enumerate(self._chunks) if given & set(map(id, _wrapped_chain(c)))]
             if len(matches) != 1:
-                raise ConfigError(f"{type(chunk).__name__} is not one of the {len(self._chunks)} model chunks MegatronReplay was built with")
+                raise ConfigError(
+                    f"{type(chunk).__name__} is not one of the {len(self._chunks)} model chunks MegatronReplay was built with"
+                )
             index = matches[0]
         return [i for i, r in enumerate(self.routers) if r.chunk == index]
 
@@ -404,7 +431,7 @@ class MegatronReplay:
     # -- the step ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self) -> Iterator["MegatronReplay"]:
+    def step(self) -> Iterator[MegatronReplay]:
         """One training step: routers on ``REPLAY_FORWARD`` (recompute in the backward pops the
         FIFO, as ``REPLAY_BACKWARD``); on exit, also on an exception, targets and actions are
         cleared, so a later forward outside a step routes live (and visibly so)."""
@@ -466,8 +493,9 @@ class MegatronReplay:
         return get_replay_topk
 
 
-def prefetch_routing(reader: Any, rollout_id: str, batches: Iterable[MicroBatch], *, depth: int = 2
-                     ) -> Iterator[tuple[MicroBatch, Any]]:
+def prefetch_routing(
+    reader: Any, rollout_id: str, batches: Iterable[MicroBatch], *, depth: int = 2
+) -> Iterator[tuple[MicroBatch, Any]]:
     """Yield ``(batch, routing)`` in order, reading the next ``depth`` micro-batches in the
     background while one trains (:meth:`RoutingReader.prefetch`: every batch's ids are checked
     against the index before anything is read, so a bad id fails before the step starts)."""

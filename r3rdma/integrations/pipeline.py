@@ -53,8 +53,13 @@ def build_writer(config: R3Config) -> RoutingWriter:
 
     store = _open_store(config)
     try:
-        return RoutingWriter(store, flush_bytes=config.flush_bytes, flush_interval_s=config.flush_interval_s,
-                             max_inflight_bytes=config.max_inflight_bytes, owns_store=True)
+        return RoutingWriter(
+            store,
+            flush_bytes=config.flush_bytes,
+            flush_interval_s=config.flush_interval_s,
+            max_inflight_bytes=config.max_inflight_bytes,
+            owns_store=True,
+        )
     except BaseException:
         store.close()
         raise
@@ -135,13 +140,18 @@ def _open_store(config: R3Config):
     if config.routing_store_type == "local":
         from r3rdma.store.local_store import LocalRoutingStore
 
-        return LocalRoutingStore(config.local_store_dir, zstd_level=config.zstd_level, chunk_rows=config.chunk_rows,
-                                 only_last_turn=config.only_last_turn)
+        return LocalRoutingStore(
+            config.local_store_dir,
+            zstd_level=config.zstd_level,
+            chunk_rows=config.chunk_rows,
+            only_last_turn=config.only_last_turn,
+        )
     from r3rdma.transport.auth import load_secret
     from r3rdma.write.push_client import StoreNodesClient
 
-    return StoreNodesClient(config.store_urls, secret=load_secret(config.store_token_file),
-                            replicas=config.store_replicas or None)
+    return StoreNodesClient(
+        config.store_urls, secret=load_secret(config.store_token_file), replicas=config.store_replicas or None
+    )
 
 
 def _geometry(model, layer_map, top_k, num_experts) -> tuple[tuple[int, ...], int, int]:
@@ -153,13 +163,18 @@ def _geometry(model, layer_map, top_k, num_experts) -> tuple[tuple[int, ...], in
     if model is None:
         missing = [name for name, value in given.items() if value is None]
         if missing:
-            raise ConfigError(f"build_capturer needs layer_map, top_k and num_experts, or model= to read them from; missing {missing}")
+            raise ConfigError(
+                f"build_capturer needs layer_map, top_k and num_experts, or model= to read them from; missing {missing}"
+            )
         return given["layer_map"], given["top_k"], given["num_experts"]
     from r3rdma.integrations.hf_capture import model_geometry
 
     found = dict(zip(("layer_map", "top_k", "num_experts"), model_geometry(model)))
-    wrong = [f"{name}: the model has {found[name]!r}, the argument says {value!r}"
-             for name, value in given.items() if value is not None and value != found[name]]
+    wrong = [
+        f"{name}: the model has {found[name]!r}, the argument says {value!r}"
+        for name, value in given.items()
+        if value is not None and value != found[name]
+    ]
     if wrong:
         raise ConfigError("build_capturer(model=...) geometry disagrees with the model's routers: " + "; ".join(wrong))
     return found["layer_map"], found["top_k"], found["num_experts"]
@@ -203,6 +218,10 @@ def _note_default_rollout(store: str) -> None:
         if _default_rollout_noted:
             return
         _default_rollout_noted = True
-    logger.warning("r3rdma: the capturer stores finished requests under rollout id %r in %s (no rollout_id set): "
-                   "readers must ask for %r; set R3Config(rollout_id=...) or R3_ROLLOUT_ID to one id per RL step",
-                   DEFAULT_ROLLOUT_ID, store, DEFAULT_ROLLOUT_ID)
+    logger.warning(
+        "r3rdma: the capturer stores finished requests under rollout id %r in %s (no rollout_id set): "
+        "readers must ask for %r; set R3Config(rollout_id=...) or R3_ROLLOUT_ID to one id per RL step",
+        DEFAULT_ROLLOUT_ID,
+        store,
+        DEFAULT_ROLLOUT_ID,
+    )

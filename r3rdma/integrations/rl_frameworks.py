@@ -182,8 +182,17 @@ def verl_routed_experts(
     response was cut at ``response_length``: verl then keeps the first
     ``prompt_len + response_length`` rows (single_turn_agent_loop.py 99-101), and so does this.
     """
-    share = _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
-                        prompt_length=prompt_length, response_length=response_length)
+    share = _verl_share(
+        reader,
+        rollout_id,
+        request_ids,
+        prompt_lens,
+        response_lens,
+        num_layers,
+        top_k,
+        prompt_length=prompt_length,
+        response_length=response_length,
+    )
     request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
     out = torch.zeros((len(request_ids), prompt_length + response_length, share.width, share.top_k), dtype=torch.int16)
     for i, rid in enumerate(request_ids):
@@ -193,8 +202,9 @@ def verl_routed_experts(
                 f"prompt_length {prompt_length} / response_length {response_length} (verl truncates the "
                 f"response to response_length and refuses a prompt longer than prompt_length)"
             )
-        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length,
-                          allow_unrouted_tail, share.num_experts)
+        rows = _verl_rows(
+            packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail, share.num_experts
+        )
         start_pos = prompt_length - prompt_lens[i]
         _place(out[i, start_pos : start_pos + rows.shape[0]], rows, share.columns)
     return out
@@ -218,8 +228,9 @@ def verl_routed_experts_unpadded(
 
     Arguments and checks as in :func:`verl_routed_experts` (no prompt padding here).
     """
-    share = _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
-                        response_length=response_length)
+    share = _verl_share(
+        reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, response_length=response_length
+    )
     request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
     out = []
     for i, rid in enumerate(request_ids):
@@ -227,8 +238,9 @@ def verl_routed_experts_unpadded(
             raise ShapeMismatchError(
                 f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
             )
-        rows = _verl_rows(packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length,
-                          allow_unrouted_tail, share.num_experts)
+        rows = _verl_rows(
+            packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail, share.num_experts
+        )
         aligned = torch.zeros((prompt_lens[i] + response_lens[i], share.width, share.top_k), dtype=torch.int16)
         _place(aligned[: rows.shape[0]], rows, share.columns)
         out.append(aligned)
@@ -249,8 +261,7 @@ class _VerlShare(NamedTuple):
     num_experts: int
 
 
-def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k,
-                **sizes: int) -> _VerlShare:
+def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, **sizes: int) -> _VerlShare:
     """Checked arguments and the caller's share of the rollout, read once (both verl layouts)."""
     request_ids = list(request_ids)
     prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
@@ -312,9 +323,7 @@ def _check_top_k(stored: int, wanted: int | None) -> None:
 
 def _check_layer_map(layer_map: tuple[int, ...], num_layers: int, moe_layer_freq: int | Sequence[int] | None) -> None:
     if any(layer >= num_layers for layer in layer_map) or len(set(layer_map)) != len(layer_map):
-        raise ShapeMismatchError(
-            f"the stored layer map {list(layer_map)} does not fit a model of {num_layers} decoder layers"
-        )
+        raise ShapeMismatchError(f"the stored layer map {list(layer_map)} does not fit a model of {num_layers} decoder layers")
     if moe_layer_freq is not None:
         expected = slime_moe_layers(num_layers, list(moe_layer_freq) if not isinstance(moe_layer_freq, int) else moe_layer_freq)
         if tuple(layer_map) != expected:

@@ -38,8 +38,7 @@ class ShareCollector:
     :meth:`result`. Use as a context manager, or :meth:`close` it.
     """
 
-    def __init__(self, reader: Any, rollout_id: str, request_ids: list[str], *, poll_s: float,
-                 max_batch: int) -> None:
+    def __init__(self, reader: Any, rollout_id: str, request_ids: list[str], *, poll_s: float, max_batch: int) -> None:
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
             raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -95,8 +94,12 @@ class ShareCollector:
         """:meth:`result` packed along tokens in the order named (as ``get_packed``)."""
         arrays = self.result(timeout)
         merged = self._reader._index(self._rollout_id)
-        return pack(self._order, [[arrays[rid]] for rid in self._order],
-                    [merged.entry(rid).start_row for rid in self._order], merged.geometry)
+        return pack(
+            self._order,
+            [[arrays[rid]] for rid in self._order],
+            [merged.entry(rid).start_row for rid in self._order],
+            merged.geometry,
+        )
 
     def close(self) -> None:
         """Stop polling (a read in progress finishes first)."""
@@ -104,7 +107,7 @@ class ShareCollector:
         if self._thread is not threading.current_thread():
             self._thread.join()
 
-    def __enter__(self) -> "ShareCollector":
+    def __enter__(self) -> ShareCollector:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -145,7 +148,9 @@ class ShareCollector:
             _log.debug("collecting rollout %r stopped: %s", self._rollout_id, e)
             self._error = e
         else:
-            self._error = R3Error(f"rollout {self._rollout_id!r}: collecting this share was closed with "
-                                  f"{len(self._missing)} of its {self.total} requests not read")
+            self._error = R3Error(
+                f"rollout {self._rollout_id!r}: collecting this share was closed with "
+                f"{len(self._missing)} of its {self.total} requests not read"
+            )
         finally:
             self._done.set()

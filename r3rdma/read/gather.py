@@ -10,7 +10,8 @@ failed request raised; this raises that error itself.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Iterable
+from collections.abc import Awaitable, Iterable
+from typing import Any
 
 
 async def gather(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:

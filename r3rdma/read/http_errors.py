@@ -99,8 +99,7 @@ def _obstore_error(node: str, what: str, error: BaseException, token_sent: bool)
     if status:
         return status_error(node, what, int(status.group(1)), first, token_sent=token_sent)
     if isinstance(error, (obs.UnauthenticatedError, obs.PermissionDeniedError)):
-        return status_error(node, what, 401 if isinstance(error, obs.UnauthenticatedError) else 403, first,
-                            token_sent=token_sent)
+        return status_error(node, what, 401 if isinstance(error, obs.UnauthenticatedError) else 403, first, token_sent=token_sent)
     if re.search(r"\bTimedOut\b|timed out|kind: Timeout", text):
         return R3TimeoutError(f"store node {node} did not answer in time ({what}; retryable): {first}")
     return TransportError(f"connection to store node {node} failed ({what}; retryable): {first}")

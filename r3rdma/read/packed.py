@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +40,9 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def pack(request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int],
-         geometry: dict[str, Any]) -> PackedRouting:
+def pack(
+    request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int], geometry: dict[str, Any]
+) -> PackedRouting:
     """Requests' segments (``pieces[i]``: request ``i``'s, in row order) packed along tokens."""
     lengths = [sum(p.shape[0] for p in segs) for segs in pieces]
     cu = np.zeros(len(request_ids) + 1, dtype=np.int64)

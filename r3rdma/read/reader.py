@@ -28,9 +28,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,9 +50,9 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
-from r3rdma.records import checksum
 from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.sources import Source, source_items
+from r3rdma.records import checksum
 from r3rdma.store.index_entries import RequestEntry, Segment
 from r3rdma.store.rollout_index import ColumnRequests, RolloutIndex
 
@@ -147,7 +148,7 @@ class RoutingReader:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
-    def __enter__(self) -> "RoutingReader":
+    def __enter__(self) -> RoutingReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -197,11 +198,16 @@ class RoutingReader:
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
         pieces = self._read(rollout_id, merged, request_ids)
-        return pack(request_ids, [pieces[rid] for rid in request_ids],
-                    [merged.entry(rid).start_row for rid in request_ids], merged.geometry)
+        return pack(
+            request_ids,
+            [pieces[rid] for rid in request_ids],
+            [merged.entry(rid).start_row for rid in request_ids],
+            merged.geometry,
+        )
 
-    def prefetch(self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2,
-                 pin_memory: bool = False) -> "Prefetcher":
+    def prefetch(
+        self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2, pin_memory: bool = False
+    ) -> Prefetcher:
         """Iterate :class:`PackedRouting` of each batch of request ids (a trainer's micro-batches),
         in order, while the next ``depth`` batches load in the background.
 
@@ -245,8 +251,7 @@ class RoutingReader:
         not_yet: Exception | None = None  # why the last poll saw no index (unknown rollout, node down)
         while missing:
             try:
-                merged = self._index(rollout_id, refresh=True,
-                                     within_s=max(deadline - time.monotonic(), _WAIT_LAST_POLL_S))
+                merged = self._index(rollout_id, refresh=True, within_s=max(deadline - time.monotonic(), _WAIT_LAST_POLL_S))
                 not_yet = None
             except (UnknownRolloutError, TransportError, R3TimeoutError, StoreError) as e:
                 not_yet = e  # not created yet, or a node restarting: look again
@@ -261,8 +266,9 @@ class RoutingReader:
             time.sleep(min(pause, left))
             pause = min(2 * pause, _WAIT_MAX_S)
 
-    def collect(self, rollout_id: str, request_ids: Iterable[str], *, poll_s: float = 0.1,
-                max_batch: int = 256) -> "ShareCollector":
+    def collect(
+        self, rollout_id: str, request_ids: Iterable[str], *, poll_s: float = 0.1, max_batch: int = 256
+    ) -> ShareCollector:
         """Start reading ``request_ids`` as they are committed, while the rollout still runs (a
         trainer rank names its share up front); :class:`~r3rdma.read.collector.ShareCollector`
         says how. Ids need not be committed yet; bad or repeated ids fail here. ``poll_s``: how
@@ -274,7 +280,7 @@ class RoutingReader:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _require(self, rollout_id: str, request_ids: list[str]) -> "_MergedIndex":
+    def _require(self, rollout_id: str, request_ids: list[str]) -> _MergedIndex:
         """The merged index, refreshed if some of ``request_ids`` are not in it; raises naming
         the missing ones (and why: pending, or on a node that could not be reached)."""
         merged = self._index(rollout_id)
@@ -292,16 +298,14 @@ class RoutingReader:
             )
         pending = [rid for rid in missing if rid in merged.pending]
         note = (
-            f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet"
-            if pending
-            else ""
+            f"; {', '.join(repr(p) for p in pending[:5])} pending: stored segments do not cover every row yet" if pending else ""
         )
         raise UnknownRequestError(
             f"rollout {rollout_id!r} has no committed request {shown} ({len(missing)} of the {len(request_ids)} "
             f"asked for are missing; {len(merged.owner)} requests committed){note}; nothing was read"
         )
 
-    def _read(self, rollout_id: str, merged: "_MergedIndex", request_ids: list[str]) -> dict[str, list[np.ndarray]]:
+    def _read(self, rollout_id: str, merged: _MergedIndex, request_ids: list[str]) -> dict[str, list[np.ndarray]]:
         """Each request's segments, read from one source holding it (the first that has not
         failed in this call). A source whose read fails (unreachable, timed out, failed I/O) is
         dropped and its requests are read again from their other replicas."""
@@ -312,8 +316,9 @@ class RoutingReader:
         show = self._progress if self._progress is not None else sys.stderr.isatty()
         arrays = {(merged.owner[rid], seg.array) for rid in request_ids for seg in merged.entry(rid).segments}
         try:
-            with tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr,
-                      disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS) as bar:
+            with tqdm(
+                desc=f"read {rollout_id}", unit="array", file=sys.stderr, disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS
+            ) as bar:
                 while todo:
                     chosen: dict[str, tuple[int, RequestEntry]] = {}
                     wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]] = {}
@@ -344,8 +349,12 @@ class RoutingReader:
                             isinstance(result, AuthenticationError) or len(self._sources) == 1
                         ):
                             if src not in failed:
-                                _log.warning("reading rollout %r from %s failed, trying other replicas: %s",
-                                             rollout_id, self._sources[src].name, result)
+                                _log.warning(
+                                    "reading rollout %r from %s failed, trying other replicas: %s",
+                                    rollout_id,
+                                    self._sources[src].name,
+                                    result,
+                                )
                                 self.read_failovers += 1
                             failed.setdefault(src, result)
                         elif isinstance(result, Exception):
@@ -366,8 +375,9 @@ class RoutingReader:
             raise
         return pieces
 
-    async def _fetch(self, rollout_id: str, merged: "_MergedIndex",
-                     wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]], bar: tqdm) -> list[Any]:
+    async def _fetch(
+        self, rollout_id: str, merged: _MergedIndex, wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]], bar: tqdm
+    ) -> list[Any]:
         """Read every array's wanted segments at once; per array its segments' rows by
         (request, segment number), or the exception that array's read raised."""
         limit = asyncio.Semaphore(self._concurrency)
@@ -417,8 +427,10 @@ class RoutingReader:
                 await self._sources[src].prepare(rollout_id, merged.per_source[src], name)
 
         prepared = await asyncio.gather(*(prepare(src, name) for src, name in wanted), return_exceptions=True)
-        reads = [read_array(src, name, segs) if not isinstance(ready, BaseException) else _raise(ready)
-                 for ((src, name), segs), ready in zip(wanted.items(), prepared)]
+        reads = [
+            read_array(src, name, segs) if not isinstance(ready, BaseException) else _raise(ready)
+            for ((src, name), segs), ready in zip(wanted.items(), prepared)
+        ]
         return await asyncio.gather(*reads, return_exceptions=True)
 
     def _raise_if_deleted(self, rollout_id: str, request_ids: list[str], cause: Exception) -> None:
@@ -428,11 +440,9 @@ class RoutingReader:
             raise UnknownRolloutError(f"rollout {rollout_id!r} was deleted while it was being read ({e})") from cause
         gone = [rid for rid in request_ids if rid not in merged.owner]
         if gone:
-            raise UnknownRequestError(
-                f"rollout {rollout_id!r}: requests {gone[:5]!r} were deleted while being read"
-            ) from cause
+            raise UnknownRequestError(f"rollout {rollout_id!r}: requests {gone[:5]!r} were deleted while being read") from cause
 
-    def _index(self, rollout_id: str, *, refresh: bool = False, within_s: float | None = None) -> "_MergedIndex":
+    def _index(self, rollout_id: str, *, refresh: bool = False, within_s: float | None = None) -> _MergedIndex:
         """The rollout's merged index: the cached one, or with ``refresh`` each source's entry
         point and the parts it has not seen. ``within_s``: the fetch as a whole ends within
         this many seconds (else :class:`R3TimeoutError`), not only each wait on a node."""
@@ -443,20 +453,21 @@ class RoutingReader:
 
         async def load_all():
             # Index parts are small and many (one per commit): fetch them well past the read bound.
-            work = asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources),
-                                  return_exceptions=True)
+            work = asyncio.gather(*(s.index(rollout_id, 8 * self._concurrency) for s in self._sources), return_exceptions=True)
             if within_s is None:
                 return await work
             try:
                 return await asyncio.wait_for(work, within_s)
             except TimeoutError as e:
-                raise R3TimeoutError(f"the index of rollout {rollout_id!r} was not fetched from "
-                                     f"{', '.join(s.name for s in self._sources)} within {within_s:.2f} s") from e
+                raise R3TimeoutError(
+                    f"the index of rollout {rollout_id!r} was not fetched from "
+                    f"{', '.join(s.name for s in self._sources)} within {within_s:.2f} s"
+                ) from e
 
         with _gc_paused():
             return self._load_index(rollout_id, cached, sync(load_all()))
 
-    def _load_index(self, rollout_id: str, cached: "_MergedIndex | None", loaded: list[Any]) -> "_MergedIndex":
+    def _load_index(self, rollout_id: str, cached: _MergedIndex | None, loaded: list[Any]) -> _MergedIndex:
         results: list[RolloutIndex | None] = []
         skipped: dict[str, str] = {}
         errors: list[BaseException] = []
@@ -500,8 +511,9 @@ class Prefetcher:
     waiting on their slowest GET before the next batch's GETs started; on the H100 host its
     8 readers kept 8 of 16 cores busy at 0.61 of the contiguous rate."""
 
-    def __init__(self, reader: RoutingReader, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int,
-                 pin_memory: bool) -> None:
+    def __init__(
+        self, reader: RoutingReader, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int, pin_memory: bool
+    ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
         if pin_memory and not torch.cuda.is_available():
@@ -551,19 +563,22 @@ class Prefetcher:
         self._next = len(self._batches)
         self._thread.shutdown(wait=False)
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _not_committed(rollout_id: str, missing: list[str], total: int, timeout_s: float,
-                   merged: "_MergedIndex | None", not_yet: Exception | None) -> str:
+def _not_committed(
+    rollout_id: str, missing: list[str], total: int, timeout_s: float, merged: _MergedIndex | None, not_yet: Exception | None
+) -> str:
     """What :meth:`RoutingReader.wait_committed` says when its time is up."""
     shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-    text = (f"rollout {rollout_id!r}: {len(missing)} of the {total} requests waited for are not committed after "
-            f"{timeout_s} s ({shown})")
+    text = (
+        f"rollout {rollout_id!r}: {len(missing)} of the {total} requests waited for are not committed after "
+        f"{timeout_s} s ({shown})"
+    )
     if isinstance(not_yet, UnknownRolloutError):
         text += f"; the rollout does not exist yet ({not_yet})"
     elif not_yet is not None:
@@ -574,8 +589,9 @@ def _not_committed(rollout_id: str, missing: list[str], total: int, timeout_s: f
         if pending:
             text += f", {', '.join(repr(p) for p in pending[:5])} pending (stored segments do not cover every row yet)"
         if merged.skipped:
-            text += (f"; {len(merged.skipped)} store nodes could not be reached and may hold the rest: "
-                     + "; ".join(f"{name}: {why}" for name, why in merged.skipped.items()))
+            text += f"; {len(merged.skipped)} store nodes could not be reached and may hold the rest: " + "; ".join(
+                f"{name}: {why}" for name, why in merged.skipped.items()
+            )
     return text
 
 
@@ -643,8 +659,12 @@ class _MergedIndex:
 
     def total_rows(self) -> int:
         """Rows of every visible request (each counted once, on its owner)."""
-        rows_of = {i: index.requests.rows if isinstance(index.requests, ColumnRequests) else
-                   (lambda rid, requests=index.requests: requests[rid].rows) for i, index in self.per_source.items()}
+        rows_of = {
+            i: index.requests.rows
+            if isinstance(index.requests, ColumnRequests)
+            else (lambda rid, requests=index.requests: requests[rid].rows)
+            for i, index in self.per_source.items()
+        }
         return sum(rows_of[i](rid) for rid, i in self.owner.items())
 
     def holders(self, rid: str) -> list[tuple[int, RequestEntry]]:
@@ -676,7 +696,7 @@ class _MergedIndex:
         )
 
     @classmethod
-    def merge(cls, rollout_id: str, sources: list[Source], indexes: list[RolloutIndex | None]) -> "_MergedIndex":
+    def merge(cls, rollout_id: str, sources: list[Source], indexes: list[RolloutIndex | None]) -> _MergedIndex:
         present = {i: index for i, index in enumerate(indexes) if index is not None}
         if not present:
             where = sources[0].name if len(sources) == 1 else f"any of {len(sources)} sources"

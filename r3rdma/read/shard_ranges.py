@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from numcodecs import Zstd
@@ -63,7 +64,7 @@ class ShardLayout:
     index_at_start: bool
 
     @classmethod
-    def of(cls, metadata: dict[str, Any]) -> "ShardLayout | None":
+    def of(cls, metadata: dict[str, Any]) -> ShardLayout | None:
         try:
             shape = tuple(metadata["shape"])
             outer = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
@@ -78,7 +79,10 @@ class ShardLayout:
                 and sharding.get("name") == "sharding_indexed"
                 and config.get("index_location", "end") in ("start", "end")
                 and metadata.get("data_type") in _DTYPES
-                and len(shape) == 3 and outer[1:] == shape[1:] and inner[1:] == shape[1:] and outer[0] % inner[0] == 0
+                and len(shape) == 3
+                and outer[1:] == shape[1:]
+                and inner[1:] == shape[1:]
+                and outer[0] % inner[0] == 0
                 and names in (["bytes", "crc32c"], ["bytes", "zstd", "crc32c"])
                 and config["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
                 and [c["name"] for c in config["index_codecs"]] == ["bytes", "crc32c"]
@@ -89,16 +93,25 @@ class ShardLayout:
             return None
         if not ok:
             return None
-        return cls(shape[0], np.dtype(_DTYPES[metadata["data_type"]]), shape[1:], outer[0], inner[0], "zstd" in names,
-                   metadata["fill_value"], config.get("index_location", "end") == "start")
+        return cls(
+            shape[0],
+            np.dtype(_DTYPES[metadata["data_type"]]),
+            shape[1:],
+            outer[0],
+            inner[0],
+            "zstd" in names,
+            metadata["fill_value"],
+            config.get("index_location", "end") == "start",
+        )
 
     @classmethod
-    def from_index(cls, shard: dict[str, Any], dtype: str, row_shape: tuple[int, int]) -> "ShardLayout":
+    def from_index(cls, shard: dict[str, Any], dtype: str, row_shape: tuple[int, int]) -> ShardLayout:
         """The layout an index part's ``shards`` entry describes (r3rdma's writer: one shard of
         whole chunks, index first, fill value 0); see :func:`shard_index_of`."""
         rows, chunk_rows = shard["rows"], shard["chunk_rows"]
-        return cls(rows, np.dtype(_DTYPES[dtype]), row_shape, -(-rows // chunk_rows) * chunk_rows, chunk_rows,
-                   shard["zstd"], 0, True)
+        return cls(
+            rows, np.dtype(_DTYPES[dtype]), row_shape, -(-rows // chunk_rows) * chunk_rows, chunk_rows, shard["zstd"], 0, True
+        )
 
     @property
     def chunks_per_shard(self) -> int:
@@ -109,8 +122,14 @@ class ShardLayout:
         return self.chunk_rows * int(np.prod(self.row_shape)) * self.dtype.itemsize
 
 
-async def read_ranges(store: Any, path: str, layout: ShardLayout, ranges: Sequence[tuple[int, int]],
-                      indexes: dict[tuple[str, int], np.ndarray], where: str) -> list[np.ndarray]:
+async def read_ranges(
+    store: Any,
+    path: str,
+    layout: ShardLayout,
+    ranges: Sequence[tuple[int, int]],
+    indexes: dict[tuple[str, int], np.ndarray],
+    where: str,
+) -> list[np.ndarray]:
     """Rows ``lo:hi`` of each of ``ranges`` of the array at ``path`` in ``store``. ``indexes``
     caches shard indexes (by path and shard number) across calls. Store errors propagate (the
     caller says what they mean); damage raises :class:`CorruptDataError` naming ``where``."""
@@ -147,13 +166,18 @@ async def read_ranges(store: Any, path: str, layout: ShardLayout, ranges: Sequen
             buffer = await store.get(key, prototype=default_buffer_prototype(), byte_range=RangeByteRequest(start, end))
             data = b"" if buffer is None else buffer.as_numpy_array()
             if len(data) != end - start:
-                raise CorruptDataError(f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}")
+                raise CorruptDataError(
+                    f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
+                )
             # A task per chunk or two: the chunks of one GET decode on all cores at once.
-            await asyncio.gather(*(
-                loop.run_in_executor(_decode_pool(), _decode_group, layout, data, start, items[i : i + 2], ranges, wanted,
-                                     outs, where)
-                for i in range(0, len(items), 2)
-            ))
+            await asyncio.gather(
+                *(
+                    loop.run_in_executor(
+                        _decode_pool(), _decode_group, layout, data, start, items[i : i + 2], ranges, wanted, outs, where
+                    )
+                    for i in range(0, len(items), 2)
+                )
+            )
 
         await gather(group(g) for g in groups)
 
@@ -166,16 +190,16 @@ def shard_index_of(shard: dict[str, Any]) -> np.ndarray:
     return np.asarray(shard["chunks"], dtype=np.int64).reshape(-1, 2).astype("<u8")
 
 
-async def shard_indexes(store: Any, path: str, layout: ShardLayout, cache: dict[tuple[str, int], np.ndarray],
-                        where: str) -> None:
+async def shard_indexes(store: Any, path: str, layout: ShardLayout, cache: dict[tuple[str, int], np.ndarray], where: str) -> None:
     """Fetch (into ``cache``) the index of every shard of the array at ``path``: a reader does
     this for all arrays of a read at once, so each array's data GET does not wait behind it."""
     shards = -(-layout.rows // layout.shard_rows)
     await gather(_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards))
 
 
-async def _index(store: Any, key: str, layout: ShardLayout, shard_no: int, cache: dict[tuple[str, int], np.ndarray],
-                 where: str) -> np.ndarray:
+async def _index(
+    store: Any, key: str, layout: ShardLayout, shard_no: int, cache: dict[tuple[str, int], np.ndarray], where: str
+) -> np.ndarray:
     index = cache.get((key, shard_no))
     if index is not None:
         return index
@@ -187,14 +211,24 @@ async def _index(store: Any, key: str, layout: ShardLayout, shard_no: int, cache
     else:
         raw = buffer.to_bytes()
         if len(raw) != size or buffer_checksum(raw[:-4]) != _CRC.unpack(raw[-4:])[0]:
-            raise CorruptDataError(f"{where}: the index of shard {shard_no} is damaged ({len(raw)} bytes, expected {size} with a valid crc32c)")
+            raise CorruptDataError(
+                f"{where}: the index of shard {shard_no} is damaged ({len(raw)} bytes, expected {size} with a valid crc32c)"
+            )
         index = np.frombuffer(raw[:-4], dtype="<u8").reshape(layout.chunks_per_shard, 2)
     cache[(key, shard_no)] = index
     return index
 
 
-def _decode_group(layout: ShardLayout, data: np.ndarray, start: int, items: list[tuple[int, int, int]],
-                  ranges: Sequence[tuple[int, int]], wanted: dict[int, list[int]], outs: list[np.ndarray], where: str) -> None:
+def _decode_group(
+    layout: ShardLayout,
+    data: np.ndarray,
+    start: int,
+    items: list[tuple[int, int, int]],
+    ranges: Sequence[tuple[int, int]],
+    wanted: dict[int, list[int]],
+    outs: list[np.ndarray],
+    where: str,
+) -> None:
     """Check and decode each chunk of one fetched byte span, copying its rows where they go."""
     for offset, end, chunk in items:
         body = data[offset - start : end - start - 4]
@@ -210,12 +244,24 @@ def _decode_group(layout: ShardLayout, data: np.ndarray, start: int, items: list
             raw = body
         if len(raw) != layout.chunk_bytes:  # edge chunks are stored padded to full size
             raise CorruptDataError(f"{what} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
-        _place(layout, chunk, np.frombuffer(raw, dtype=layout.dtype).reshape(layout.chunk_rows, *layout.row_shape),
-               ranges, wanted[chunk], outs)
+        _place(
+            layout,
+            chunk,
+            np.frombuffer(raw, dtype=layout.dtype).reshape(layout.chunk_rows, *layout.row_shape),
+            ranges,
+            wanted[chunk],
+            outs,
+        )
 
 
-def _place(layout: ShardLayout, chunk: int, rows: np.ndarray | None, ranges: Sequence[tuple[int, int]],
-           which: list[int], outs: list[np.ndarray]) -> None:
+def _place(
+    layout: ShardLayout,
+    chunk: int,
+    rows: np.ndarray | None,
+    ranges: Sequence[tuple[int, int]],
+    which: list[int],
+    outs: list[np.ndarray],
+) -> None:
     first = chunk * layout.chunk_rows
     for i in which:
         lo, hi = ranges[i]

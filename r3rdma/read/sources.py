@@ -78,8 +78,10 @@ def check_url(url: str) -> str:
         parts = urlsplit(url)
         port = parts.port  # ValueError for a port that is not a number in 0..65535
     except ValueError as e:
-        raise ConfigError(f"store node URL {url!r} is not a valid URL ({e}); expected http://host:port "
-                          "(several: a list, or one string with commas between URLs)") from e
+        raise ConfigError(
+            f"store node URL {url!r} is not a valid URL ({e}); expected http://host:port "
+            "(several: a list, or one string with commas between URLs)"
+        ) from e
     if not parts.hostname:
         raise ConfigError(f"store node URL {url!r} names no host; expected http://host:port")
     if port == 0:
@@ -105,7 +107,7 @@ class Source:
         self._indexes: dict[str, RolloutIndex] = {}
 
     @classmethod
-    def of(cls, item: Any, token: str | None, timeout_s: float) -> "Source":
+    def of(cls, item: Any, token: str | None, timeout_s: float) -> Source:
         """The source ``item`` names: an ``http(s)://`` URL of a store node, a local store root
         (an existing directory), or any zarr store. Anything else is a :class:`ConfigError`
         saying what is wrong with it (a malformed URL, ``host:port`` without ``http://``, a
@@ -197,8 +199,9 @@ class Source:
 
         async def fetch(seq: int) -> IndexPart:
             async with limit:
-                raw = await self.get(f"{rollout_id}/{part_name(seq)}/zarr.json",
-                                     f"reading index part {seq} of rollout {rollout_id!r}")
+                raw = await self.get(
+                    f"{rollout_id}/{part_name(seq)}/zarr.json", f"reading index part {seq} of rollout {rollout_id!r}"
+                )
             if raw is None:
                 # Parts are written before the entry point counts them; only a deletion (and
                 # perhaps a new rollout of the same id) removes one.
@@ -219,8 +222,9 @@ class Source:
         if array is None:
             what = f"reading the metadata of rollout {rollout_id!r} array {name}"
             try:
-                array = await zarr.api.asynchronous.open_array(store=self.store, path=f"{rollout_id}/{name}", mode="r",
-                                                               zarr_format=3)
+                array = await zarr.api.asynchronous.open_array(
+                    store=self.store, path=f"{rollout_id}/{name}", mode="r", zarr_format=3
+                )
             except Exception as e:  # zarr raises several types for missing/garbled metadata
                 failure = self.failure(what, e)
                 if failure is not None:
@@ -229,7 +233,9 @@ class Source:
                     f"array {name} of rollout {rollout_id!r} listed in the index cannot be opened from {self.name}: {e}"
                 ) from e
             if array.ndim != 3:
-                raise CorruptDataError(f"{self.name}: rollout {rollout_id!r} array {name} has shape {array.shape}, not [rows, L, K]")
+                raise CorruptDataError(
+                    f"{self.name}: rollout {rollout_id!r} array {name} has shape {array.shape}, not [rows, L, K]"
+                )
             self._arrays[key] = array
         return array
 
@@ -248,10 +254,15 @@ class Source:
         array = await self.array(rollout_id, index.uid, name)
         layout = self._layouts[key] = ShardLayout.of(array.metadata.to_dict())
         if layout is not None:
-            await self._guard(rollout_id, name, shard_indexes(self.store, f"{rollout_id}/{name}", layout,
-                                                              self._shard_indexes, self._where(rollout_id, name)))
+            await self._guard(
+                rollout_id,
+                name,
+                shard_indexes(self.store, f"{rollout_id}/{name}", layout, self._shard_indexes, self._where(rollout_id, name)),
+            )
 
-    async def read_ranges(self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+    async def read_ranges(
+        self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]]
+    ) -> list[np.ndarray]:
         """Rows ``lo:hi`` of a batch array for each of ``ranges``; zarr's or r3rdma's own chunk
         CRC-32C is checked on the way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
         await self.prepare(rollout_id, index, name)
@@ -335,8 +346,9 @@ def _check_local_root(path: str) -> None:
         return
     if "://" in path:
         scheme = path.split("://", 1)[0]
-        raise ConfigError(f"source {path!r}: store nodes are read over HTTP, expected http://host:port "
-                          f"(or https://), got the scheme {scheme!r}")
+        raise ConfigError(
+            f"source {path!r}: store nodes are read over HTTP, expected http://host:port (or https://), got the scheme {scheme!r}"
+        )
     match = _HOST_PORT.match(path)
     if match and not os.path.exists(path):
         raise ConfigError(
@@ -369,14 +381,19 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
         return _fsspec_store(url, token, timeout_s)
     from zarr.storage import ObjectStore
 
-    options: dict[str, Any] = {"allow_http": True, "connect_timeout": timedelta(seconds=timeout_s),
-                               "timeout": timedelta(seconds=timeout_s)}
+    options: dict[str, Any] = {
+        "allow_http": True,
+        "connect_timeout": timedelta(seconds=timeout_s),
+        "timeout": timedelta(seconds=timeout_s),
+    }
     if token:
         options["default_headers"] = {"Authorization": f"Bearer {token}"}
-    retry = {"max_retries": 2, "retry_timeout": timedelta(seconds=timeout_s),
-             "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1), "base": 2}}
-    return ObjectStore(HTTPStore.from_url(url.rstrip("/") + "/zarr", client_options=options, retry_config=retry),
-                       read_only=True)
+    retry = {
+        "max_retries": 2,
+        "retry_timeout": timedelta(seconds=timeout_s),
+        "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1), "base": 2},
+    }
+    return ObjectStore(HTTPStore.from_url(url.rstrip("/") + "/zarr", client_options=options, retry_config=retry), read_only=True)
 
 
 def _fsspec_store(url: str, token: str | None, timeout_s: float) -> Any:

@@ -10,8 +10,8 @@ itself against a model's routers (:meth:`ReplayBatch.check_fits`); the framework
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -33,8 +33,8 @@ class ReplayBatch:
     :meth:`padded`, :meth:`packed` or :meth:`from_ids`.
     """
 
-    ids_NLK: torch.Tensor        # int64
-    recorded_N: torch.Tensor     # bool
+    ids_NLK: torch.Tensor  # int64
+    recorded_N: torch.Tensor  # bool
     layer_map: tuple[int, ...] | None = None
     num_experts: int | None = None
 
@@ -43,13 +43,10 @@ class ReplayBatch:
             raise ShapeMismatchError(f"ids_NLK must be [N, L, K], got shape {tuple(self.ids_NLK.shape)}")
         if self.recorded_N.shape != (self.ids_NLK.shape[0],) or self.recorded_N.dtype != torch.bool:
             raise ShapeMismatchError(
-                f"recorded_N must be bool [{self.ids_NLK.shape[0]}], got {self.recorded_N.dtype} "
-                f"{tuple(self.recorded_N.shape)}"
+                f"recorded_N must be bool [{self.ids_NLK.shape[0]}], got {self.recorded_N.dtype} {tuple(self.recorded_N.shape)}"
             )
         if self.layer_map is not None and len(self.layer_map) != self.ids_NLK.shape[1]:
-            raise ShapeMismatchError(
-                f"layer_map has {len(self.layer_map)} layers, ids_NLK {self.ids_NLK.shape[1]}"
-            )
+            raise ShapeMismatchError(f"layer_map has {len(self.layer_map)} layers, ids_NLK {self.ids_NLK.shape[1]}")
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +64,7 @@ class ReplayBatch:
     def num_recorded(self) -> int:
         return int(self.recorded_N.sum())
 
-    def to(self, device: torch.device | str) -> "ReplayBatch":
+    def to(self, device: torch.device | str) -> ReplayBatch:
         return ReplayBatch(self.ids_NLK.to(device), self.recorded_N.to(device), self.layer_map, self.num_experts)
 
     def check_fits(self, *, layer_map: Sequence[int], top_k: int, num_experts: int) -> None:
@@ -77,8 +74,7 @@ class ReplayBatch:
         layer_map = tuple(layer_map)
         if self.num_layers != len(layer_map):
             raise ShapeMismatchError(
-                f"model has {len(layer_map)} MoE layers (decoder layers {layer_map}), "
-                f"routing has {self.num_layers}"
+                f"model has {len(layer_map)} MoE layers (decoder layers {layer_map}), routing has {self.num_layers}"
             )
         if self.layer_map is not None and tuple(self.layer_map) != layer_map:
             raise ShapeMismatchError(f"model MoE layers are {layer_map}, routing's layer_map is {self.layer_map}")
@@ -90,9 +86,7 @@ class ReplayBatch:
         if recorded.numel():
             lo, hi = int(recorded.min()), int(recorded.max())
             if lo < 0 or hi >= num_experts:
-                raise ShapeMismatchError(
-                    f"recorded expert ids span {lo}..{hi}, the model's routers accept 0..{num_experts - 1}"
-                )
+                raise ShapeMismatchError(f"recorded expert ids span {lo}..{hi}, the model's routers accept 0..{num_experts - 1}")
 
     # -- builders -------------------------------------------------------------------------------
 
@@ -104,7 +98,7 @@ class ReplayBatch:
         recorded_N: torch.Tensor | None = None,
         layer_map: Sequence[int] | None = None,
         num_experts: int | None = None,
-    ) -> "ReplayBatch":
+    ) -> ReplayBatch:
         """Ids already laid out as the routers' rows. ``recorded_N=None`` means every row is
         recorded. ``ids_NLK`` may also be ``[B, S, L, K]`` (flattened to ``B * S`` rows)."""
         if ids_NLK.dim() == 4:
@@ -129,7 +123,7 @@ class ReplayBatch:
         unrecorded_tail: int | Sequence[int] = 1,
         layer_map: Sequence[int] | None = None,
         num_experts: int | None = None,
-    ) -> "ReplayBatch":
+    ) -> ReplayBatch:
         """A padded ``[B, S]`` batch (left or right padding) of one request per row.
 
         ``routing`` holds request ``b``'s rows ``[rows_b, L, K]`` for batch row ``b`` (a
@@ -143,9 +137,7 @@ class ReplayBatch:
         pieces, layer_map, num_experts = _pieces(routing, layer_map, num_experts)
         mask = attention_mask_BS.detach().to("cpu").bool()
         if mask.dim() != 2 or mask.shape[0] != len(pieces):
-            raise ShapeMismatchError(
-                f"attention_mask must be [B, S] with B = {len(pieces)} requests, got {tuple(mask.shape)}"
-            )
+            raise ShapeMismatchError(f"attention_mask must be [B, S] with B = {len(pieces)} requests, got {tuple(mask.shape)}")
         B, S = mask.shape
         tails = _tails(unrecorded_tail, B)
         L, K = _geometry(pieces)
@@ -168,7 +160,7 @@ class ReplayBatch:
         total_tokens: int | None = None,
         layer_map: Sequence[int] | None = None,
         num_experts: int | None = None,
-    ) -> "ReplayBatch":
+    ) -> ReplayBatch:
         """Sequences packed along tokens (a ``[1, T]`` batch with position-id resets, or varlen
         ``cu_seqlens``), in the order of ``routing``.
 
@@ -244,7 +236,6 @@ def _expect_rows(piece: torch.Tensor, tokens: int, tail: int, what: str) -> int:
     rows = int(piece.shape[0])
     if rows != tokens - tail:
         raise ShapeMismatchError(
-            f"{what}: {tokens} tokens with unrecorded_tail={tail} needs {tokens - tail} recorded rows, "
-            f"routing has {rows}"
+            f"{what}: {tokens} tokens with unrecorded_tail={tail} needs {tokens - tail} recorded rows, routing has {rows}"
         )
     return rows

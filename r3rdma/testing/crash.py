@@ -10,20 +10,21 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from r3rdma.testing.harness import LAYERS, TOP_K, make_record, _orphans, _owner, _verify, _visible
 from r3rdma.store.process import NodeProcess, new_token, spawn_node
-
+from r3rdma.testing.harness import LAYERS, TOP_K, _orphans, _owner, _verify, _visible, make_record
 
 # -- crash cycles ------------------------------------------------------------------------------
 
 
-async def _crash_cycles(work: Path, cycles: int, clients: int, seed: int, timeout_s: float,
-                        log: Callable[[str], None]) -> dict[str, Any]:
+async def _crash_cycles(
+    work: Path, cycles: int, clients: int, seed: int, timeout_s: float, log: Callable[[str], None]
+) -> dict[str, Any]:
     from r3rdma.errors import DuplicateRequestError, R3Error
     from r3rdma.transport import TransportLimits, UcxxClient
 
@@ -35,9 +36,20 @@ async def _crash_cycles(work: Path, cycles: int, clients: int, seed: int, timeou
     acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c
     where: dict[tuple[str, str], int] = {}  # node that acked it
     pushed: set[tuple[str, str]] = set()
-    stats = {"kill_cycles": 0, "acked_before_kill": 0, "unacked_retried": 0, "retried_same_node": 0,
-             "retried_other_node": 0, "idempotent_repushes": 0, "different_bytes_refused": 0,
-             "orphan_arrays_after_kill": 0, "acked_lost": 0, "phantom": 0, "corrupt": 0, "errors": []}
+    stats = {
+        "kill_cycles": 0,
+        "acked_before_kill": 0,
+        "unacked_retried": 0,
+        "retried_same_node": 0,
+        "retried_other_node": 0,
+        "idempotent_repushes": 0,
+        "different_bytes_refused": 0,
+        "orphan_arrays_after_kill": 0,
+        "acked_lost": 0,
+        "phantom": 0,
+        "corrupt": 0,
+        "errors": [],
+    }
 
     def client(i: int) -> Any:
         return UcxxClient(nodes[i].host, nodes[i].ucx_port, secret=token, limits=limits)
@@ -132,8 +144,10 @@ async def _crash_cycles(work: Path, cycles: int, clients: int, seed: int, timeou
                     stats["errors"].append(f"idempotent re-push failed: {type(e).__name__}: {e}")
                 finally:
                     await c.close()
-            log(f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
-                f"{len(acked)} acked so far, {len(unacked)} batches retried, check {check}")
+            log(
+                f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
+                f"{len(acked)} acked so far, {len(unacked)} batches retried, check {check}"
+            )
         for node in nodes:
             node.stop()
         final = await asyncio.to_thread(_verify, roots, acked, pushed)
@@ -147,8 +161,15 @@ async def _crash_cycles(work: Path, cycles: int, clients: int, seed: int, timeou
             node.kill()
 
 
-def crash_cycles(work: Path, cycles: int = 20, *, clients: int = 6, seed: int = 0, timeout_s: float = 3.0,
-                 log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def crash_cycles(
+    work: Path,
+    cycles: int = 20,
+    *,
+    clients: int = 6,
+    seed: int = 0,
+    timeout_s: float = 3.0,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """SIGKILL a node ``cycles`` times under load; see the module docstring for the checks."""
     from r3rdma.transport import configure_ucx_env
 
@@ -163,8 +184,8 @@ def disk_full(work: Path, *, limit: int = 256 << 10) -> dict[str, Any]:
     """A node under ``RLIMIT_FSIZE=limit``: an oversized batch fails cleanly, the node recovers."""
     from r3rdma.errors import StoreError
     from r3rdma.read.reader import RoutingReader
-    from r3rdma.write.push_client import StoreNodesClient
     from r3rdma.transport import TransportLimits
+    from r3rdma.write.push_client import StoreNodesClient
 
     work = Path(work)
     root = work / "full"
@@ -209,8 +230,9 @@ def disk_full(work: Path, *, limit: int = 256 << 10) -> dict[str, Any]:
 # -- load --------------------------------------------------------------------------------------
 
 
-async def _load(nodes: list[NodeProcess], clients: int, duration_s: float, batch: int, seed: int,
-                timeout_s: float) -> dict[str, Any]:
+async def _load(
+    nodes: list[NodeProcess], clients: int, duration_s: float, batch: int, seed: int, timeout_s: float
+) -> dict[str, Any]:
     from r3rdma.errors import R3Error
     from r3rdma.transport import TransportLimits, UcxxClient
 
@@ -259,18 +281,33 @@ async def _load(nodes: list[NodeProcess], clients: int, duration_s: float, batch
     seconds = time.perf_counter() - t0
     lat = np.array(latencies) if latencies else np.zeros(1)
     return {
-        "clients": clients, "seconds": round(seconds, 2), "pushes": len(latencies), "requests": len(acked),
-        "bytes": nbytes, "throughput_mb_s": round(nbytes / seconds / 1e6, 2),
+        "clients": clients,
+        "seconds": round(seconds, 2),
+        "pushes": len(latencies),
+        "requests": len(acked),
+        "bytes": nbytes,
+        "throughput_mb_s": round(nbytes / seconds / 1e6, 2),
         "requests_per_s": round(len(acked) / seconds, 1),
         "ack_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
         "ack_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 2),
-        "push_failures": failures[:10], "push_failure_count": len(failures),
-        "_acked": acked, "rss_sampled_max": rss_max,
+        "push_failures": failures[:10],
+        "push_failure_count": len(failures),
+        "_acked": acked,
+        "rss_sampled_max": rss_max,
     }
 
 
-def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int = 32, inflight_mb: int = 64,
-         seed: int = 0, timeout_s: float = 30.0, verify_bytes: bool = False) -> dict[str, Any]:
+def load(
+    work: Path,
+    *,
+    clients: int = 32,
+    duration_s: float = 60.0,
+    batch: int = 32,
+    inflight_mb: int = 64,
+    seed: int = 0,
+    timeout_s: float = 30.0,
+    verify_bytes: bool = False,
+) -> dict[str, Any]:
     """``clients`` clients push for ``duration_s`` to two nodes with ``--max-inflight-mb inflight_mb``."""
     from r3rdma.transport import configure_ucx_env
 
@@ -290,12 +327,16 @@ def load(work: Path, *, clients: int = 32, duration_s: float = 60.0, batch: int 
     # Load records have random lengths: read back with CRC verification, compare CRCs with
     # what was acknowledged (bit-exact up to CRC-32C).
     check = _verify(roots, acked, set(acked), read_bytes=verify_bytes, exact=False)
-    out.update({
-        "acked_lost": check["lost"], "corrupt": check["corrupt"], "phantom": check["phantom"],
-        "inflight_budget_mb": inflight_mb,
-        "node_rss_base_mb": [round(b / 2**20, 1) for b in base],
-        "node_rss_peak_mb": [round(p / 2**20, 1) for p in peaks],
-        "node_rss_growth_mb": max(round((p - b) / 2**20, 1) for p, b in zip(peaks, base)),
-    })
+    out.update(
+        {
+            "acked_lost": check["lost"],
+            "corrupt": check["corrupt"],
+            "phantom": check["phantom"],
+            "inflight_budget_mb": inflight_mb,
+            "node_rss_base_mb": [round(b / 2**20, 1) for b in base],
+            "node_rss_peak_mb": [round(p / 2**20, 1) for p in peaks],
+            "node_rss_growth_mb": max(round((p - b) / 2**20, 1) for p, b in zip(peaks, base)),
+        }
+    )
     out.pop("rss_sampled_max", None)
     return out

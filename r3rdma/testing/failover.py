@@ -10,17 +10,25 @@ import random
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from r3rdma.store.process import NodeProcess, new_token, spawn_node
 from r3rdma.testing.fuzz import _message
 from r3rdma.testing.harness import (
-    EXPERTS, LAYERS, TOP_K, free_port, _http_reader, make_record, spawn_nodes, unchecked_record, _visible,
+    EXPERTS,
+    LAYERS,
+    TOP_K,
+    _http_reader,
+    _visible,
+    free_port,
+    make_record,
+    spawn_nodes,
+    unchecked_record,
 )
-from r3rdma.store.process import NodeProcess, new_token, spawn_node
-
 
 # -- issue 19: replicas, bad records, multi-turn, restarts, stalled senders --------------------
 
@@ -42,8 +50,9 @@ def node_lost(work: Path, *, requests: int = 200, seed: int = 0, timeout_s: floa
     recs = [make_record("lost", f"q{i}") for i in range(requests)]
     out: dict[str, Any] = {"nodes": 3, "replicas": 2, "requests": requests}
     try:
-        with StoreNodesClient([n.push_url for n in nodes], secret=token, replicas=2,
-                              limits=TransportLimits(timeout_s=timeout_s)) as client:
+        with StoreNodesClient(
+            [n.push_url for n in nodes], secret=token, replicas=2, limits=TransportLimits(timeout_s=timeout_s)
+        ) as client:
             with RoutingWriter(client, flush_bytes=64 << 10) as writer:  # several commits
                 for r in recs:
                     writer.submit(r)
@@ -123,8 +132,9 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
 
     layer_map, k, experts = (0, 2, 5), 2, 16
     sink = Sink()
-    cap = RoutingCapturer(layer_map=layer_map, top_k=k, num_experts=experts, num_slots=64, sink=sink,
-                          rollout_id="bad", check_ids=True)
+    cap = RoutingCapturer(
+        layer_map=layer_map, top_k=k, num_experts=experts, num_slots=64, sink=sink, rollout_id="bad", check_ids=True
+    )
 
     def step(rid: str, slots: list[int], bad_id: int | None = None) -> None:
         n = len(slots)
@@ -149,12 +159,18 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
     # -- RequestRecord
     lm = tuple(range(LAYERS))
     offer("RequestRecord: 0 rows", lambda: RequestRecord("bad", "z", np.zeros((0, LAYERS, TOP_K), np.uint8), lm, EXPERTS))
-    offer("RequestRecord: ids wider than the storage dtype", lambda: RequestRecord(
-        "bad", "w", np.full((3, LAYERS, TOP_K), 300, np.int64), lm, EXPERTS))
-    offer("RequestRecord: layer_map of another length", lambda: RequestRecord(
-        "bad", "l", np.zeros((3, LAYERS, TOP_K), np.uint8), lm[:-1], EXPERTS))
-    offer("RequestRecord: negative start_row", lambda: RequestRecord(
-        "bad", "s", np.zeros((3, LAYERS, TOP_K), np.uint8), lm, EXPERTS, start_row=-1))
+    offer(
+        "RequestRecord: ids wider than the storage dtype",
+        lambda: RequestRecord("bad", "w", np.full((3, LAYERS, TOP_K), 300, np.int64), lm, EXPERTS),
+    )
+    offer(
+        "RequestRecord: layer_map of another length",
+        lambda: RequestRecord("bad", "l", np.zeros((3, LAYERS, TOP_K), np.uint8), lm[:-1], EXPERTS),
+    )
+    offer(
+        "RequestRecord: negative start_row",
+        lambda: RequestRecord("bad", "s", np.zeros((3, LAYERS, TOP_K), np.uint8), lm, EXPERTS, start_row=-1),
+    )
 
     def zero(rid: str) -> Any:
         return unchecked_record("bad", rid, np.zeros((0, LAYERS, TOP_K), np.uint8), start_row=50)
@@ -193,12 +209,24 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
     local_root = work / "bad-local"
     with LocalRoutingStore(local_root) as store:
         store.commit([make_record("bad", "dup-local")])
-        offer("LocalRoutingStore.commit: 0 rows in a batch", lambda: store.commit(
-            [make_record("bad", "local-batch-good"), zero("local-zero")]))
-        offer("LocalRoutingStore.commit: other geometry in a batch", lambda: store.commit(
-            [make_record("bad", "local-batch-good"), unchecked_record("bad", "local-geo", np.ones((3, LAYERS - 1, TOP_K), np.uint8))]))
-        through_writer(store, [conflicting("dup-local"), unchecked_record(
-            "bad", "local-geo2", np.ones((3, LAYERS - 1, TOP_K), np.uint8))], "local")
+        offer(
+            "LocalRoutingStore.commit: 0 rows in a batch",
+            lambda: store.commit([make_record("bad", "local-batch-good"), zero("local-zero")]),
+        )
+        offer(
+            "LocalRoutingStore.commit: other geometry in a batch",
+            lambda: store.commit(
+                [
+                    make_record("bad", "local-batch-good"),
+                    unchecked_record("bad", "local-geo", np.ones((3, LAYERS - 1, TOP_K), np.uint8)),
+                ]
+            ),
+        )
+        through_writer(
+            store,
+            [conflicting("dup-local"), unchecked_record("bad", "local-geo2", np.ones((3, LAYERS - 1, TOP_K), np.uint8))],
+            "local",
+        )
     # -- a store node, through StoreNodesClient and a writer over it
     token = new_token()
     node = spawn_node(work / "bad-node", token)
@@ -206,8 +234,15 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
         with StoreNodesClient([node.push_url], secret=token, limits=TransportLimits(timeout_s=timeout_s)) as client:
             client.commit([make_record("bad", "dup-node")])
             offer("node: 0 rows in a batch", lambda: client.commit([make_record("bad", "node-batch-good"), zero("node-zero")]))
-            offer("node: wrong sender checksum in a batch", lambda: client.commit(
-                [make_record("bad", "node-batch-good"), unchecked_record("bad", "node-crc", np.ones((3, LAYERS, TOP_K), np.uint8))]))
+            offer(
+                "node: wrong sender checksum in a batch",
+                lambda: client.commit(
+                    [
+                        make_record("bad", "node-batch-good"),
+                        unchecked_record("bad", "node-crc", np.ones((3, LAYERS, TOP_K), np.uint8)),
+                    ]
+                ),
+            )
             bad_crc = unchecked_record("bad", "node-crc2", np.ones((3, LAYERS, TOP_K), np.uint8))
             through_writer(client, [conflicting("dup-node"), bad_crc], "node")
         visible_node = _visible([node.root]).get("bad", {})
@@ -215,18 +250,30 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
         node.stop()
     visible_local = _visible([local_root]).get("bad", {})
     # Nothing of a refused record is stored anywhere; every good record is, bit-exact.
-    leaked = [rid for rid in list(visible_node) + list(visible_local)
-              if rid.endswith(("zero", "geo", "geo2", "crc", "crc2", "batch-good"))]
+    leaked = [
+        rid
+        for rid in list(visible_node) + list(visible_local)
+        if rid.endswith(("zero", "geo", "geo2", "crc", "crc2", "batch-good"))
+    ]
     stored = 0
     for root, prefix in ((local_root, "local"), (work / "bad-node", "node")):
         mine = [g for g in good if g.request_id.startswith(prefix)]
         got = RoutingReader(str(root)).get_numpy("bad", [g.request_id for g in mine])
         stored += sum(np.array_equal(got[g.request_id], g.ids_TLK) for g in mine)
-    dups_intact = (visible_local.get("dup-local") == make_record("bad", "dup-local").crc32c
-                   and visible_node.get("dup-node") == make_record("bad", "dup-node").crc32c)
+    dups_intact = (
+        visible_local.get("dup-local") == make_record("bad", "dup-local").crc32c
+        and visible_node.get("dup-node") == make_record("bad", "dup-node").crc32c
+    )
     # A refusal that left something stored is no refusal.
-    return {"tried": len(tried), "refused": len(refused) - len(leaked), "accepted": accepted, "leaked": leaked,
-            "good_total": len(good) + 1, "good_stored": stored + int(capturer_good), "duplicates_intact": bool(dups_intact)}
+    return {
+        "tried": len(tried),
+        "refused": len(refused) - len(leaked),
+        "accepted": accepted,
+        "leaked": leaked,
+        "good_total": len(good) + 1,
+        "good_stored": stored + int(capturer_good),
+        "duplicates_intact": bool(dups_intact),
+    }
 
 
 def multiturn(work: Path, *, conversations: int = 8, turns: int = 4, seed: int = 0) -> dict[str, Any]:
@@ -266,8 +313,12 @@ def multiturn(work: Path, *, conversations: int = 8, turns: int = 4, seed: int =
                 got = reader.get_numpy("mt", [cid])[cid]
             except (KeyError, ValueError):
                 continue
-            n += sum(1 for p in parts if len(got) >= p.start_row + len(p.ids_TLK) and np.array_equal(
-                got[p.start_row : p.start_row + len(p.ids_TLK)], p.ids_TLK))
+            n += sum(
+                1
+                for p in parts
+                if len(got) >= p.start_row + len(p.ids_TLK)
+                and np.array_equal(got[p.start_row : p.start_row + len(p.ids_TLK)], p.ids_TLK)
+            )
         return n
 
     out: dict[str, Any] = {"turns": 2 * conversations * turns}
@@ -339,8 +390,19 @@ async def announce_and_stall(node: NodeProcess, payload_mb: int, *, with_crc: bo
     from r3rdma.transport.ucxx_transport import _UcxxConn
 
     rows = (payload_mb << 20) // (LAYERS * TOP_K)
-    meta = RecordMeta("stall", f"s{secrets.token_hex(4)}", rows, LAYERS, TOP_K, "uint8", EXPERTS,
-                      tuple(range(LAYERS)), 0, 0x1234 if with_crc else None, 0)
+    meta = RecordMeta(
+        "stall",
+        f"s{secrets.token_hex(4)}",
+        rows,
+        LAYERS,
+        TOP_K,
+        "uint8",
+        EXPERTS,
+        tuple(range(LAYERS)),
+        0,
+        0x1234 if with_crc else None,
+        0,
+    )
     header = msgpack.packb(batch_header(1, [meta.to_wire()], [meta.nbytes]))
     ucxx = import_ucxx()
     ep = await ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=10)
@@ -351,8 +413,9 @@ async def announce_and_stall(node: NodeProcess, payload_mb: int, *, with_crc: bo
     return conn, version
 
 
-async def stall_while_pushing(node: NodeProcess, record: Any, *, connections: int, payload_mb: int
-                              ) -> tuple[Any, bool, list[Any]]:
+async def stall_while_pushing(
+    node: NodeProcess, record: Any, *, connections: int, payload_mb: int
+) -> tuple[Any, bool, list[Any]]:
     """``connections`` stallers announce ``payload_mb`` MiB each and send nothing while a normal
     client pushes ``record``: (its ack, whether it was acked before any staller was answered,
     how each staller's wait for a reply ended)."""
@@ -373,32 +436,46 @@ async def stall_while_pushing(node: NodeProcess, record: Any, *, connections: in
     return ack, pushed_while_stalled, outcomes
 
 
-def stalled_announce(work: Path, *, connections: int = 6, payload_mb: int = 255, inflight_mb: int = 1024,
-                     node_timeout_s: float = 3.0) -> dict[str, Any]:
+def stalled_announce(
+    work: Path, *, connections: int = 6, payload_mb: int = 255, inflight_mb: int = 1024, node_timeout_s: float = 3.0
+) -> dict[str, Any]:
     """``connections`` authenticated connections each announce a ``payload_mb`` MiB batch and
     send nothing while a normal client pushes; node peak RSS growth, and how each staller ends."""
     from r3rdma.errors import R3TimeoutError
     from r3rdma.transport import configure_ucx_env
 
     configure_ucx_env()
-    node = spawn_node(Path(work) / "stall", new_token(), "--max-payload-mb", str(payload_mb + 1),
-                      "--timeout-s", str(node_timeout_s), "--max-inflight-mb", str(inflight_mb))
+    node = spawn_node(
+        Path(work) / "stall",
+        new_token(),
+        "--max-payload-mb",
+        str(payload_mb + 1),
+        "--timeout-s",
+        str(node_timeout_s),
+        "--max-inflight-mb",
+        str(inflight_mb),
+    )
     try:
         base = node.rss()
 
         run = stall_while_pushing(node, make_record("stall", "normal"), connections=connections, payload_mb=payload_mb)
         _, pushed, outcomes = asyncio.run(asyncio.wait_for(run, 120))
         growth = node.peak_rss() - base
-        return {"connections": connections, "announced_mb": connections * payload_mb,
-                "peak_rss_growth_mb": round(growth / 2**20, 1), "pushed_while_stalled": pushed,
-                "typed_timeouts": sum(isinstance(o, R3TimeoutError) and o.fatal for o in outcomes),
-                "alive": node.alive}
+        return {
+            "connections": connections,
+            "announced_mb": connections * payload_mb,
+            "peak_rss_growth_mb": round(growth / 2**20, 1),
+            "pushed_while_stalled": pushed,
+            "typed_timeouts": sum(isinstance(o, R3TimeoutError) and o.fatal for o in outcomes),
+            "alive": node.alive,
+        }
     finally:
         node.kill()
 
 
-def replicas_ingest_ratio(work: Path, *, rounds: int = 5, requests: int = 64, rows: int = 2048,
-                          timeout_s: float = 30.0) -> dict[str, Any]:
+def replicas_ingest_ratio(
+    work: Path, *, rounds: int = 5, requests: int = 64, rows: int = 2048, timeout_s: float = 30.0
+) -> dict[str, Any]:
     """Ingest MB/s of the same records to the same three nodes with ``replicas=2`` and
     ``replicas=1``, rounds interleaved (r1, r2, r2, r1, ...), median of each; ratio r2 / r1.
     MB/s counts each request once (bytes durable per second), not each copy."""
@@ -413,14 +490,20 @@ def replicas_ingest_ratio(work: Path, *, rounds: int = 5, requests: int = 64, ro
     nbytes = sum(a.nbytes for a in base)
     mb_s: dict[int, list[float]] = {1: [], 2: []}
     try:
-        clients = {r: StoreNodesClient([n.push_url for n in nodes], secret=token, replicas=r,
-                                       limits=TransportLimits(timeout_s=timeout_s)) for r in (1, 2)}
+        clients = {
+            r: StoreNodesClient(
+                [n.push_url for n in nodes], secret=token, replicas=r, limits=TransportLimits(timeout_s=timeout_s)
+            )
+            for r in (1, 2)
+        }
         try:
             for i in range(-1, rounds):  # round -1: warm-up (connections, first index), not counted
-                for r in ((1, 2) if i % 2 == 0 else (2, 1)):
+                for r in (1, 2) if i % 2 == 0 else (2, 1):
                     # Same bytes each round, fresh ids (a re-push of stored ids would be a no-op).
-                    recs = [RequestRecord(f"ingest-r{r}-{i + 1}", f"q{j}", a, tuple(range(LAYERS)), EXPERTS)
-                            for j, a in enumerate(base)]
+                    recs = [
+                        RequestRecord(f"ingest-r{r}-{i + 1}", f"q{j}", a, tuple(range(LAYERS)), EXPERTS)
+                        for j, a in enumerate(base)
+                    ]
                     t0 = time.perf_counter()
                     for j in range(0, len(recs), 16):
                         clients[r].commit(recs[j : j + 16])
@@ -433,13 +516,20 @@ def replicas_ingest_ratio(work: Path, *, rounds: int = 5, requests: int = 64, ro
         for n in nodes:
             n.stop()
     med = {r: float(np.median(v)) for r, v in mb_s.items()}
-    return {"rounds": rounds, "mb_per_round": round(nbytes / 1e6, 2), "r1_mb_s": round(med[1], 2),
-            "r2_mb_s": round(med[2], 2), "ratio": round(med[2] / med[1], 3),
-            "r1_all": [round(x, 2) for x in mb_s[1]], "r2_all": [round(x, 2) for x in mb_s[2]]}
+    return {
+        "rounds": rounds,
+        "mb_per_round": round(nbytes / 1e6, 2),
+        "r1_mb_s": round(med[1], 2),
+        "r2_mb_s": round(med[2], 2),
+        "ratio": round(med[2] / med[1], 3),
+        "r1_all": [round(x, 2) for x in mb_s[1]],
+        "r2_all": [round(x, 2) for x in mb_s[2]],
+    }
 
 
-def failover_figures(work: Path, *, quick: bool = False, seed: int = 0,
-                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def failover_figures(
+    work: Path, *, quick: bool = False, seed: int = 0, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
     """Every scenario of this module run once, their figures flat as the bench's JSON has them
     (``quick``: smaller sizes, well under a minute)."""
     work = Path(work)
@@ -452,27 +542,34 @@ def failover_figures(work: Path, *, quick: bool = False, seed: int = 0,
     log(f"multi-turn: {mt}")
     restart = restart_same_port(work / "restart")
     log(f"restart: {restart}")
-    stall = stalled_announce(work / "stall", connections=3 if quick else 6, payload_mb=64 if quick else 255,
-                             inflight_mb=256 if quick else 1024, node_timeout_s=2 if quick else 3)
+    stall = stalled_announce(
+        work / "stall",
+        connections=3 if quick else 6,
+        payload_mb=64 if quick else 255,
+        inflight_mb=256 if quick else 1024,
+        node_timeout_s=2 if quick else 3,
+    )
     log(f"stalled: {stall}")
     ingest = replicas_ingest_ratio(work / "ingest", rounds=3 if quick else 7, requests=16 if quick else 64)
     log(f"replicas ingest: {ingest}")
-    out.update({
-        "node_lost_acked": lost["acked"],
-        "node_lost_acked_lost": lost["acked_lost"],
-        "bad_records_tried": bad["tried"],
-        "bad_records_refused": bad["refused"],
-        "bad_records_good_stored": bad["good_stored"],
-        "bad_records_good_total": bad["good_total"],
-        "tp_multiturn_turns": mt["turns"],
-        "tp_multiturn_turns_stored": mt["stored"],
-        "restart_same_port_s": restart["seconds"],
-        "restart_same_port_ok": restart["same_ports"] and restart["intact"],
-        "stalled_announce_mb": stall["announced_mb"],
-        "stalled_announce_peak_rss_mb": stall["peak_rss_growth_mb"],
-        "stalled_typed_timeouts": stall["typed_timeouts"],
-        "replicas1_ingest_mb_s": ingest["r1_mb_s"],
-        "replicas2_ingest_mb_s": ingest["r2_mb_s"],
-        "replicas2_ingest_ratio": ingest["ratio"],
-    })
+    out.update(
+        {
+            "node_lost_acked": lost["acked"],
+            "node_lost_acked_lost": lost["acked_lost"],
+            "bad_records_tried": bad["tried"],
+            "bad_records_refused": bad["refused"],
+            "bad_records_good_stored": bad["good_stored"],
+            "bad_records_good_total": bad["good_total"],
+            "tp_multiturn_turns": mt["turns"],
+            "tp_multiturn_turns_stored": mt["stored"],
+            "restart_same_port_s": restart["seconds"],
+            "restart_same_port_ok": restart["same_ports"] and restart["intact"],
+            "stalled_announce_mb": stall["announced_mb"],
+            "stalled_announce_peak_rss_mb": stall["peak_rss_growth_mb"],
+            "stalled_typed_timeouts": stall["typed_timeouts"],
+            "replicas1_ingest_mb_s": ingest["r1_mb_s"],
+            "replicas2_ingest_mb_s": ingest["r2_mb_s"],
+            "replicas2_ingest_ratio": ingest["ratio"],
+        }
+    )
     return out

@@ -10,15 +10,15 @@ import json
 import random
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from r3rdma.testing.harness import make_record
 from r3rdma.records import buffer_checksum
 from r3rdma.store.process import NodeProcess, new_token
-
+from r3rdma.testing.harness import make_record
 
 # -- protocol fuzzer ---------------------------------------------------------------------------
 
@@ -42,12 +42,18 @@ class FuzzFrame:
 def _preamble(version: int, kind: int, header_len: int, payload_len: int) -> bytes:
     import struct
 
-    return struct.pack("<2sBBIQ", b"R3", version & 0xFF, kind & 0xFF, header_len & 0xFFFFFFFF,
-                       payload_len & 0xFFFFFFFFFFFFFFFF)
+    return struct.pack("<2sBBIQ", b"R3", version & 0xFF, kind & 0xFF, header_len & 0xFFFFFFFF, payload_len & 0xFFFFFFFFFFFFFFFF)
 
 
-def _message(kind: int, header: bytes, frames: Sequence[bytes] = (), *, version: int = 1,
-             header_len: int | None = None, payload_len: int | None = None) -> list[bytes]:
+def _message(
+    kind: int,
+    header: bytes,
+    frames: Sequence[bytes] = (),
+    *,
+    version: int = 1,
+    header_len: int | None = None,
+    payload_len: int | None = None,
+) -> list[bytes]:
     from r3rdma.transport.frames import INLINE_HEADER_BYTES
 
     hl = len(header) if header_len is None else header_len
@@ -57,9 +63,33 @@ def _message(kind: int, header: bytes, frames: Sequence[bytes] = (), *, version:
     return head + [f for f in frames if f]
 
 
-_WEIRD_VALUES: list[Any] = [None, True, -1, 0, 1, 2**31, 2**63 - 1, -(2**63), 1.5, float("nan"), "", "x" * 300,
-                            b"", b"\x00" * 40, [], [1, 2], {}, {"a": 1}, "../etc", "a/b", "..", ".r3rdma.lock",
-                            "zarr.json", "\u00e9", "roll\x00"]
+_WEIRD_VALUES: list[Any] = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**31,
+    2**63 - 1,
+    -(2**63),
+    1.5,
+    float("nan"),
+    "",
+    "x" * 300,
+    b"",
+    b"\x00" * 40,
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    "../etc",
+    "a/b",
+    "..",
+    ".r3rdma.lock",
+    "zarr.json",
+    "\u00e9",
+    "roll\x00",
+]
 
 
 def _mutate_header(rng: random.Random, header: dict[str, Any]) -> dict[str, Any]:
@@ -109,9 +139,12 @@ def gen_frame(rng: random.Random, n: int) -> FuzzFrame:
         size = rng.choice([1, 5, 15, 16, 17, 100, 4096, 4097, 9000])
         return FuzzFrame("garbage", [rng.randbytes(size)], auth=False)
     if r < 0.12:
-        pre = _preamble(rng.choice([0, 1, 2, 255]), rng.choice([0, 1, 3, 5, 6, 7, 8, 255]),
-                        rng.choice([0, 1, 1024, 1025, 2**32 - 1, rng.randrange(2**32)]),
-                        rng.choice([0, 1, 2**63, 2**64 - 1, rng.randrange(2**64)]))
+        pre = _preamble(
+            rng.choice([0, 1, 2, 255]),
+            rng.choice([0, 1, 3, 5, 6, 7, 8, 255]),
+            rng.choice([0, 1, 1024, 1025, 2**32 - 1, rng.randrange(2**32)]),
+            rng.choice([0, 1, 2**63, 2**64 - 1, rng.randrange(2**64)]),
+        )
         return FuzzFrame("bad_preamble_preauth", [pre + rng.randbytes(rng.randrange(0, 64))], auth=False)
     if r < 0.20:
         hello: Any = {"versions": [1], "nonce": secrets.token_bytes(32)}
@@ -151,8 +184,7 @@ def gen_frame(rng: random.Random, n: int) -> FuzzFrame:
             for i in rng.sample(range(len(data)), min(len(data), rng.randint(1, 4))):
                 data[i] ^= rng.randrange(1, 256)
             label = "corrupt_payload"
-        return FuzzFrame(label, _message(BATCH, pack(header), [bytes(data)], payload_len=len(payload)),
-                         auth=True, keep=True)
+        return FuzzFrame(label, _message(BATCH, pack(header), [bytes(data)], payload_len=len(payload)), auth=True, keep=True)
     if r < 0.56:
         m = rng.randrange(2)
         bad = dict(header)
@@ -223,8 +255,7 @@ class FuzzStats:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
-async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int, reply_timeout: float,
-                stats: FuzzStats) -> None:
+async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int, reply_timeout: float, stats: FuzzStats) -> None:
     import r3rdma.errors as errors
     from r3rdma.errors import R3Error, R3TimeoutError, TransportError
     from r3rdma.transport import TransportLimits, UcxxClient
@@ -242,8 +273,7 @@ async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int
     progress = asyncio.Event()  # set every 50 fuzz frames: paces the legit client
 
     async def open_conn() -> Any:
-        ep = await asyncio.wait_for(ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=reply_timeout),
-                                    reply_timeout)
+        ep = await asyncio.wait_for(ucxx.create_endpoint(node.host, node.ucx_port, connect_timeout=reply_timeout), reply_timeout)
         return _UcxxConn(ep, node.push_url)
 
     async def reply(conn: Any) -> tuple[str, bool]:
@@ -293,11 +323,16 @@ async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int
                     conn = await open_conn()
                 try:
                     if frame.wrong_proof:
-                        from r3rdma.transport.session import send_message
                         from r3rdma.transport.frames import SUPPORTED_VERSIONS
+                        from r3rdma.transport.session import send_message
 
-                        await send_message(conn, 1, Kind.HELLO, {"versions": list(SUPPORTED_VERSIONS),
-                                                                 "nonce": secrets.token_bytes(32)}, timeout=reply_timeout)
+                        await send_message(
+                            conn,
+                            1,
+                            Kind.HELLO,
+                            {"versions": list(SUPPORTED_VERSIONS), "nonce": secrets.token_bytes(32)},
+                            timeout=reply_timeout,
+                        )
                         outcome, _ = await reply(conn)
                         if outcome != "challenge":
                             stats.note(frame.label, outcome)
@@ -353,8 +388,7 @@ async def _fuzz(node: NodeProcess, frames: Sequence[FuzzFrame], concurrency: int
         await legit_task
 
 
-def fuzz_node(node: NodeProcess, frames: Sequence[FuzzFrame], *, concurrency: int = 8,
-              reply_timeout: float = 10.0) -> FuzzStats:
+def fuzz_node(node: NodeProcess, frames: Sequence[FuzzFrame], *, concurrency: int = 8, reply_timeout: float = 10.0) -> FuzzStats:
     """Send ``frames`` to ``node`` over ``concurrency`` connections; a legit client pushes alongside."""
     from r3rdma.transport import configure_ucx_env
 
@@ -371,15 +405,50 @@ def fuzz_node(node: NodeProcess, frames: Sequence[FuzzFrame], *, concurrency: in
 # -- HTTP fuzzer -------------------------------------------------------------------------------
 
 _HTTP_PATHS = [
-    "/zarr/{r}/b00000001/c/0/0/0", "/zarr/{r}/zarr.json", "/zarr/zarr.json", "/v1/rollouts", "/v1/rollouts/{r}",
-    "/zarr/../../etc/passwd", "/zarr/%2e%2e/%2e%2e/etc/passwd", "/zarr/{r}/..%2f..%2f.r3rdma.lock", "/zarr/.r3rdma.lock",
-    "/zarr/{r}/.zarr.json.tmp-1", "/zarr//etc/passwd", "/zarr/{r}/b00000001/c/0/0/0%00", "/zarr/" + "a/" * 20,
-    "/v1/rollouts/..", "/v1/rollouts/.r3rdma.lock", "/v1/rollouts/zarr.json", "/v1/rollouts/%2e%2e%2f", "/metrics",
-    "/healthz", "/", "/zarr/", "/zarr/{r}/b00000001/../../../x", "/zarr/" + "x" * 5000, "/v1/rollouts/" + "r" * 300,
-    "/zarr/{r}/b00000001/c/0/0/0?x=../../", "/zarr/\\..\\..\\etc", "/zarr/~root", "/zarr/{r}/%ff%fe",
+    "/zarr/{r}/b00000001/c/0/0/0",
+    "/zarr/{r}/zarr.json",
+    "/zarr/zarr.json",
+    "/v1/rollouts",
+    "/v1/rollouts/{r}",
+    "/zarr/../../etc/passwd",
+    "/zarr/%2e%2e/%2e%2e/etc/passwd",
+    "/zarr/{r}/..%2f..%2f.r3rdma.lock",
+    "/zarr/.r3rdma.lock",
+    "/zarr/{r}/.zarr.json.tmp-1",
+    "/zarr//etc/passwd",
+    "/zarr/{r}/b00000001/c/0/0/0%00",
+    "/zarr/" + "a/" * 20,
+    "/v1/rollouts/..",
+    "/v1/rollouts/.r3rdma.lock",
+    "/v1/rollouts/zarr.json",
+    "/v1/rollouts/%2e%2e%2f",
+    "/metrics",
+    "/healthz",
+    "/",
+    "/zarr/",
+    "/zarr/{r}/b00000001/../../../x",
+    "/zarr/" + "x" * 5000,
+    "/v1/rollouts/" + "r" * 300,
+    "/zarr/{r}/b00000001/c/0/0/0?x=../../",
+    "/zarr/\\..\\..\\etc",
+    "/zarr/~root",
+    "/zarr/{r}/%ff%fe",
 ]
-_RANGES = ["bytes=0-0", "bytes=-1", "bytes=5-", "bytes=10-5", "bytes=-0", "bytes=0-99999999999999999999",
-           "bytes=abc", "bytes=1-2,3-4", "bytes=", "items=0-1", "bytes=--1", "bytes=-99999999999", "bytes=1-1-1"]
+_RANGES = [
+    "bytes=0-0",
+    "bytes=-1",
+    "bytes=5-",
+    "bytes=10-5",
+    "bytes=-0",
+    "bytes=0-99999999999999999999",
+    "bytes=abc",
+    "bytes=1-2,3-4",
+    "bytes=",
+    "items=0-1",
+    "bytes=--1",
+    "bytes=-99999999999",
+    "bytes=1-1-1",
+]
 
 
 async def _http_one(host: str, port: int, request: bytes, timeout: float) -> int:
@@ -425,14 +494,22 @@ async def _fuzz_http(node: NodeProcess, rng: random.Random, n: int, rollout: str
             headers.append("Range: " + rng.choice(_RANGES))
         if method == "DELETE" and who == "right":
             # Never the rollout under test; deletes of garbage ids must be refused or not found.
-            path = rng.choice(["/v1/rollouts/nope-" + str(i), "/v1/rollouts/..", "/v1/rollouts/.r3rdma.lock",
-                               "/v1/rollouts?older_than_s=abc", "/v1/rollouts?older_than_s=-1",
-                               "/v1/rollouts?older_than_s=nan", "/v1/rollouts"])
+            path = rng.choice(
+                [
+                    "/v1/rollouts/nope-" + str(i),
+                    "/v1/rollouts/..",
+                    "/v1/rollouts/.r3rdma.lock",
+                    "/v1/rollouts?older_than_s=abc",
+                    "/v1/rollouts?older_than_s=-1",
+                    "/v1/rollouts?older_than_s=nan",
+                    "/v1/rollouts",
+                ]
+            )
         raw = f"{method} {path} HTTP/1.1\r\n" + "\r\n".join(headers) + "\r\n\r\n"
         async with sem:
             try:
                 status = await _http_one(node.host, node.http_port, raw.encode("latin-1", "replace"), 10)
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 failures.append(f"{method} {path[:80]}: {type(e).__name__}: {e}")
                 return
         statuses[status] = statuses.get(status, 0) + 1
@@ -448,7 +525,9 @@ async def _fuzz_http(node: NodeProcess, rng: random.Random, n: int, rollout: str
     return {"requests": n, "statuses": {str(k): v for k, v in sorted(statuses.items())}, "failures": failures}
 
 
-def fuzz_http(node: NodeProcess, n: int = 2000, *, seed: int = 0, rollout: str = "legit", concurrency: int = 16) -> dict[str, Any]:
+def fuzz_http(
+    node: NodeProcess, n: int = 2000, *, seed: int = 0, rollout: str = "legit", concurrency: int = 16
+) -> dict[str, Any]:
     """``n`` raw HTTP requests with bad paths, ranges, methods and tokens; no 5xx, no leak."""
     out = asyncio.run(_fuzz_http(node, random.Random(seed), n, rollout, concurrency))
     out["node_crashed"] = not node.alive

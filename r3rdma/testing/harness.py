@@ -5,21 +5,22 @@ started in parallel. Store nodes themselves come from :mod:`r3rdma.store.process
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from r3rdma.store.process import NodeProcess, spawn_node
-
 
 LAYERS, TOP_K, EXPERTS = 8, 4, 64
 
 # -- records -----------------------------------------------------------------------------------
 
 
-def make_record(rollout_id: str, request_id: str, *, variant: int = 0, rows: int | None = None,
-                layers: int = LAYERS, top_k: int = TOP_K):
+def make_record(
+    rollout_id: str, request_id: str, *, variant: int = 0, rows: int | None = None, layers: int = LAYERS, top_k: int = TOP_K
+):
     """A record whose bytes depend only on (rollout, request, variant): checkable after a crash."""
     from r3rdma.records import RequestRecord
 
@@ -54,8 +55,14 @@ def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: set[tuple[str, str]],
-            *, read_bytes: bool = True, exact: bool = True) -> dict[str, int]:
+def _verify(
+    roots: Sequence[Path],
+    acked: dict[tuple[str, str], int],
+    pushed: set[tuple[str, str]],
+    *,
+    read_bytes: bool = True,
+    exact: bool = True,
+) -> dict[str, int]:
     """Check acknowledged requests against the roots; return loss / phantom / corrupt counts.
 
     Reads every visible request back through :class:`RoutingReader` (checksums verified) and
@@ -88,9 +95,8 @@ def _verify(roots: Sequence[Path], acked: dict[tuple[str, str], int], pushed: se
 def _orphans(root: Path) -> int:
     """Batch arrays and index parts on disk the entry point does not count (what a crash
     mid-commit leaves)."""
-    from r3rdma.store.layout import read_group_attrs
+    from r3rdma.store.layout import parse_array_name, read_group_attrs
     from r3rdma.store.rollout_index import check_entry, parse_part_name
-    from r3rdma.store.layout import parse_array_name
 
     n = 0
     for child in root.iterdir() if root.is_dir() else []:
@@ -111,8 +117,6 @@ def token_leaks(node: NodeProcess, *others: str) -> list[str]:
     return [t[:8] + "..." for t in (node.token, node.read_token, node.admin_token, *others) if t and t in text]
 
 
-
-
 def free_port() -> int:
     """A TCP port free right now (for nodes started on fixed ports)."""
     import socket
@@ -122,16 +126,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def unchecked_record(rollout_id: str, request_id: str, ids: np.ndarray, *, num_experts: int = EXPERTS,
-                     start_row: int = 0, crc32c: int = 0) -> Any:
+def unchecked_record(
+    rollout_id: str, request_id: str, ids: np.ndarray, *, num_experts: int = EXPERTS, start_row: int = 0, crc32c: int = 0
+) -> Any:
     """A RequestRecord built around its validation (what a buggy or foreign producer could hand over)."""
     from dataclasses import fields
 
     from r3rdma.records import RequestRecord
 
     record = object.__new__(RequestRecord)
-    values = {"rollout_id": rollout_id, "request_id": request_id, "ids_TLK": ids, "layer_map": tuple(range(ids.shape[1])),
-              "num_experts": num_experts, "start_row": start_row, "crc32c": crc32c, "final": True, "total_rows": None}
+    values = {
+        "rollout_id": rollout_id,
+        "request_id": request_id,
+        "ids_TLK": ids,
+        "layer_map": tuple(range(ids.shape[1])),
+        "num_experts": num_experts,
+        "start_row": start_row,
+        "crc32c": crc32c,
+        "final": True,
+        "total_rows": None,
+    }
     for f in fields(RequestRecord):
         object.__setattr__(record, f.name, values[f.name])
     return record

@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -56,9 +56,13 @@ class ProbeResult:
     rounds: int
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "gpu_direct_gbps": round(self.gpu_direct_gbps, 3),
-                "staged_gbps": round(self.staged_gbps, 3), "probe_bytes": self.nbytes, "rounds": self.rounds}
-
+        return {
+            "mode": self.mode,
+            "gpu_direct_gbps": round(self.gpu_direct_gbps, 3),
+            "staged_gbps": round(self.staged_gbps, 3),
+            "probe_bytes": self.nbytes,
+            "rounds": self.rounds,
+        }
 
 
 def _meta(item: DeviceRows, offset: int, crc: int | None):
@@ -67,10 +71,24 @@ def _meta(item: DeviceRows, offset: int, crc: int | None):
     ids = item.ids_TLK
     dtype = routing_dtype(item.num_experts)
     if ids.element_size() != dtype.itemsize or ids.dim() != 3:
-        raise ShapeMismatchError(f"request {item.request_id}: rows must be [T, L, K] of {dtype}, got {ids.dtype} {tuple(ids.shape)}")
-    return RecordMeta(item.rollout_id, item.request_id, int(ids.shape[0]), int(ids.shape[1]), int(ids.shape[2]),
-                      dtype.name, item.num_experts, tuple(item.layer_map), item.start_row, crc, offset,
-                      item.final, item.total_rows)
+        raise ShapeMismatchError(
+            f"request {item.request_id}: rows must be [T, L, K] of {dtype}, got {ids.dtype} {tuple(ids.shape)}"
+        )
+    return RecordMeta(
+        item.rollout_id,
+        item.request_id,
+        int(ids.shape[0]),
+        int(ids.shape[1]),
+        int(ids.shape[2]),
+        dtype.name,
+        item.num_experts,
+        tuple(item.layer_map),
+        item.start_row,
+        crc,
+        offset,
+        item.final,
+        item.total_rows,
+    )
 
 
 def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
@@ -92,7 +110,11 @@ def pack_device_rows(items: Sequence[DeviceRows]) -> tuple[tuple, torch.Tensor]:
     if len(items) == 1 and items[0].ids_TLK.is_contiguous():
         payload = items[0].ids_TLK.reshape(-1).view(torch.uint8)
     else:
-        payload = torch.cat([i.ids_TLK.contiguous().reshape(-1).view(torch.uint8) for i in items]) if offset else torch.empty(0, dtype=torch.uint8, device=device)
+        payload = (
+            torch.cat([i.ids_TLK.contiguous().reshape(-1).view(torch.uint8) for i in items])
+            if offset
+            else torch.empty(0, dtype=torch.uint8, device=device)
+        )
     if device.type != "cuda":
         return checksum_packed(metas, payload.numpy()), payload
     return tuple(metas), payload
@@ -146,8 +168,9 @@ async def push_device_rows(client, items: Sequence[DeviceRows], mode: str, *, pr
     return await client.push_packed(PackedBatch(metas, host if mode == "staged" else payload, probe))
 
 
-async def probe_transfer_mode(client, *, device: torch.device | str | None = None, probe_bytes: int = 8 << 20,
-                              probe_rounds: int = 5, min_gain: float = 1.1) -> ProbeResult:
+async def probe_transfer_mode(
+    client, *, device: torch.device | str | None = None, probe_bytes: int = 8 << 20, probe_rounds: int = 5, min_gain: float = 1.1
+) -> ProbeResult:
     """Push the same bytes both ways to ``client`` (a TransportClient) and pick the faster.
 
     The pushes are probe batches (``PackedBatch.probe``): any server, a store node included,

@@ -23,8 +23,8 @@ import asyncio
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from r3rdma.errors import AuthenticationError, ConfigError, R3Error, R3TimeoutError, TransportError
 from r3rdma.records import RequestRecord, batches_by_size
@@ -42,6 +42,7 @@ def parse_node_url(url: str) -> tuple[str, int]:
 
 def rendezvous_order(nodes: Sequence[str], key: str) -> list[str]:
     """Nodes ordered by preference for ``key`` (highest hash weight first)."""
+
     def weight(node: str) -> int:
         return int.from_bytes(hashlib.blake2b(f"{node}\0{key}".encode(), digest_size=8).digest(), "big")
 
@@ -122,8 +123,8 @@ class StoreNodesClient:
         :class:`~r3rdma.write.device_push.ProbeResult`. The pushes are probe batches, which the
         node checks and acks without storing them. ``probe_kwargs`` (``probe_bytes``,
         ``probe_rounds``, ``min_gain``) go to :func:`~r3rdma.write.device_push.probe_transfer_mode`."""
-        from r3rdma.write.device_push import probe_transfer_mode
         from r3rdma.transport import UcxxClient
+        from r3rdma.write.device_push import probe_transfer_mode
 
         async def run():
             host, port = parse_node_url(self.nodes[0])
@@ -197,7 +198,7 @@ class StoreNodesClient:
         self._thread.join(30)
         self._loop.close()
 
-    def __enter__(self) -> "StoreNodesClient":
+    def __enter__(self) -> StoreNodesClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -234,7 +235,9 @@ class StoreNodesClient:
                     continue
                 free = [n for n in order if n not in failed and n not in holders[i]]
                 # Nodes cooling down after a failure go last: tried only when too few others are left.
-                free = [n for n in free if self._down_until.get(n, 0) <= now] + [n for n in free if self._down_until.get(n, 0) > now]
+                free = [n for n in free if self._down_until.get(n, 0) <= now] + [
+                    n for n in free if self._down_until.get(n, 0) > now
+                ]
                 if len(free) < need:
                     short.append(i)
                     continue
@@ -270,7 +273,9 @@ class StoreNodesClient:
         self.bytes_sent += sent
         return PushStats(len(records), total, failovers, copies)
 
-    def _short_message(self, records: list, short: list[int], holders: list[set[str]], failed: set[str], errors: list[str]) -> str:
+    def _short_message(
+        self, records: list, short: list[int], holders: list[set[str]], failed: set[str], errors: list[str]
+    ) -> str:
         names = [f"{records[i].rollout_id}/{records[i].request_id} ({len(holders[i])} of {self.replicas} copies)" for i in short]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         return (

@@ -20,9 +20,10 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
 from r3rdma.records import RequestRecord
@@ -228,7 +229,7 @@ class RoutingWriter:
                 self.owns_store = False  # closed once
                 self.store.close()
 
-    def __enter__(self) -> "RoutingWriter":
+    def __enter__(self) -> RoutingWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -272,7 +273,8 @@ class RoutingWriter:
             error.errors = errors
             error.add_note(
                 f"r3rdma: {len(failed)} requests failed to commit ({len(errors)} errors) since the last error raised: "
-                + ", ".join(f"{r}/{q}" for r, q in failed[:10]) + (" ..." if len(failed) > 10 else "")
+                + ", ".join(f"{r}/{q}" for r, q in failed[:10])
+                + (" ..." if len(failed) > 10 else "")
                 + " (error.failed_request_ids lists them all; RoutingWriter.failures() with the reasons)"
             )
             raise error
@@ -343,7 +345,7 @@ class RoutingWriter:
         with self._cond:
             self._cond.notify_all()
 
-    def _finish(self, job: "_Job") -> None:
+    def _finish(self, job: _Job) -> None:
         """Wait until ``job``'s batch is durable (or failed), then count it."""
         if job.future is not None:
             try:
@@ -366,9 +368,13 @@ class RoutingWriter:
         # which may come much later (or never, at the end of a rollout). Logged once failures()
         # lists it and before flush() returns, outside the lock (a handler may be slow).
         for _, reason, items in failures:
-            log.error("r3rdma: routing of %d requests not committed: %s%s; %s", len(items),
-                      ", ".join(f"{r}/{q}" for r, q in map(_ids_of, items[:10])),
-                      f" and {len(items) - 10} more" if len(items) > 10 else "", reason)
+            log.error(
+                "r3rdma: routing of %d requests not committed: %s%s; %s",
+                len(items),
+                ", ".join(f"{r}/{q}" for r, q in map(_ids_of, items[:10])),
+                f" and {len(items) - 10} more" if len(items) > 10 else "",
+                reason,
+            )
         with self._cond:
             self._inflight_bytes -= job.size
             self._done += len(job.batch)
@@ -390,8 +396,7 @@ class RoutingWriter:
     @staticmethod
     def _commit_each(commit, items: list) -> list[tuple[BaseException, list]]:
         parts = [[item] for item in items]
-        return [(outcome, part) for part, outcome in zip(parts, commit_each(commit, parts))
-                if isinstance(outcome, BaseException)]
+        return [(outcome, part) for part, outcome in zip(parts, commit_each(commit, parts)) if isinstance(outcome, BaseException)]
 
 
 @dataclass(eq=False)

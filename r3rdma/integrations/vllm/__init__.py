@@ -55,8 +55,10 @@ def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, Any]:
     if not results:
         from r3rdma.errors import ConfigError
 
-        raise ConfigError("no vLLM worker records routing: routing replay is off for this engine "
-                          f"(additional_config[{CONFIG_KEY!r}] or R3_* variables; see r3rdma.integrations.vllm)")
+        raise ConfigError(
+            "no vLLM worker records routing: routing replay is off for this engine "
+            f"(additional_config[{CONFIG_KEY!r}] or R3_* variables; see r3rdma.integrations.vllm)"
+        )
     return results[0]
 
 

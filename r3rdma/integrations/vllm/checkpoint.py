@@ -37,12 +37,23 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, tokenizer: bool = 
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
 
     path = Path(path)
-    config = tiny_qwen3_moe(**{"vocab_size": 256, "hidden_size": 128, "head_dim": 32, "bos_token_id": BOS,
-                               "eos_token_id": EOS, "pad_token_id": PAD, **overrides})
+    config = tiny_qwen3_moe(
+        **{
+            "vocab_size": 256,
+            "hidden_size": 128,
+            "head_dim": 32,
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+            "pad_token_id": PAD,
+            **overrides,
+        }
+    )
     if tokenizer and config.vocab_size <= CHAR_MAX_ID:
         # vLLM would refuse every prompt holding a character whose id the model has no row for.
-        raise ConfigError(f"the character tokenizer's ids go up to {CHAR_MAX_ID}, so vocab_size must be > "
-                          f"{CHAR_MAX_ID}; got vocab_size={config.vocab_size} (or pass tokenizer=False)")
+        raise ConfigError(
+            f"the character tokenizer's ids go up to {CHAR_MAX_ID}, so vocab_size must be > "
+            f"{CHAR_MAX_ID}; got vocab_size={config.vocab_size} (or pass tokenizer=False)"
+        )
     build_model(config, seed=seed).save_pretrained(path)
     if tokenizer:
         write_char_tokenizer(path)
@@ -60,8 +71,7 @@ def write_char_tokenizer(path: str | Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
@@ -77,8 +87,10 @@ def write_byte_tokenizer(path: str | Path, *, bos: int, eos: int, pad: int, voca
 
     specials = {"<s>": bos, "</s>": eos, "<pad>": pad}
     if len(set(specials.values())) != 3 or not all(256 <= i < vocab_size for i in specials.values()):
-        raise ConfigError(f"bos, eos and pad must be distinct ids in 256..{vocab_size - 1} (ids 0-255 are the bytes, "
-                          f"vocab_size {vocab_size} is the model's); got bos={bos}, eos={eos}, pad={pad}")
+        raise ConfigError(
+            f"bos, eos and pad must be distinct ids in 256..{vocab_size - 1} (ids 0-255 are the bytes, "
+            f"vocab_size {vocab_size} is the model's); got bos={bos}, eos={eos}, pad={pad}"
+        )
     # The ByteLevel pre-tokenizer turns each byte into one printable character (GPT-2's table);
     # giving that character the byte's value as its id, with no merges, makes the ids the bytes.
     vocab = {char: byte for byte, char in _byte_chars().items()}
@@ -88,8 +100,9 @@ def write_byte_tokenizer(path: str | Path, *, bos: int, eos: int, pad: int, voca
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   split_special_tokens=True)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", split_special_tokens=True
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 

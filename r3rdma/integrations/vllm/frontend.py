@@ -50,9 +50,8 @@ def key_request(input_processor: Any, request: Any) -> None:
     config = _config_of(input_processor.vllm_config) if params is not None else None
     if config is None:
         return
-    from r3rdma.ids import validate_id
-
     from r3rdma.errors import InvalidIdError
+    from r3rdma.ids import validate_id
 
     extra = dict(params.extra_args or {})
     key = str(extra.get(REQUEST_ARG, request.request_id))
@@ -63,11 +62,13 @@ def key_request(input_processor: Any, request: Any) -> None:
     except InvalidIdError as e:
         raise _refused(e) from e
     if _RUNNING.get((rollout, key)):
-        raise _refused(InvalidIdError(
-            f"{REQUEST_ARG} {key!r} of rollout {rollout!r} is taken by a request this engine is still running: "
-            f"each request needs its own id (one SamplingParams per prompt, each with its own extra_args "
-            f"{{{REQUEST_ARG!r}: ...}}), or leave {REQUEST_ARG} out to store under vLLM's request id"
-        ))
+        raise _refused(
+            InvalidIdError(
+                f"{REQUEST_ARG} {key!r} of rollout {rollout!r} is taken by a request this engine is still running: "
+                f"each request needs its own id (one SamplingParams per prompt, each with its own extra_args "
+                f"{{{REQUEST_ARG!r}: ...}}), or leave {REQUEST_ARG} out to store under vLLM's request id"
+            )
+        )
     extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
     params.extra_args = extra  # this request's own clone of the caller's SamplingParams
 
@@ -153,8 +154,7 @@ def with_stop_lengths(request_ids: Any) -> Any:
     unpacks it (:mod:`.scheduler`)."""
     if not _STOP_LENGTHS or not isinstance(request_ids, list):
         return request_ids
-    return [[rid, _STOP_LENGTHS.pop(rid)] if isinstance(rid, str) and rid in _STOP_LENGTHS else rid
-            for rid in request_ids]
+    return [[rid, _STOP_LENGTHS.pop(rid)] if isinstance(rid, str) and rid in _STOP_LENGTHS else rid for rid in request_ids]
 
 
 def forget(request_id: str) -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from r3rdma.errors import ConfigError
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
@@ -105,9 +106,12 @@ def _install_refusal(version: str) -> None:
     def make(load_model):
         def load(self, *args, **kwargs):
             if routing_config(self.vllm_config) is not None:
-                raise ConfigError(f"r3rdma's vLLM plug-in supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM "
-                                  f"{version}. Install a supported vLLM, or turn routing replay off for this engine.")
+                raise ConfigError(
+                    f"r3rdma's vLLM plug-in supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM "
+                    f"{version}. Install a supported vLLM, or turn routing replay off for this engine."
+                )
             return load_model(self, *args, **kwargs)
+
         return load
 
     for cls in _runner_classes():
@@ -129,6 +133,7 @@ def _install_config_check() -> None:
             if routing_config(config) is not None:
                 check_engine(config)  # LLM(...) / the server refuse here, in the user's process
             return config
+
         return create_engine_config
 
     _wrap(EngineArgs, "create_engine_config", create)
@@ -151,39 +156,45 @@ def _install_frontend() -> None:
             request = original(self, *args, **kwargs)
             frontend.key_request(self, request)  # request_id is still the external id here
             return request
+
         return process_inputs
 
     def assign(original):
         def assign_request_id(request):
             original(request)
             frontend.mark(request)
+
         return staticmethod(assign_request_id)
 
     def child(original):
         def get_child_info(self, index):
             child_id, params = original(self, index)
             return child_id, frontend.child_params(child_id, params, index)
+
         return get_child_info
 
     def trim(original):
         def _trim_surplus_tokens(req_state, output, num_prev_tokens):
             original(req_state, output, num_prev_tokens)
             frontend.note_stop_length(req_state)
+
         return staticmethod(_trim_surplus_tokens)
 
     def make_output(original):
-        def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
-                                kv_transfer_params=None, *args, **kwargs):
+        def make_request_output(
+            self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None, *args, **kwargs
+        ):
             if finish_reason is not None and isinstance(stop_reason, str):
                 kv_transfer_params = frontend.stop_location(self.request_id, kv_transfer_params)
-            return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params,
-                            *args, **kwargs)
+            return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *args, **kwargs)
+
         return make_request_output
 
     def finish(original):
         def _finish_request(self, req_state):
             frontend.forget(req_state.request_id)
             return original(self, req_state)
+
         return _finish_request
 
     def abort_states(original):
@@ -192,6 +203,7 @@ def _install_frontend() -> None:
             for rid in aborted or ():
                 frontend.forget(rid)
             return aborted
+
         return abort_requests
 
     _wrap(InputProcessor, "process_inputs", process)
@@ -209,11 +221,13 @@ def _install_frontend() -> None:
             if request_type == abort:
                 request = frontend.with_stop_lengths(request)
             return original(self, request_type, request, *args, **kwargs)
+
         return _send_input
 
     def inproc_abort(original):
         def abort_requests(self, request_ids):
             return original(self, frontend.with_stop_lengths(request_ids))
+
         return abort_requests
 
     _wrap(SyncMPClient, "_send_input", send)
@@ -238,6 +252,7 @@ def _install_scheduler() -> None:
             self._r3 = FinishLedger(config) if config is not None else None
             if config is not None:
                 route_core_logs()
+
         return __init__
 
     def free(original):
@@ -248,6 +263,7 @@ def _install_scheduler() -> None:
             if location is not None:
                 kv_params = {**(kv_params or {}), LOCATION_KEY: location}
             return kv_params, ec_params
+
         return _free_request
 
     def schedule(original):
@@ -257,6 +273,7 @@ def _install_scheduler() -> None:
             if ledger is not None:
                 out.r3_finished = ledger.take()  # an extra attribute: pickled to the workers with the rest
             return out
+
         return schedule_
 
     def abort(original):
@@ -270,6 +287,7 @@ def _install_scheduler() -> None:
                     item = item[0]
                 ids.append(item)
             return original(self, ids, *args, **kwargs)
+
         return abort_requests
 
     def r3_flush(self, timeout=None):
@@ -304,9 +322,12 @@ def _install_worker() -> None:
             # Model Runner V2 replaces the runner whose methods are wrapped below: refuse it
             # here too, for an engine core whose config did not pass the front end's check.
             if routing_config(self.vllm_config) is not None and uses_model_runner_v2(self.vllm_config):
-                raise ConfigError("routing replay is on, but this worker runs vLLM's Model Runner V2, which r3rdma's "
-                                  "plug-in does not hook: " + V1_HINT)
+                raise ConfigError(
+                    "routing replay is on, but this worker runs vLLM's Model Runner V2, which r3rdma's "
+                    "plug-in does not hook: " + V1_HINT
+                )
             return original(self, *args, **kwargs)
+
         return load_model
 
     def load(original):
@@ -322,6 +343,7 @@ def _install_worker() -> None:
                 recorder.bind_model(self.model)
                 self._r3 = recorder
             return out
+
         return load_model
 
     def init_kv(original):
@@ -332,19 +354,23 @@ def _install_worker() -> None:
             if recorder is not None and recorder.capturer is None and not profiling:
                 recorder.build(kv_cache_config)
             return out
+
         return initialize_kv_cache
 
     def before(hook: str):
         """A wrapper that hands the scheduler output to ``recorder.<hook>`` before the original
         runs: ``lifecycle`` before ``execute_model`` (before ``_update_states`` and before this
         step's forward can rewrite a freed slot), ``prepare`` before ``_prepare_inputs``."""
+
         def make(original):
             def wrapper(self, scheduler_output, *args, **kwargs):
                 recorder = getattr(self, "_r3", None)
                 if recorder is not None:
                     getattr(recorder, hook)(scheduler_output)
                 return original(self, scheduler_output, *args, **kwargs)
+
             return wrapper
+
         return make
 
     def forward(original):
@@ -360,6 +386,7 @@ def _install_worker() -> None:
                 raise
             recorder.end(ok=True)
             return out
+
         return _model_forward
 
     def shutdown(original):
@@ -371,6 +398,7 @@ def _install_worker() -> None:
                 except Exception:
                     log.exception("r3rdma: closing the routing capturer failed")
             return original(self, *args, **kwargs)
+
         return shutdown_
 
     def r3_flush(self, timeout: float | None = None, finished: dict | None = None):

@@ -25,8 +25,7 @@ from typing import Any
 
 from r3rdma.config import R3Config
 from r3rdma.errors import R3Error
-from r3rdma.integrations.vllm.settings import (INDEX_ARG, KEY_ARG, LOCATION_KEY, LOGGER_NAME, rollout_of,
-                                               stored_request_id)
+from r3rdma.integrations.vllm.settings import INDEX_ARG, KEY_ARG, LOCATION_KEY, LOGGER_NAME, rollout_of, stored_request_id
 from r3rdma.integrations.vllm.worker import FinishedRequest
 
 __all__ = ["FinishLedger", "LOCATION_KEY", "location"]
@@ -36,8 +35,11 @@ log = logging.getLogger(LOGGER_NAME)
 
 def location(extra_args: dict, request_id: str, rows: int, default_rollout: str = "default") -> dict:
     """``kv_transfer_params["r3_routing"]``: where a finished request's routing is stored."""
-    loc = {"rollout_id": rollout_of(extra_args, default_rollout), "request_id": stored_request_id(extra_args, request_id),
-           "rows": int(rows)}
+    loc = {
+        "rollout_id": rollout_of(extra_args, default_rollout),
+        "request_id": stored_request_id(extra_args, request_id),
+        "rows": int(rows),
+    }
     index = extra_args.get(INDEX_ARG)
     if index is not None:  # n > 1: how the other samples of the same prompt are named
         loc["key"], loc["index"] = str(extra_args[KEY_ARG]), int(index)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError

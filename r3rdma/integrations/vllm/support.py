@@ -29,8 +29,10 @@ from r3rdma.errors import ConfigError
 
 __all__ = ["check_engine", "uses_model_runner_v2"]
 
-V1_HINT = ("set VLLM_USE_V2_MODEL_RUNNER=0 in the environment that starts vLLM (the V1 model runner, which runs "
-           "CUDA graphs and torch.compile as well)")
+V1_HINT = (
+    "set VLLM_USE_V2_MODEL_RUNNER=0 in the environment that starts vLLM (the V1 model runner, which runs "
+    "CUDA graphs and torch.compile as well)"
+)
 
 
 def uses_model_runner_v2(vllm_config: Any) -> bool:
@@ -41,18 +43,23 @@ def uses_model_runner_v2(vllm_config: Any) -> bool:
 def check_engine(vllm_config: Any) -> None:
     """Raise :class:`ConfigError` unless the plug-in records every token this engine computes."""
     if uses_model_runner_v2(vllm_config):
-        raise ConfigError("routing replay is on, but this engine will run vLLM's Model Runner V2 (vLLM's default on a "
-                          "GPU with Triton), which r3rdma's plug-in does not hook, so nothing would be recorded: "
-                          + V1_HINT)
+        raise ConfigError(
+            "routing replay is on, but this engine will run vLLM's Model Runner V2 (vLLM's default on a "
+            "GPU with Triton), which r3rdma's plug-in does not hook, so nothing would be recorded: " + V1_HINT
+        )
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        raise ConfigError("r3rdma's vLLM plug-in does not support pipeline parallelism yet "
-                          f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); each stage holds only its own "
-                          "MoE layers")
+        raise ConfigError(
+            "r3rdma's vLLM plug-in does not support pipeline parallelism yet "
+            f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); each stage holds only its own "
+            "MoE layers"
+        )
     if getattr(parallel, "data_parallel_size", 1) > 1:
-        raise ConfigError("r3rdma's vLLM plug-in does not support data parallelism yet "
-                          f"(data_parallel_size={parallel.data_parallel_size}): MoE layers then route the tokens of "
-                          "every data-parallel rank together; run one engine per rank instead")
+        raise ConfigError(
+            "r3rdma's vLLM plug-in does not support data parallelism yet "
+            f"(data_parallel_size={parallel.data_parallel_size}): MoE layers then route the tokens of "
+            "every data-parallel rank together; run one engine per rank instead"
+        )
     spec = vllm_config.speculative_config
     sched = getattr(vllm_config, "scheduler_config", None)
     if spec is not None and getattr(sched, "async_scheduling", False):
@@ -60,4 +67,5 @@ def check_engine(vllm_config: Any) -> None:
             f"r3rdma's vLLM plug-in records speculative decoding ({getattr(spec, 'method', spec)}) with synchronous "
             "scheduling only: with async scheduling the worker learns which drafts were accepted only on the device, "
             "so it cannot tell which position each token is. Start vLLM with async_scheduling=False "
-            "(--no-async-scheduling), or use ngram, which schedules synchronously")
+            "(--no-async-scheduling), or use ngram, which schedules synchronously"
+        )

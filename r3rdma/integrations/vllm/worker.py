@@ -137,21 +137,35 @@ class RunnerRecorder:
         self.top_k = top_ks.pop()
         self.num_experts = int(vcfg.model_config.get_num_experts())
         max_tokens = _max_forward_tokens(self.runner)
-        self.step_buf = new_step_buffer(max_tokens=max_tokens, num_layers=len(self.layer_map), top_k=self.top_k,
-                                        num_experts=self.num_experts, device=self.runner.device)
+        self.step_buf = new_step_buffer(
+            max_tokens=max_tokens,
+            num_layers=len(self.layer_map),
+            top_k=self.top_k,
+            num_experts=self.num_experts,
+            device=self.runner.device,
+        )
         for moe, layer in enumerate(self.layer_map):
             runners[layer][2].set_capture_fn(record_hook(self.step_buf, moe))
-        log.info("r3rdma: recording %d MoE layers %s, top-%d of %d experts, up to %d tokens per forward "
-                 "(compilation mode %s, cudagraph mode %s)", len(self.layer_map), list(self.layer_map), self.top_k,
-                 self.num_experts, max_tokens, _name(getattr(vcfg.compilation_config, "mode", None)),
-                 _name(getattr(vcfg.compilation_config, "cudagraph_mode", None)))
+        log.info(
+            "r3rdma: recording %d MoE layers %s, top-%d of %d experts, up to %d tokens per forward "
+            "(compilation mode %s, cudagraph mode %s)",
+            len(self.layer_map),
+            list(self.layer_map),
+            self.top_k,
+            self.num_experts,
+            max_tokens,
+            _name(getattr(vcfg.compilation_config, "mode", None)),
+            _name(getattr(vcfg.compilation_config, "cudagraph_mode", None)),
+        )
 
     def build(self, kv_cache_config: Any) -> None:
         """Build the capturer once vLLM sized its KV cache: one table row per KV slot."""
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ConfigError(f"r3rdma's vLLM plug-in supports models with one KV cache group, got {len(groups)} "
-                              "(hybrid attention / mamba models are not supported yet)")
+            raise ConfigError(
+                f"r3rdma's vLLM plug-in supports models with one KV cache group, got {len(groups)} "
+                "(hybrid attention / mamba models are not supported yet)"
+            )
         block_size = int(groups[0].kv_cache_spec.block_size)
         num_slots = int(kv_cache_config.num_blocks) * block_size
         from r3rdma.capture.capturer import RoutingCapturer
@@ -162,16 +176,27 @@ class RunnerRecorder:
             if callable(check):
                 check()  # store nodes: connect and authenticate now, not at the end of the rollout
             self.capturer = RoutingCapturer(
-                layer_map=self.layer_map, top_k=self.top_k, num_experts=self.num_experts, num_slots=num_slots,
-                sink=_ReportingSink(writer), rollout_id=self.config.rollout_id, device=self.runner.device,
-                pin_memory=self.config.pin_host_table, transfer_mode=self.config.transfer_mode, owns_sink=True,
+                layer_map=self.layer_map,
+                top_k=self.top_k,
+                num_experts=self.num_experts,
+                num_slots=num_slots,
+                sink=_ReportingSink(writer),
+                rollout_id=self.config.rollout_id,
+                device=self.runner.device,
+                pin_memory=self.config.pin_host_table,
+                transfer_mode=self.config.transfer_mode,
+                owns_sink=True,
                 step_buffer=self.step_buf,
             )
         except BaseException:
             writer.close()
             raise
-        log.info("r3rdma: capturing into %s (rollout %r), slot table %d slots",
-                 self.config.routing_store_type, self.config.rollout_id, num_slots)
+        log.info(
+            "r3rdma: capturing into %s (rollout %r), slot table %d slots",
+            self.config.routing_store_type,
+            self.config.rollout_id,
+            num_slots,
+        )
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -287,7 +312,7 @@ class RunnerRecorder:
             self._early.add(rid)
             self._finish(rid, fin)
 
-    def _finish(self, rid: str, fin: "FinishedRequest | None") -> None:
+    def _finish(self, rid: str, fin: FinishedRequest | None) -> None:
         cap = self.capturer
         self._known.pop(rid, None)
         if fin is None or fin.stored_id is None:
@@ -295,15 +320,15 @@ class RunnerRecorder:
             self.requests_aborted += 1
             return
         try:
-            cap.finish_request(rid, prompt_len=fin.prompt_len, generated_len=fin.generated_len,
-                               rollout_id=fin.rollout_id, store_as=fin.stored_id)
+            cap.finish_request(
+                rid, prompt_len=fin.prompt_len, generated_len=fin.generated_len, rollout_id=fin.rollout_id, store_as=fin.stored_id
+            )
             self.requests_stored += 1
         except R3Error as e:
             # One request's rows cannot be stored: say which and why, keep serving the others.
             self.requests_failed += 1
             cap.sink.refused(fin.rollout_id, fin.stored_id, e)
-            log.error("r3rdma: routing of request %s (stored as %s/%s) not stored: %s", rid, fin.rollout_id,
-                      fin.stored_id, e)
+            log.error("r3rdma: routing of request %s (stored as %s/%s) not stored: %s", rid, fin.rollout_id, fin.stored_id, e)
 
     # -- flush / close -----------------------------------------------------------------------
 
@@ -330,15 +355,17 @@ class RunnerRecorder:
         ``cached_positions``, ``active``, ``steps``, ``host_seconds``."""
         cap = self.capturer
         failures = cap.sink.failures() if cap is not None else []
-        return {"stored": self.requests_stored, "aborted": self.requests_aborted,
-                "failed": len(failures) if cap is not None else self.requests_failed,
-                "preempted": cap.requests_preempted if cap is not None else 0,
-                "cached_positions": self.positions_attached,
-                "active": cap.active_requests if cap is not None else 0,
-                "steps": cap.steps if cap is not None else 0,
-                "host_seconds": self.host_seconds,
-                "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason}
-                             for f in failures]}
+        return {
+            "stored": self.requests_stored,
+            "aborted": self.requests_aborted,
+            "failed": len(failures) if cap is not None else self.requests_failed,
+            "preempted": cap.requests_preempted if cap is not None else 0,
+            "cached_positions": self.positions_attached,
+            "active": cap.active_requests if cap is not None else 0,
+            "steps": cap.steps if cap is not None else 0,
+            "host_seconds": self.host_seconds,
+            "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason} for f in failures],
+        }
 
     def close(self) -> None:
         cap, self.capturer = self.capturer, None
