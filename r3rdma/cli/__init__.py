@@ -103,6 +103,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command named in ``argv`` (default ``sys.argv[1:]``) and return its exit status.
+
+    An :class:`~r3rdma.errors.R3Error` becomes one stderr line and status 2; a closed stdout pipe, status 0.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     try:

@@ -24,6 +24,7 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser) -> None:
+    """Add ``check``'s options to ``parser``: store node URLs, read token, rollout id, shadow directory."""
     from r3rdma.cli.credentials import add_read_token_arguments
 
     parser.add_argument(
@@ -37,6 +38,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    """Read the rollout from the store nodes and compare it with the shadow records; exit status 0, 1 or 2 as above."""
     from r3rdma.cli.credentials import read_token
     from r3rdma.cli.inspect import reader_warnings_quiet, stored_bytes_reachable, unreachable_lines
     from r3rdma.errors import R3Error, TransportError

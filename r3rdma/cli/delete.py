@@ -20,6 +20,7 @@ from r3rdma.errors import R3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``delete``'s options to ``parser``: nodes, what to delete (ids or an age), the push secret file."""
     parser.add_argument("--nodes", required=True, help="comma-separated store node HTTP URLs (http://host:port)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--rollout", action="append", help="rollout id to delete on every node (repeatable)")
@@ -49,13 +50,16 @@ def _is_read_token_file(path: str) -> bool:
     if path.endswith(".read"):
         return True
     read_file = os.environ.get(READ_TOKEN_FILE_ENV)
+    if not read_file:
+        return False
     try:
-        return bool(read_file) and os.path.samefile(path, read_file)
+        return os.path.samefile(path, read_file)
     except OSError:
         return False
 
 
 def main(args: argparse.Namespace) -> int:
+    """Delete on every node and print what was deleted as one JSON line; 2 on a refused token or a store error."""
     from r3rdma.cli.credentials import SECRET_FILE_ENV, admin_token
     from r3rdma.errors import AuthenticationError
     from r3rdma.store.retention import delete_older_than, delete_rollout

@@ -30,6 +30,8 @@ DEMO_FLUSH_BYTES = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class DemoResult:
+    """What one demo run did: requests and routing rows captured, bytes stored, whether the read-back was bit-exact."""
+
     requests: int
     tokens: int
     stored_bytes: int
@@ -40,6 +42,7 @@ class DemoResult:
     seconds: float
 
     def summary(self) -> dict:
+        """The result as the JSON-ready dict the command prints last (``mismatched`` left out, seconds rounded to ms)."""
         return {
             "requests": self.requests,
             "tokens": self.tokens,
@@ -54,6 +57,7 @@ class DemoResult:
 def make_requests(
     n: int, *, vocab: int, seed: int, min_prompt: int = 3, max_prompt: int = 48, min_new: int = 2, max_new: int = 24
 ) -> list[RolloutRequest]:
+    """``n`` requests ``req-0000``... with random prompts of token ids in ``[1, vocab)`` and random lengths, from ``seed``."""
     import numpy as np
 
     from r3rdma.integrations.hf_rollout import RolloutRequest
@@ -116,16 +120,17 @@ def run_demo(
             "r3rdma demo reads its rollout back from a local root: expected routing_store_type 'local', "
             f"got {config.routing_store_type!r} (r3rdma rollout pushes to store nodes)"
         )
-    if not config.enable_routing_replay:
-        raise ConfigError("r3rdma demo checks a capture round trip: expected enable_routing_replay true, got false")
     root, rollout_id = config.local_store_dir, config.rollout_id
     model_config = tiny_qwen3_moe()
     model = build_model(model_config, seed=seed)
     requests = make_requests(num_requests, vocab=model_config.vocab_size, seed=seed)
     # Few blocks, so later waves reuse slots freed by earlier ones, as in a real KV cache.
     allocator = BlockAllocator(num_blocks=batch_size * 6, block_size=16)
+    capturer = build_capturer(config, model=model, num_slots=allocator.num_slots)
+    if capturer is None:  # build_capturer's answer to enable_routing_replay false
+        raise ConfigError("r3rdma demo checks a capture round trip: expected enable_routing_replay true, got false")
     # Leaving the block closes the capturer: every request is durable and the root's lock released.
-    with build_capturer(config, model=model, num_slots=allocator.num_slots) as capturer:
+    with capturer:
         detach = attach_capturer(model, capturer)
         shadow = ShadowRecorder(model)
         try:

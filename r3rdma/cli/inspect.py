@@ -34,6 +34,9 @@ __all__ = ["RolloutSummary", "inspect_rollout", "plot_expert_load", "stored_byte
 
 @dataclass(frozen=True, slots=True)
 class RolloutSummary:
+    """What :func:`inspect_rollout` found: request and token counts, geometry, stored bytes
+    against raw encodings, and per-layer expert load balance."""
+
     rollout_id: str
     sources: tuple[str, ...]
     requests: int
@@ -57,6 +60,7 @@ class RolloutSummary:
     unreachable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """Every field as a JSON-ready dict (tuples become lists when dumped)."""
         return asdict(self)
 
 
@@ -209,6 +213,7 @@ def _human(n: float) -> str:
 
 
 def add_arguments(parser) -> None:
+    """Add ``inspect``'s arguments to ``parser``: source, rollout id, read token, ``--png`` and its title."""
     from r3rdma.cli.credentials import add_read_token_arguments
 
     parser.add_argument("source", help="store root directory or store node URL http://host:port (comma-separated for several)")
@@ -219,6 +224,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    """Print the rollout's summary (last line JSON), write the heatmap if asked; 2 when the read fails."""
     try:
         code = _main(args)
         sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit

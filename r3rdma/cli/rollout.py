@@ -29,6 +29,7 @@ ROLLOUT_FLUSH_BYTES = 1 << 20
 
 
 def add_arguments(parser) -> None:
+    """Add ``rollout``'s options to ``parser``: store nodes, secret, rollout id, config JSON, workload, TP size, shadow dir."""
     parser.add_argument(
         "--store-urls",
         default=None,
@@ -95,6 +96,10 @@ def rollout_config(args, env=None):
 
 
 def main(args) -> int:
+    """Run this rank's share of the rollout and print its summary as one JSON line.
+
+    Exit 0 when every request was pushed (or capture is disabled), 1 otherwise; :class:`ConfigError` outside torchrun.
+    """
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -106,6 +111,7 @@ def main(args) -> int:
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
     from r3rdma.integrations.pipeline import build_capturer
+    from r3rdma.write.writer import RoutingWriter
 
     if "RANK" not in os.environ:
         raise ConfigError(
@@ -129,7 +135,8 @@ def main(args) -> int:
 
     started = time.perf_counter()
     config = tiny_qwen3_moe()
-    model = build_model(config, seed=args.seed).to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method.
+    model = build_model(config, seed=args.seed).to(device)  # type: ignore[arg-type]
     requests = make_requests(args.requests, vocab=config.vocab_size, seed=args.seed)[dp_rank :: world // tp]
     allocator = BlockAllocator(num_blocks=args.batch_size * 8, block_size=16)
     # None when the config disables capture: the generation below runs the same way.
@@ -153,12 +160,17 @@ def main(args) -> int:
             # Hands every finished request to the writer (on CUDA once its D2H copy landed),
             # commits it to the store nodes, and closes the writer and its client.
             capturer.close()
-    pushed = capturer.sink.requests_committed if capturer is not None else 0
+    pushed = 0
+    if capturer is not None:
+        writer = capturer.sink
+        if not isinstance(writer, RoutingWriter):  # build_capturer's sink is always the writer it built
+            raise TypeError(f"build_capturer's capturer should write through a RoutingWriter, got {type(writer).__name__}")
+        pushed = writer.requests_committed
     if shadow is not None:
         os.makedirs(args.shadow_dir, exist_ok=True)
         rows = {o.request_id: shadow.rows(o.request_id, len(o.prompt) + len(o.generated) - 1) for o in outputs}
         tmp = os.path.join(args.shadow_dir, f".dp{dp_rank}.npz")
-        np.savez(tmp, **rows)
+        np.savez(tmp, **rows)  # type: ignore[arg-type]  # numpy's stub types **kwds as if they could fill allow_pickle
         os.replace(tmp, os.path.join(args.shadow_dir, f"dp{dp_rank}.npz"))
         shadow.close()
     total = torch.tensor([pushed], device=device)

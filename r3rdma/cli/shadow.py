@@ -19,6 +19,11 @@ __all__ = ["ShadowRecorder"]
 
 
 class ShadowRecorder:
+    """Forward hooks on ``model``'s MoE routers that keep each request position's top-k ids, per layer.
+
+    Register :meth:`on_step` as the rollout driver's step listener; :meth:`close` removes the hooks.
+    """
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = find_moe_routers(model)
         self._rows: dict[str, dict[int, np.ndarray]] = defaultdict(dict)  # request -> position -> [L, K]
@@ -57,5 +62,6 @@ class ShadowRecorder:
         return np.stack([per_pos[p] for p in range(num_rows)]).astype(np.int64)
 
     def close(self) -> None:
+        """Remove the router hooks; rows already recorded stay readable."""
         for handle in self._handles:
             handle.remove()

@@ -146,6 +146,7 @@ def stdlib_files() -> tuple[str, list[tuple[str, str]]]:
 
 
 def is_heldout(relpath: str) -> bool:
+    """Whether the stdlib file at ``relpath`` (relative, ``/``-separated) is held out: ``crc32 % HOLDOUT_MOD == 0``."""
     return zlib.crc32(relpath.encode()) % HOLDOUT_MOD == 0
 
 
@@ -166,7 +167,8 @@ def load_corpus(*, train_bytes: int | None = None, heldout_bytes: int | None = N
     digest = hashlib.sha256()
     for rel, full in files:
         held = is_heldout(rel)
-        if cap[held] is not None and used[held] >= cap[held]:
+        limit = cap[held]
+        if limit is not None and used[held] >= limit:
             continue
         with open(full, "rb") as f:
             data = f.read()
@@ -539,6 +541,7 @@ def read_meta(path: str) -> dict[str, Any] | None:
 
 
 def add_arguments(parser) -> None:
+    """Add ``train-tiny``'s options to ``parser``: output directory, ``--quick``, device, seed, model and training sizes."""
     parser.add_argument(
         "--out",
         default="train-tiny-out",
@@ -575,6 +578,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    """Train, save the checkpoint and print its metadata as JSON; exit 1 if the held-out loss did not go down."""
     import dataclasses
 
     import torch

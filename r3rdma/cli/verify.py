@@ -45,6 +45,8 @@ import torch
 from r3rdma.cli.verify_report import VerifyResult, report
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from r3rdma.read.reader import RolloutInfo
 
 __all__ = ["PRESETS", "VerifyOptions", "VerifyResult", "report", "resolve_config", "run_verify"]
@@ -155,7 +157,7 @@ def resolve_config(spec: str):
     raise SystemExit(f"r3rdma verify: --model-config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
 
 
-def fan_in_init(model: torch.nn.Module, *, seed: int, logit_gain: float) -> None:
+def fan_in_init(model: PreTrainedModel, *, seed: int, logit_gain: float) -> None:
     """Redraw a random model's weights so that every sublayer matters (a sketch of a trained
     model's scale): weights N(0, 1/fan_in), embeddings N(0, 1), lm_head N(0, logit_gain^2/hidden);
     routers N(0, 4/hidden) (router logits of std ~2, as trained routers have). HF's default
@@ -344,7 +346,7 @@ def run_verify(options: VerifyOptions | None = None, /, **fields: Any) -> Verify
     return VerifyResult(summary=summary, ok=ok)
 
 
-def _train_model(o: VerifyOptions) -> tuple[torch.nn.Module, dict | None]:
+def _train_model(o: VerifyOptions) -> tuple[PreTrainedModel, dict | None]:
     """The trainer's fp32 model (a trained checkpoint, or a config's random weights under
     ``o.init``) and the checkpoint's train_tiny.json (None for random weights)."""
     from r3rdma.integrations.hf_models import build_model
@@ -359,7 +361,7 @@ def _train_model(o: VerifyOptions) -> tuple[torch.nn.Module, dict | None]:
     return model, None
 
 
-def _same_weights_in_both_dtypes(train_model: torch.nn.Module, o: VerifyOptions) -> torch.nn.Module:
+def _same_weights_in_both_dtypes(train_model: PreTrainedModel, o: VerifyOptions) -> PreTrainedModel:
     """Round ``train_model``'s weights to the rollout dtype once, move it to the device in the
     train dtype, and return its copy in the rollout dtype: both sides hold the same weights and
     only the arithmetic differs, as between an inference engine and a trainer loading one
@@ -367,9 +369,10 @@ def _same_weights_in_both_dtypes(train_model: torch.nn.Module, o: VerifyOptions)
     with torch.no_grad():
         for param in train_model.parameters():
             param.copy_(param.to(_DTYPES[o.rollout_dtype]).to(param.dtype))
-    train_model.to(o.device)
-    train_model.to(_DTYPES[o.train_dtype])
-    return copy.deepcopy(train_model).to(_DTYPES[o.rollout_dtype])
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method.
+    train_model.to(o.device)  # type: ignore[arg-type]
+    train_model.to(_DTYPES[o.train_dtype])  # type: ignore[arg-type]
+    return copy.deepcopy(train_model).to(_DTYPES[o.rollout_dtype])  # type: ignore[arg-type]
 
 
 def _requests(o: VerifyOptions, config) -> list:
@@ -384,7 +387,7 @@ def _requests(o: VerifyOptions, config) -> list:
     return make_requests(o.num_requests, vocab=config.vocab_size, seed=o.seed, **lengths)
 
 
-def _roll_out(o: VerifyOptions, model: torch.nn.Module, requests: list, root: str, rollout_id: str) -> _Rollout:
+def _roll_out(o: VerifyOptions, model: PreTrainedModel, requests: list, root: str, rollout_id: str) -> _Rollout:
     """Generate ``requests`` on the rollout engine, its routing captured into ``root``."""
     if o.engine == "vllm":
         from r3rdma.cli.verify_vllm import rollout_with_vllm
@@ -403,7 +406,7 @@ def _roll_out(o: VerifyOptions, model: torch.nn.Module, requests: list, root: st
     return _roll_out_hf(o, model, requests, root, rollout_id)
 
 
-def _roll_out_hf(o: VerifyOptions, model: torch.nn.Module, requests: list, root: str, rollout_id: str) -> _Rollout:
+def _roll_out_hf(o: VerifyOptions, model: PreTrainedModel, requests: list, root: str, rollout_id: str) -> _Rollout:
     """Batched KV-cache decode (left padding) with the HF driver, through capturer, writer and
     a local store; the log-probability of every sampled token from the driver's listener."""
     from r3rdma.integrations.hf_capture import attach_capturer, capturer_for_model
@@ -631,7 +634,7 @@ def _layers_differ_per_token(a_TLK: torch.Tensor, b_TLK: torch.Tensor) -> np.nda
     return differ_TLK.any(-1).sum(-1).cpu().numpy()
 
 
-def load_trained(path: str):
+def load_trained(path: str) -> tuple[PreTrainedModel, dict | None]:
     """``(fp32 model in eval mode, train_tiny.json dict or None)`` from a checkpoint directory."""
     from transformers import AutoModelForCausalLM
 

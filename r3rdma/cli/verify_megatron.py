@@ -575,6 +575,7 @@ def _summary(
 
 
 def main(args) -> int:
+    """Run the Megatron verify and report it; 2 (the reason's code on stderr) when Megatron cannot run here."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = run_verify_megatron(

@@ -15,6 +15,8 @@ __all__ = ["VerifyResult", "report"]
 
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
+    """A verify run's measurements (``summary``, JSON-ready) and whether replay did what it should (``ok``)."""
+
     summary: dict[str, Any]
     ok: bool
 

@@ -29,7 +29,7 @@ def rollout_with_vllm(
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the plug-in hooks the V1 model runner
     try:
         import vllm
-        from vllm import LLM, SamplingParams
+        from vllm import LLM, SamplingParams, TokensPrompt
     except ImportError as e:
         raise SystemExit(
             "r3rdma verify --engine vllm needs vLLM: pip install 'r3rdma[vllm]' "
@@ -58,7 +58,7 @@ def rollout_with_vllm(
         # vLLM as RL teams run it: its default compilation (the plug-in records under it).
         llm = LLM(
             model=ckpt,
-            dtype=dtype,
+            dtype=dtype,  # type: ignore[arg-type]  # vLLM types it as a Literal of its dtype names and checks the str itself
             skip_tokenizer_init=True,
             seed=seed,
             max_model_len=max(len(r.prompt) + r.max_new_tokens for r in requests) + 8,
@@ -78,7 +78,7 @@ def rollout_with_vllm(
                 )
                 for r in requests
             ]
-            results = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in requests], params, use_tqdm=False)
+            results = llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests], params, use_tqdm=False)
             counters = flush_routing(llm)
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -90,8 +90,13 @@ def rollout_with_vllm(
         completion = res.outputs[0]
         generated = tuple(int(t) for t in completion.token_ids)
         outputs.append(RolloutOutput(r.request_id, tuple(r.prompt), generated, "length"))
+        steps = completion.logprobs
+        if steps is None:  # asked for above (logprobs=0): vLLM returns one entry per sampled token
+            raise SystemExit(f"r3rdma verify: vLLM returned no log-probabilities for request {r.request_id}")
         logp[r.request_id] = {
-            len(r.prompt) + i: float(step[t].logprob) for i, (t, step) in enumerate(zip(generated, completion.logprobs))
+            # FlatLogprobs is typed a MutableSequence of optional entries, but yields one dict per sampled token.
+            len(r.prompt) + i: float(step[t].logprob)  # type: ignore[index]
+            for i, (t, step) in enumerate(zip(generated, steps))
         }
     device = "cpu" if "cpu" in str(getattr(llm.llm_engine.vllm_config.device_config, "device", "cpu")) else "gpu"
     return outputs, logp, seconds, f"vLLM {vllm.__version__} ({device}), {dtype}, continuous batching (max {batch_size} seqs)"

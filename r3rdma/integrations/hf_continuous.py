@@ -339,7 +339,8 @@ class _Run:
     def execute(self) -> list[RolloutOutput]:
         model = self.d.model
         try:
-            manager = model.init_continuous_batching(
+            # GenerationMixin's method on the causal LM; torch types a Module's unknown attributes as Tensor | Module.
+            manager = model.init_continuous_batching(  # type: ignore[operator]
                 generation_config=self.d.generation_config, continuous_batching_config=self.d.cb_config
             )
         except AttributeError as e:
@@ -473,7 +474,12 @@ class _Run:
         self._patch(self.alloc, "mark_complete_blocks", self._wrap_complete)
         self._patch(router, "deliver_batch", self._wrap_deliver)
         handles = [r.module.register_forward_hook(self._router_hook(r.layer_idx)) for r in self.d._routers]
-        self._restore.append(lambda: [h.remove() for h in handles])
+
+        def remove_router_hooks() -> None:
+            for handle in handles:
+                handle.remove()
+
+        self._restore.append(remove_router_hooks)
 
     def _slots(self, rid: str, positions: np.ndarray) -> np.ndarray:
         table = np.asarray(self.alloc.block_table[rid], dtype=np.int64)

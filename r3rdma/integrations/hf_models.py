@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_olmoe", "build_model", "progress_bars_on_terminal_only"]
 
@@ -22,6 +26,7 @@ def progress_bars_on_terminal_only() -> bool:
 
 
 def tiny_qwen3_moe(**overrides):
+    """A 4-layer Qwen3-MoE config (16 experts, top-4, layer 1 dense, vocab 512), ``overrides`` applied."""
     from transformers import Qwen3MoeConfig
 
     kwargs = dict(
@@ -44,6 +49,7 @@ def tiny_qwen3_moe(**overrides):
 
 
 def tiny_deepseek_v3(**overrides):
+    """A 4-layer DeepSeek-V3 config (16 routed experts in 4 groups, top-4, layer 0 dense, MLA), ``overrides`` applied."""
     from transformers import DeepseekV3Config
 
     kwargs = dict(
@@ -72,6 +78,7 @@ def tiny_deepseek_v3(**overrides):
 
 
 def tiny_olmoe(**overrides):
+    """A 3-layer OLMoE config (8 experts, top-2, every layer MoE, vocab 512), ``overrides`` applied."""
     from transformers import OlmoeConfig
 
     kwargs = dict(
@@ -89,7 +96,7 @@ def tiny_olmoe(**overrides):
     return OlmoeConfig(**kwargs)
 
 
-def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A causal LM with random weights from ``config``, seeded, in eval mode, sdpa attention."""
     from transformers import AutoModelForCausalLM
 

@@ -62,7 +62,7 @@ def _sigmoid_grouped(router: torch.nn.Module, logits_TE: torch.Tensor, ids_TK: t
     if router.norm_topk_prob:
         denominator = weights_TK.sum(dim=-1, keepdim=True) + 1e-20
         weights_TK /= denominator
-    return weights_TK * router.routed_scaling_factor
+    return weights_TK * router.routed_scaling_factor  # type: ignore[operator]  # a float; torch types Module attributes as Tensor | Module
 
 
 _REGISTRY: dict[str, GateWeightsFn] = {}
@@ -91,6 +91,7 @@ def register_gate_weights(router_class_name: str, fn: GateWeightsFn) -> None:
 
 
 def supported_router_classes() -> tuple[str, ...]:
+    """Router class names replay has a gate-weight function for, sorted (built-in and registered)."""
     return tuple(sorted(_REGISTRY))
 
 

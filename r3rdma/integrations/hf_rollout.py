@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from r3rdma.capture.capturer import RoutingCapturer
 from r3rdma.errors import ConfigError
@@ -48,6 +48,8 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RolloutRequest:
+    """One request to generate: its id, prompt token ids, and how many tokens it may generate at most."""
+
     request_id: str
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -55,6 +57,8 @@ class RolloutRequest:
 
 @dataclass(frozen=True, slots=True)
 class RolloutOutput:
+    """One finished request: its prompt, the tokens generated, and why it stopped."""
+
     request_id: str
     prompt: tuple[int, ...]
     generated: tuple[int, ...]
@@ -97,6 +101,7 @@ class BlockAllocator:
 
     @property
     def num_slots(self) -> int:
+        """Every slot of the cache, free or not: ``num_blocks * block_size`` (the capturer needs at least as many)."""
         return self.num_blocks * self.block_size
 
     def slots(self, request_id: str, start: int, count: int) -> list[int]:
@@ -111,6 +116,7 @@ class BlockAllocator:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def free(self, request_id: str) -> None:
+        """Give the request's blocks back to the free list (reused first, last block first); an unknown id frees nothing."""
         self._free.extend(reversed(self._tables.pop(request_id, [])))
 
 
@@ -124,7 +130,7 @@ class HFRolloutDriver:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         capturer: RoutingCapturer | None,
         *,
         allocator: BlockAllocator,
@@ -151,6 +157,10 @@ class HFRolloutDriver:
 
     @torch.no_grad()
     def run(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        """Generate every request, ``batch_size`` at a time (a wave ends when all its requests have), in order.
+
+        :class:`ConfigError` for an empty prompt, ``max_new_tokens < 1`` or a full KV cache; ids are validated first.
+        """
         for request in requests:
             validate_id(request.request_id, "request_id")
             if not request.prompt or request.max_new_tokens < 1:
@@ -198,15 +208,17 @@ class HFRolloutDriver:
                     continue
                 token = int(next_tokens[b])
                 generated[b].append(token)
+                reason: str | None = None
                 if self.eos_token_id is not None and token == self.eos_token_id:
-                    finish[b] = "eos"
+                    reason = "eos"
                 elif len(generated[b]) >= request.max_new_tokens:
-                    finish[b] = "length"
-                if finish[b] is not None:
+                    reason = "length"
+                if reason is not None:
+                    finish[b] = reason
                     if self.capturer is not None:
                         self.capturer.finish_request(request.request_id, prompt_len=lengths[b], generated_len=len(generated[b]))
                     self.allocator.free(request.request_id)
-                    outputs[b] = RolloutOutput(request.request_id, request.prompt, tuple(generated[b]), finish[b])
+                    outputs[b] = RolloutOutput(request.request_id, request.prompt, tuple(generated[b]), reason)
             active = [b for b in range(batch) if finish[b] is None]
             if not active:
                 break

@@ -26,6 +26,7 @@ raises. See docs/REPLAY.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,16 @@ from r3rdma.integrations.hf_routers import MoeRouter, find_moe_routers
 from r3rdma.replay import ReplayBatch, ReplayReport, choices_differ
 
 __all__ = ["RouterReplay"]
+
+
+@dataclass(slots=True)
+class _ForwardTally:
+    """What one forward's routers found, for its :class:`ReplayReport`: per MoE layer the number
+    of recorded decisions whose live choice differs (None until that layer's router ran), and per
+    token whether any layer differed so far."""
+
+    layers: list[torch.Tensor | None]
+    any_N: torch.Tensor | None = None
 
 
 class RouterReplay:
@@ -81,7 +92,7 @@ class RouterReplay:
         self._pinned: list[torch.Tensor | None] = [None] * len(self.routers)
         self._checked = [not check_gate_weights] * len(self.routers)
         self._depth = 0
-        self._acc: dict | None = None
+        self._acc: _ForwardTally | None = None
         self.last_report: ReplayReport | None = None
         self.forwards = 0
         self.recomputes = 0
@@ -92,9 +103,11 @@ class RouterReplay:
 
     @property
     def attached(self) -> bool:
+        """Whether the router hooks are in place (replay is on)."""
         return bool(self._handles)
 
     def attach(self) -> None:
+        """Hook every router and the tracked module (done on construction; again after :meth:`detach`). Idempotent."""
         if self._handles:
             return
         self._handles = [r.module.register_forward_hook(self._router_hook(r)) for r in self.routers]
@@ -102,6 +115,7 @@ class RouterReplay:
         self._handles.append(self._track.register_forward_hook(self._end_forward, always_call=True))
 
     def detach(self) -> None:
+        """Remove the hooks: the model routes live again; the routing set stays for a later :meth:`attach`."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -136,7 +150,7 @@ class RouterReplay:
     def _begin_forward(self, _module, _args) -> None:
         self._depth += 1
         if self._depth == 1:
-            self._acc = {"layers": [None] * len(self.routers), "any_N": None}
+            self._acc = _ForwardTally(layers=[None] * len(self.routers))
 
     def _end_forward(self, _module, _args, _output) -> None:
         if self._depth == 0:
@@ -145,11 +159,11 @@ class RouterReplay:
         if self._depth:
             return
         acc, self._acc = self._acc, None
-        if acc is None or self._batch is None or any(x is None for x in acc["layers"]):
+        if acc is None or self._batch is None or any(x is None for x in acc.layers):
             # No router ran, or the forward failed part-way: no report for it.
             return
         batch = self._batch
-        per_layer = [int(x) if x is not None else 0 for x in acc["layers"]]
+        per_layer = [int(x) if x is not None else 0 for x in acc.layers]
         n_rec = batch.num_recorded
         report = ReplayReport(
             num_layers=len(self.routers),
@@ -158,7 +172,7 @@ class RouterReplay:
             unrecorded_tokens=batch.num_tokens - n_rec,
             decisions=n_rec * len(self.routers) * self.top_k,
             decisions_differ=sum(per_layer),
-            tokens_any_layer_differ=int(acc["any_N"].sum()) if acc["any_N"] is not None else 0,
+            tokens_any_layer_differ=int(acc.any_N.sum()) if acc.any_N is not None else 0,
             layer_decisions_differ=tuple(per_layer),
         )
         self.forwards += 1
@@ -203,14 +217,14 @@ class RouterReplay:
                 recorded_TK = batch.ids_NLK[:, moe_idx, :]
                 ids_TK = torch.where(batch.recorded_N.unsqueeze(-1), recorded_TK, live_TK.to(torch.int64))
                 self._pinned[moe_idx] = ids_TK
-            in_forward = self._depth > 0 and self._acc is not None
-            if in_forward:
+            acc = self._acc if self._depth > 0 else None  # None: recomputation, outside a tracked forward
+            if acc is not None:
                 with torch.no_grad():
                     rec = batch.recorded_N
                     differ_TK = choices_differ(ids_TK, live_TK) & rec.unsqueeze(-1)
-                    self._acc["layers"][moe_idx] = differ_TK.sum()
+                    acc.layers[moe_idx] = differ_TK.sum()
                     any_T = differ_TK.any(-1)
-                    self._acc["any_N"] = any_T if self._acc["any_N"] is None else (self._acc["any_N"] | any_T)
+                    acc.any_N = any_T if acc.any_N is None else (acc.any_N | any_T)
             else:
                 self.recomputes += 1
             weights_TK = fn(module, logits_TE, ids_TK)

@@ -67,8 +67,9 @@ def find_moe_routers(model: torch.nn.Module) -> list[MoeRouter]:
                 moe_idx=moe_idx,
                 name=name,
                 module=module,
-                num_experts=int(module.num_experts),
-                top_k=int(module.top_k),
+                # Plain int attributes of the router; torch types a Module's unknown attributes as Tensor | Module.
+                num_experts=int(module.num_experts),  # type: ignore[arg-type]
+                top_k=int(module.top_k),  # type: ignore[arg-type]
             )
         )
     top_ks = {r.top_k for r in routers}

@@ -205,6 +205,8 @@ def local_routing_rows(
         row = pos * b + seq
     else:
         cu_pad = batch.cu_seqlens_padded
+        if cu_pad is None:  # MicroBatch refuses a thd batch without it
+            raise ConfigError("a thd micro-batch needs cu_seqlens_padded, got None")
         parts = [_cp_positions(cu_pad[i + 1] - cu_pad[i], layout.cp_size, layout.cp_rank) for i in range(len(batch.seq_lens))]
         pos = torch.cat(parts)
         seq = torch.cat([torch.full((len(p),), i) for i, p in enumerate(parts)])

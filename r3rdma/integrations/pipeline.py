@@ -154,30 +154,30 @@ def _open_store(config: R3Config):
     )
 
 
+_GEOMETRY_NAMES = ("layer_map", "top_k", "num_experts")
+
+
 def _geometry(model, layer_map, top_k, num_experts) -> tuple[tuple[int, ...], int, int]:
-    given = {
-        "layer_map": None if layer_map is None else tuple(int(x) for x in layer_map),
-        "top_k": top_k,
-        "num_experts": num_experts,
-    }
+    given_map = None if layer_map is None else tuple(int(x) for x in layer_map)
+    given = (given_map, top_k, num_experts)
     if model is None:
-        missing = [name for name, value in given.items() if value is None]
-        if missing:
+        if given_map is None or top_k is None or num_experts is None:
+            missing = [name for name, value in zip(_GEOMETRY_NAMES, given) if value is None]
             raise ConfigError(
                 f"build_capturer needs layer_map, top_k and num_experts, or model= to read them from; missing {missing}"
             )
-        return given["layer_map"], given["top_k"], given["num_experts"]
+        return given_map, top_k, num_experts
     from r3rdma.integrations.hf_capture import model_geometry
 
-    found = dict(zip(("layer_map", "top_k", "num_experts"), model_geometry(model)))
+    found = model_geometry(model)
     wrong = [
-        f"{name}: the model has {found[name]!r}, the argument says {value!r}"
-        for name, value in given.items()
-        if value is not None and value != found[name]
+        f"{name}: the model has {model_value!r}, the argument says {value!r}"
+        for name, model_value, value in zip(_GEOMETRY_NAMES, found, given)
+        if value is not None and value != model_value
     ]
     if wrong:
         raise ConfigError("build_capturer(model=...) geometry disagrees with the model's routers: " + "; ".join(wrong))
-    return found["layer_map"], found["top_k"], found["num_experts"]
+    return found
 
 
 def _resolve_device(config: R3Config, device, model) -> torch.device:

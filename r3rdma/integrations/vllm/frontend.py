@@ -47,7 +47,9 @@ def _config_of(vllm_config: Any) -> Any:
 def key_request(input_processor: Any, request: Any) -> None:
     """Before vLLM assigns ``request`` its internal id: record the stored id in its params."""
     params = getattr(request, "sampling_params", None)
-    config = _config_of(input_processor.vllm_config) if params is not None else None
+    if params is None:  # pooling requests carry no sampling params and route nothing to store
+        return
+    config = _config_of(input_processor.vllm_config)
     if config is None:
         return
     from r3rdma.errors import InvalidIdError
@@ -158,6 +160,7 @@ def with_stop_lengths(request_ids: Any) -> Any:
 
 
 def forget(request_id: str) -> None:
+    """Drop the front end's bookkeeping of a request that left the engine (its running count, once)."""
     extra = _MARKED.pop(request_id, None)
     if extra is not None and request_id in _COUNTED:
         _COUNTED.discard(request_id)

@@ -44,8 +44,12 @@ SUPPORTED_VLLM = ("0.32.0",)
 
 _installed = False
 
+# Set on every function the plug-in wraps, so that registering twice wraps nothing twice.
+_WRAPPED_MARK = "__r3rdma__"
+
 
 def supported(version: str) -> bool:
+    """Whether this vLLM ``version`` (a local ``+cpu``-style suffix ignored) is one the wrappers were tested with."""
     return version.split("+")[0] in SUPPORTED_VLLM
 
 
@@ -68,21 +72,26 @@ def register() -> None:
 
 def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
     original = getattr(cls, name)
-    if getattr(original, "__r3rdma__", False):
+    if getattr(original, _WRAPPED_MARK, False):
         return
     wrapper = functools.wraps(original)(make(original))
-    wrapper.__r3rdma__ = True
+    setattr(wrapper, _WRAPPED_MARK, True)
     setattr(cls, name, wrapper)
 
 
 def _wrap_static(cls: type, name: str, make: Callable[[Callable], staticmethod]) -> None:
     original = cls.__dict__[name].__func__
-    if getattr(original, "__r3rdma__", False):
+    if getattr(original, _WRAPPED_MARK, False):
         return
     wrapped = make(original)
     functools.update_wrapper(wrapped.__func__, original)
-    wrapped.__func__.__r3rdma__ = True
+    setattr(wrapped.__func__, _WRAPPED_MARK, True)
     setattr(cls, name, wrapped)
+
+
+def _add_method(cls: type, method: Callable) -> None:
+    """Give a vLLM class a method of the plug-in's own, under the function's name (vLLM's RPCs call it by name)."""
+    setattr(cls, method.__name__, method)
 
 
 def _runner_classes() -> list[type]:
@@ -303,7 +312,7 @@ def _install_scheduler() -> None:
     _wrap(Scheduler, "_free_request", free)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(EngineCore, "abort_requests", abort)
-    EngineCore.r3_flush = r3_flush
+    _add_method(EngineCore, r3_flush)
 
 
 # -- workers -------------------------------------------------------------------------------
@@ -419,7 +428,7 @@ def _install_worker() -> None:
     _wrap(GPUModelRunner, "_prepare_inputs", before("prepare"))
     _wrap(GPUModelRunner, "_model_forward", forward)
     _wrap(Worker, "shutdown", shutdown)
-    Worker.r3_flush = r3_flush
+    _add_method(Worker, r3_flush)
 
 
 def _records_routing(runner: Any) -> bool:

@@ -84,6 +84,7 @@ class FinishLedger:
         return location(extra or {}, rid, prompt_len + max(generated, 1) - 1, self.config.rollout_id)
 
     def take(self) -> dict[str, FinishedRequest]:
+        """The requests freed since the last take (request id -> what the workers need to finish it); empties the ledger."""
         pending, self.pending = self.pending, {}
         return pending
 

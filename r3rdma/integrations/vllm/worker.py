@@ -45,7 +45,7 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,6 +56,10 @@ from r3rdma.integrations.pipeline import build_writer
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
 from r3rdma.integrations.vllm.support import check_engine
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
+
+if TYPE_CHECKING:
+    from r3rdma.capture.capturer import RoutingCapturer
+    from r3rdma.write.writer import CommitFailure, RoutingWriter
 
 __all__ = ["RunnerRecorder", "FinishedRequest"]
 
@@ -79,7 +83,8 @@ class RunnerRecorder:
     def __init__(self, runner: Any, config: R3Config) -> None:
         self.runner = runner
         self.config = config
-        self.capturer = None
+        self.capturer: RoutingCapturer | None = None  # built once vLLM sized its KV cache; None again after close
+        self._sink: _ReportingSink | None = None  # the capturer's sink, kept typed for its failure reports
         self.layer_map: tuple[int, ...] = ()
         self.top_k = 0
         self.num_experts = 0
@@ -175,12 +180,13 @@ class RunnerRecorder:
             check = getattr(writer.store, "check", None)
             if callable(check):
                 check()  # store nodes: connect and authenticate now, not at the end of the rollout
+            sink = _ReportingSink(writer)
             self.capturer = RoutingCapturer(
                 layer_map=self.layer_map,
                 top_k=self.top_k,
                 num_experts=self.num_experts,
                 num_slots=num_slots,
-                sink=_ReportingSink(writer),
+                sink=sink,
                 rollout_id=self.config.rollout_id,
                 device=self.runner.device,
                 pin_memory=self.config.pin_host_table,
@@ -191,6 +197,7 @@ class RunnerRecorder:
         except BaseException:
             writer.close()
             raise
+        self._sink = sink
         log.info(
             "r3rdma: capturing into %s (rollout %r), slot table %d slots",
             self.config.routing_store_type,
@@ -222,6 +229,7 @@ class RunnerRecorder:
         return blocks * bs + positions % bs
 
     def begin(self) -> None:
+        """Open the step ``prepare`` snapshotted, right before its forward: attach newly cached positions, ``begin_step``."""
         pending, self._pending = self._pending, None
         if pending is None or self.capturer is None:
             return
@@ -239,38 +247,44 @@ class RunnerRecorder:
         cap.begin_step(req_ids, starts, counts, slots, graphed=True)
         total = int(slots.size)
         self._step_tokens = total
-        if self._check_next_step and total:
-            self._sentinel = unwritten_sentinel(self.step_buf, self.num_experts)
+        buf = self.step_buf  # set by bind_model, before the capturer is built
+        if self._check_next_step and total and buf is not None:
+            self._sentinel = unwritten_sentinel(buf, self.num_experts)
             if self._sentinel is not None:
-                self.step_buf[:total].fill_(self._sentinel)  # on the device, no sync
+                buf[:total].fill_(self._sentinel)  # on the device, no sync
         self.host_seconds += time.perf_counter() - t0
 
     def end(self, ok: bool) -> None:
+        """Close the open step after its forward: ``end_step`` if the forward returned (``ok``), else ``cancel_step``."""
         if self._step_tokens is None:
             return
         t0 = time.perf_counter()
         total, self._step_tokens = self._step_tokens, None
+        cap = self.capturer
+        if cap is None:  # begin() opens a step only with a capturer, and the engine closes its workers after the last step
+            raise ConfigError("r3rdma: a vLLM step ended after the recorder was closed")
         if not ok:
-            self.capturer.cancel_step()
+            cap.cancel_step()
             return
         if self._check_next_step and total:
             self._check_next_step = False
-            self._check_layers_wrote(total)
-        self.capturer.end_step()
+            self._check_layers_wrote(cap, total)
+        cap.end_step()
         self.host_seconds += time.perf_counter() - t0
 
-    def _check_layers_wrote(self, total: int) -> None:
+    def _check_layers_wrote(self, cap: RoutingCapturer, total: int) -> None:
         """Once, at the first real step: every hooked MoE layer wrote its rows (one host read).
 
         A layer that did not means a forward path the hook is not on (a model that routes
         outside vLLM's BaseRouter, a compiled artifact built without the hook): the engine
         would store rows that are not routing, so it stops here, saying which layers."""
-        if self._sentinel is None:
+        buf = self.step_buf
+        if self._sentinel is None or buf is None:  # no sentinel was filled in (the buffer is set whenever one is)
             return
-        unwritten = (self.step_buf[:total] == self._sentinel).all(dim=-1).any(dim=0).tolist()
+        unwritten = (buf[:total] == self._sentinel).all(dim=-1).any(dim=0).tolist()
         missing = [layer for layer, bad in zip(self.layer_map, unwritten) if bad]
         if missing:
-            self.capturer.cancel_step()
+            cap.cancel_step()
             raise ConfigError(
                 f"r3rdma: MoE layers {missing} of {list(self.layer_map)} did not record their routing in the first step "
                 "(the forward does not call the router hook r3rdma installed: a model whose MoE routes outside vLLM's "
@@ -281,16 +295,16 @@ class RunnerRecorder:
 
     def lifecycle(self, scheduler_output: Any) -> None:
         """Finish, abort and preempt, as the scheduler decided since the last step."""
-        if self.capturer is None:
+        cap = self.capturer
+        if cap is None:
             return
         t0 = time.perf_counter()
         try:
-            self._lifecycle(scheduler_output)
+            self._lifecycle(cap, scheduler_output)
         finally:
             self.host_seconds += time.perf_counter() - t0
 
-    def _lifecycle(self, scheduler_output: Any) -> None:
-        cap = self.capturer
+    def _lifecycle(self, cap: RoutingCapturer, scheduler_output: Any) -> None:
         for rid in scheduler_output.preempted_req_ids or ():
             self._known.pop(rid, None)
             cap.preempt_request(rid)
@@ -301,19 +315,19 @@ class RunnerRecorder:
             if rid in self._early:
                 self._early.discard(rid)
                 continue
-            self._finish(rid, info.get(rid))
+            self._finish(cap, rid, info.get(rid))
 
     def finish_early(self, finished: dict[str, FinishedRequest]) -> None:
         """Requests the scheduler freed but has not sent in a step yet (a flush asked): finish
         them now; their later scheduler output skips them."""
-        if self.capturer is None:
+        cap = self.capturer
+        if cap is None:
             return
         for rid, fin in finished.items():
             self._early.add(rid)
-            self._finish(rid, fin)
+            self._finish(cap, rid, fin)
 
-    def _finish(self, rid: str, fin: FinishedRequest | None) -> None:
-        cap = self.capturer
+    def _finish(self, cap: RoutingCapturer, rid: str, fin: FinishedRequest | None) -> None:
         self._known.pop(rid, None)
         if fin is None or fin.stored_id is None:
             cap.abort_request(rid)
@@ -327,7 +341,8 @@ class RunnerRecorder:
         except R3Error as e:
             # One request's rows cannot be stored: say which and why, keep serving the others.
             self.requests_failed += 1
-            cap.sink.refused(fin.rollout_id, fin.stored_id, e)
+            if self._sink is not None:  # always: build() sets it with the capturer
+                self._sink.refused(fin.rollout_id, fin.stored_id, e)
             log.error("r3rdma: routing of request %s (stored as %s/%s) not stored: %s", rid, fin.rollout_id, fin.stored_id, e)
 
     # -- flush / close -----------------------------------------------------------------------
@@ -336,10 +351,10 @@ class RunnerRecorder:
         """Wait until every finished request is durable in the store, or its commit failed;
         return :meth:`counters`. A failed commit is not raised: the writer logged it when it
         failed, and the counters name it (``failed``, ``failures``)."""
-        if self.capturer is not None:
+        if self.capturer is not None and self._sink is not None:
             self.capturer.flush(timeout)
             try:
-                self.capturer.sink.flush(timeout)
+                self._sink.flush(timeout)
             except R3Error as e:
                 # Requests whose commit failed (the writer raises them once): in the counters,
                 # not an error that would stop the engine's caller.
@@ -354,7 +369,7 @@ class RunnerRecorder:
         those as ``{"rollout_id", "request_id", "reason"}``), ``preempted``,
         ``cached_positions``, ``active``, ``steps``, ``host_seconds``."""
         cap = self.capturer
-        failures = cap.sink.failures() if cap is not None else []
+        failures: list[CommitFailure] = self._sink.failures() if cap is not None and self._sink is not None else []
         return {
             "stored": self.requests_stored,
             "aborted": self.requests_aborted,
@@ -368,6 +383,7 @@ class RunnerRecorder:
         }
 
     def close(self) -> None:
+        """Close the capturer (every finished request made durable, the writer and its store closed); idempotent."""
         cap, self.capturer = self.capturer, None
         if cap is not None:
             cap.close()
@@ -385,11 +401,12 @@ class _ReportingSink:
     writer's.
     """
 
-    def __init__(self, writer: Any) -> None:
+    def __init__(self, writer: RoutingWriter) -> None:
         self._writer = writer
-        self._refused: list = []  # CommitFailure
+        self._refused: list[CommitFailure] = []
 
     def submit(self, record: Any) -> None:
+        """Queue ``record`` with the writer; a raised failure of earlier commits does not refuse it."""
         try:
             self._writer.submit(record)
         except R3Error as e:
@@ -403,7 +420,7 @@ class _ReportingSink:
 
         self._refused.append(CommitFailure(rollout_id, request_id, CommitFailure.reason_of(error)))
 
-    def failures(self) -> list:
+    def failures(self) -> list[CommitFailure]:
         """The requests refused before the writer, then the writer's failed commits
         (:class:`~r3rdma.write.writer.CommitFailure`, each part in failure order)."""
         return self._refused + self._writer.failures()
