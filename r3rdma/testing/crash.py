@@ -11,6 +11,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,25 @@ from r3rdma.store.process import NodeProcess, new_token, spawn_node
 from r3rdma.testing.harness import LAYERS, TOP_K, _orphans, _owner, _verify, _visible, make_record
 
 # -- crash cycles ------------------------------------------------------------------------------
+
+
+@dataclass
+class _CrashStats:
+    """What :func:`crash_cycles` counted; returned as a dict in this field order."""
+
+    kill_cycles: int = 0
+    acked_before_kill: int = 0  # acknowledged requests before the latest kill
+    unacked_retried: int = 0  # requests
+    retried_same_node: int = 0
+    retried_other_node: int = 0
+    idempotent_repushes: int = 0
+    different_bytes_refused: int = 0
+    orphan_arrays_after_kill: int = 0
+    acked_lost: int = 0
+    phantom: int = 0
+    corrupt: int = 0
+    errors: list[str] = field(default_factory=list)
+    acked_total: int = 0
 
 
 async def _crash_cycles(
@@ -36,82 +56,76 @@ async def _crash_cycles(
     acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c
     where: dict[tuple[str, str], int] = {}  # node that acked it
     pushed: set[tuple[str, str]] = set()
-    stats = {
-        "kill_cycles": 0,
-        "acked_before_kill": 0,
-        "unacked_retried": 0,
-        "retried_same_node": 0,
-        "retried_other_node": 0,
-        "idempotent_repushes": 0,
-        "different_bytes_refused": 0,
-        "orphan_arrays_after_kill": 0,
-        "acked_lost": 0,
-        "phantom": 0,
-        "corrupt": 0,
-        "errors": [],
-    }
+    stats = _CrashStats()
 
     def client(i: int) -> Any:
         return UcxxClient(nodes[i].host, nodes[i].ucx_port, secret=token, limits=limits)
+
+    async def push_until_killed(cycle: int, victim: int, kill_after: int, jitter: float) -> list[tuple[list[Any], int]]:
+        """``clients`` pushers to both nodes until node ``victim`` is SIGKILLed, ``jitter`` seconds
+        after the ``kill_after``-th acknowledged batch; returns the (batch, owner) pairs not acknowledged."""
+        acks = 0
+        killed = asyncio.Event()
+        unacked: list[tuple[list[Any], int]] = []
+        loop = asyncio.get_running_loop()
+
+        def kill() -> None:
+            os.kill(nodes[victim].proc.pid, signal.SIGKILL)
+            killed.set()
+
+        async def pusher(p: int) -> None:
+            nonlocal acks
+            conns = {0: client(0), 1: client(1)}
+            n = 0
+            try:
+                while not killed.is_set():
+                    rollout = f"crash-{p % 3}"
+                    batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
+                    n += len(batch)
+                    groups: dict[int, list[Any]] = {}
+                    for r in batch:
+                        pushed.add((r.rollout_id, r.request_id))
+                        groups.setdefault(_owner(f"{r.rollout_id}/{r.request_id}", 2), []).append(r)
+                    for i, group in groups.items():
+                        if killed.is_set() and i == victim:
+                            unacked.append((group, i))  # never sent: the node is gone
+                            continue
+                        try:
+                            await conns[i].push(group)
+                        except R3Error as e:
+                            if i != victim:
+                                stats.errors.append(f"survivor refused a push: {type(e).__name__}: {e}")
+                            unacked.append((group, i))
+                            continue
+                        for r in group:
+                            acked[(r.rollout_id, r.request_id)] = r.crc32c
+                            where[(r.rollout_id, r.request_id)] = i
+                        acks += 1
+                        if acks == kill_after:
+                            loop.call_later(jitter, kill)
+            finally:
+                for c in conns.values():
+                    await c.close()
+
+        await asyncio.gather(*(pusher(p) for p in range(clients)))
+        return unacked
 
     try:
         for cycle in range(cycles):
             victim = rng.randrange(2)
             kill_after = rng.randint(1, 4 * clients)
             jitter = rng.uniform(0, 0.03)
-            acks = 0
-            killed = asyncio.Event()
-            unacked: list[tuple[list[Any], int]] = []
-            loop = asyncio.get_running_loop()
-
-            def kill() -> None:
-                os.kill(nodes[victim].proc.pid, signal.SIGKILL)
-                killed.set()
-
-            async def pusher(p: int) -> None:
-                nonlocal acks
-                conns = {0: client(0), 1: client(1)}
-                n = 0
-                try:
-                    while not killed.is_set():
-                        rollout = f"crash-{p % 3}"
-                        batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
-                        n += len(batch)
-                        groups: dict[int, list[Any]] = {}
-                        for r in batch:
-                            pushed.add((r.rollout_id, r.request_id))
-                            groups.setdefault(_owner(f"{r.rollout_id}/{r.request_id}", 2), []).append(r)
-                        for i, group in groups.items():
-                            if killed.is_set() and i == victim:
-                                unacked.append((group, i))  # never sent: the node is gone
-                                continue
-                            try:
-                                await conns[i].push(group)
-                            except R3Error as e:
-                                if i != victim:
-                                    stats["errors"].append(f"survivor refused a push: {type(e).__name__}: {e}")
-                                unacked.append((group, i))
-                                continue
-                            for r in group:
-                                acked[(r.rollout_id, r.request_id)] = r.crc32c
-                                where[(r.rollout_id, r.request_id)] = i
-                            acks += 1
-                            if acks == kill_after:
-                                loop.call_later(jitter, kill)
-                finally:
-                    for c in conns.values():
-                        await c.close()
-
-            await asyncio.gather(*(pusher(p) for p in range(clients)))
+            unacked = await push_until_killed(cycle, victim, kill_after, jitter)
             await asyncio.to_thread(nodes[victim].proc.wait, 30)
-            stats["kill_cycles"] += 1
-            stats["acked_before_kill"] = len(acked)
-            stats["orphan_arrays_after_kill"] += _orphans(roots[victim])
+            stats.kill_cycles += 1
+            stats.acked_before_kill = len(acked)
+            stats.orphan_arrays_after_kill += _orphans(roots[victim])
             nodes[victim] = spawn_node(roots[victim], token)
             # Every acknowledged request is there, bit-exact; nothing partial or foreign.
             check = await asyncio.to_thread(_verify, roots, acked, pushed)
-            for key in ("lost", "phantom", "corrupt"):
-                stats["acked_lost" if key == "lost" else key] += check[key]
+            stats.acked_lost += check["lost"]
+            stats.phantom += check["phantom"]
+            stats.corrupt += check["corrupt"]
             # Retry what was not acknowledged: the restarted node or the other one.
             for group, i in unacked:
                 target = i if rng.random() < 0.5 else 1 - i
@@ -119,12 +133,15 @@ async def _crash_cycles(
                 try:
                     await c.push(group)
                 except R3Error as e:
-                    stats["errors"].append(f"retry refused: {type(e).__name__}: {e}")
+                    stats.errors.append(f"retry refused: {type(e).__name__}: {e}")
                     continue
                 finally:
                     await c.close()
-                stats["unacked_retried"] += len(group)
-                stats["retried_same_node" if target == i else "retried_other_node"] += len(group)
+                stats.unacked_retried += len(group)
+                if target == i:
+                    stats.retried_same_node += len(group)
+                else:
+                    stats.retried_other_node += len(group)
                 for r in group:
                     acked[(r.rollout_id, r.request_id)] = r.crc32c
                     where[(r.rollout_id, r.request_id)] = target
@@ -134,14 +151,14 @@ async def _crash_cycles(
                 c = client(where[(ro, rid)])
                 try:
                     await c.push([make_record(ro, rid)])
-                    stats["idempotent_repushes"] += 1
+                    stats.idempotent_repushes += 1
                     try:
                         await c.push([make_record(ro, rid, variant=1)])
-                        stats["errors"].append(f"different bytes for {ro}/{rid} were accepted")
+                        stats.errors.append(f"different bytes for {ro}/{rid} were accepted")
                     except DuplicateRequestError:
-                        stats["different_bytes_refused"] += 1
+                        stats.different_bytes_refused += 1
                 except R3Error as e:
-                    stats["errors"].append(f"idempotent re-push failed: {type(e).__name__}: {e}")
+                    stats.errors.append(f"idempotent re-push failed: {type(e).__name__}: {e}")
                 finally:
                     await c.close()
             log(
@@ -151,11 +168,11 @@ async def _crash_cycles(
         for node in nodes:
             node.stop()
         final = await asyncio.to_thread(_verify, roots, acked, pushed)
-        stats["acked_lost"] += final["lost"]
-        stats["corrupt"] += final["corrupt"]
-        stats["phantom"] += final["phantom"]
-        stats["acked_total"] = len(acked)
-        return stats
+        stats.acked_lost += final["lost"]
+        stats.corrupt += final["corrupt"]
+        stats.phantom += final["phantom"]
+        stats.acked_total = len(acked)
+        return asdict(stats)
     finally:
         for node in nodes:
             node.kill()

@@ -142,8 +142,8 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
         if bad_id is not None:
             ids[n // 2, 1, 0] = bad_id
         cap.begin_step([rid], [0], [n], slots)
-        for l, layer in enumerate(layer_map):
-            cap.record(layer, torch.as_tensor(ids[:, l]))
+        for i, layer in enumerate(layer_map):
+            cap.record(layer, torch.as_tensor(ids[:, i]))
         cap.end_step()
 
     step("past", [0, 1, 2, 3])
@@ -308,7 +308,7 @@ def multiturn(work: Path, *, conversations: int = 8, turns: int = 4, seed: int =
 
     def readable(reader: Any) -> int:
         n = 0
-        for cid, (whole, parts) in convs.items():
+        for cid, (_whole, parts) in convs.items():
             try:
                 got = reader.get_numpy("mt", [cid])[cid]
             except (KeyError, ValueError):
@@ -466,7 +466,9 @@ def stalled_announce(
             "announced_mb": connections * payload_mb,
             "peak_rss_growth_mb": round(growth / 2**20, 1),
             "pushed_while_stalled": pushed,
-            "typed_timeouts": sum(isinstance(o, R3TimeoutError) and o.fatal for o in outcomes),
+            # ``fatal`` is set on errors decoded from the node's ERROR frame (transport.session.recv_reply);
+            # a timeout raised here while waiting for that frame has none and is not the node's typed answer.
+            "typed_timeouts": sum(isinstance(o, R3TimeoutError) and getattr(o, "fatal", False) for o in outcomes),
             "alive": node.alive,
         }
     finally:

@@ -238,6 +238,9 @@ def gen_frame(rng: random.Random, n: int) -> FuzzFrame:
 
 @dataclass
 class FuzzStats:
+    """What a fuzz run against one node saw: frames sent, replies counted per ``label:outcome``, worker
+    seconds per label, untyped replies, hangs, the legit client's pushes and failures, node RSS in bytes."""
+
     frames: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # worker time per label
@@ -251,6 +254,7 @@ class FuzzStats:
     rss_end: int = 0
 
     def note(self, label: str, outcome: str) -> None:
+        """Count one reply ``outcome`` (e.g. ``ack``, ``error:ProtocolError``, ``hang``) to a frame of kind ``label``."""
         key = f"{label}:{outcome}"
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 

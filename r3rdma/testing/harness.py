@@ -158,6 +158,7 @@ def _http_reader(nodes: Sequence[NodeProcess]) -> Any:
 
 
 def spawn_nodes(roots: Sequence[Path], token: str, *extra: str) -> list[NodeProcess]:
+    """One store node per root, sharing ``token`` and the extra CLI arguments, started in parallel; in ``roots`` order."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(roots)) as pool:  # each start waits for the node's ready line
