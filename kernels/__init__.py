@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import os
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -58,7 +59,7 @@ CUSTOM_WINS_EAGER: dict[str, bool] = {
 _BACKENDS = ("auto", "torch", "triton")
 _graph_regime = 0  # > 0 inside graph_regime(): choose as if capturing a CUDA graph
 _backend: str | None = None  # None: read R3_KERNELS on first use
-_triton: ModuleType | None | bool = None  # False: tried and unavailable
+_triton: ModuleType | Literal[False] | None = None  # False: tried and unavailable
 
 
 def set_kernel_backend(backend: str | None) -> None:

@@ -115,6 +115,8 @@ def _words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 
 def record_layer(buf_TLK, layer, topk_ids_TK, rows_T=None, expert_map=None) -> None:
+    """``buf[t, layer] = expert_map[topk_ids[rows[t]]]`` narrowed to ``buf``'s dtype, in one launch
+    (see :func:`.reference.record_layer`); ``buf`` must be contiguous ``[T, L, K]``."""
     T = int(rows_T.numel()) if rows_T is not None else int(topk_ids_TK.shape[0])
     if T == 0:
         return
@@ -143,6 +145,8 @@ def record_layer(buf_TLK, layer, topk_ids_TK, rows_T=None, expert_map=None) -> N
 
 
 def write_step_rows(table_SLK, slots_T, rows_TLK, token_idx_T=None) -> None:
+    """``table[slots[i]] = rows[token_idx[i]]`` for every i, in one launch (see
+    :func:`.reference.write_step_rows`); ``table`` must be contiguous."""
     n = int(slots_T.numel())
     if n == 0:
         return
@@ -171,6 +175,8 @@ def write_step_rows(table_SLK, slots_T, rows_TLK, token_idx_T=None) -> None:
 
 
 def gather_rows(table_SLK, slots_T, out_TLK=None) -> torch.Tensor:
+    """The rows of ``slots`` in order, packed ``[T, L, K]`` into ``out`` (allocated when None),
+    in one launch (see :func:`.reference.gather_rows`); returns ``out``."""
     n = int(slots_T.numel())
     if out_TLK is None:
         out_TLK = torch.empty((n, *table_SLK.shape[1:]), dtype=table_SLK.dtype, device=table_SLK.device)

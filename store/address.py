@@ -9,6 +9,8 @@ __all__ = ["NodeAddress"]
 
 @dataclass(frozen=True, slots=True)
 class NodeAddress:
+    """A store node's host, its UCX push port and its HTTP read port."""
+
     host: str
     ucx_port: int
     http_port: int

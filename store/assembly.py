@@ -9,6 +9,8 @@ rules, :class:`Assembly` applies them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from r3rdma.errors import SegmentError, SegmentOverlapError
 from r3rdma.records import RequestRecord
 from r3rdma.store.index_entries import PendingSegment, RequestEntry, Segment
@@ -37,8 +39,8 @@ class Assembly:
     def __init__(
         self,
         rollout_id: str,
-        requests: dict[str, RequestEntry],
-        pending: dict[str, tuple[PendingSegment, ...]],
+        requests: Mapping[str, RequestEntry],
+        pending: Mapping[str, tuple[PendingSegment, ...]],
         only_last_turn: bool,
     ) -> None:
         self.rollout_id = rollout_id

@@ -170,6 +170,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``r3rdma-store`` command: serve a node until SIGTERM/SIGINT, then drain; returns the exit
+    status (0, or 2 after an :class:`~r3rdma.errors.R3Error`, printed to stderr)."""
     args = build_parser().parse_args(argv)
     setup_node_logging("r3rdma-store")
     try:

@@ -152,10 +152,15 @@ class _ReadService:
     # -- metrics and rollouts ------------------------------------------------------------------
 
     async def metrics_view(self, _request: web.Request) -> web.Response:
+        """The node's metrics in Prometheus text format, disk gauges read now. Served only by an
+        app without ``control`` (the node process), whose metrics are :class:`NodeMetrics`."""
+        metrics = self.metrics
+        if not isinstance(metrics, NodeMetrics):
+            raise TypeError("/metrics is served by the node process (NodeMetrics); a read worker passes it on to the node")
         usage = shutil.disk_usage(self.root)
-        self.metrics.disk_used.set(usage.used)
-        self.metrics.disk_free.set(usage.free)
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        metrics.disk_used.set(usage.used)
+        metrics.disk_free.set(usage.free)
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def rollouts(self, _request: web.Request) -> web.Response:
         names = sorted(
@@ -328,14 +333,16 @@ async def _send_bytes(request: web.Request, response: web.StreamResponse, file, 
         raise ConnectionResetError("the client went away")
     try:
         await asyncio.get_running_loop().sendfile(request.transport, file, start, stop - start)
-    except NotImplementedError:  # a transport without sendfile (TLS): plain writes
-        offset = start
-        while offset < stop:
-            chunk = os.pread(file.fileno(), min(1 << 20, stop - offset), offset)
-            if not chunk:
-                raise ConnectionResetError(f"{rel} shrank while being sent")
-            await response.write(chunk)
-            offset += len(chunk)
+        return
+    except NotImplementedError:
+        pass  # a transport without sendfile (TLS): plain writes below
+    offset = start
+    while offset < stop:
+        chunk = os.pread(file.fileno(), min(1 << 20, stop - offset), offset)
+        if not chunk:
+            raise ConnectionResetError(f"{rel} shrank while being sent")
+        await response.write(chunk)
+        offset += len(chunk)
 
 
 async def _healthz(_request: web.Request) -> web.Response:

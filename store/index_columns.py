@@ -43,7 +43,7 @@ def encode_requests(requests: Mapping[str, RequestEntry], arrays: list[str]) -> 
     return out
 
 
-class ColumnRequests(MutableMapping):
+class ColumnRequests(MutableMapping[str, RequestEntry]):
     """A snapshot's request entries, kept as its columns: a :class:`RequestEntry` to whoever
     looks an id up, each entry built when it is looked up.
 
@@ -96,6 +96,7 @@ class ColumnRequests(MutableMapping):
         return rid in self._keys
 
     def keys(self) -> KeysView[str]:
+        """The request ids: the id dict's own view (set operations on it stay C-level)."""
         return self._keys.keys()
 
     def copy(self) -> ColumnRequests:

@@ -43,6 +43,7 @@ class Segment:
         return self.start_row + self.rows
 
     def to_json(self) -> dict[str, Any]:
+        """The segment as stored in an index document (docs/FORMAT.md)."""
         return {"array": self.array, "offset": self.offset, "rows": self.rows, "start_row": self.start_row, "crc32c": self.crc32c}
 
 
@@ -68,6 +69,8 @@ class PendingSegment(Segment):
         return Segment(self.array, self.offset, self.rows, self.start_row, self.crc32c)
 
     def to_json(self) -> dict[str, Any]:
+        """The pending segment as stored in an index document's ``pending`` (with ``final`` and
+        ``total_rows``)."""
         return {
             "array": self.array,
             "offset": self.offset,
@@ -94,6 +97,7 @@ class RequestEntry:
         return self.start_row + self.rows
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as stored in an index document's ``requests``."""
         return {"rows": self.rows, "start_row": self.start_row, "segments": [s.to_json() for s in self.segments]}
 
 

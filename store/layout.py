@@ -77,10 +77,12 @@ def check_rollout_dir_name(rollout_id: str) -> str:
 
 
 def array_name(seq: int) -> str:
+    """The directory name of batch array ``seq`` (the array the rollout's part ``seq`` added)."""
     return numbered_name(ARRAY_PREFIX, seq)
 
 
 def parse_array_name(name: str) -> int | None:
+    """The ``seq`` of a batch array's directory name, or None if ``name`` is not one."""
     return parse_numbered_name(ARRAY_PREFIX, name)
 
 

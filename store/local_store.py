@@ -338,7 +338,7 @@ class LocalRoutingStore:
         # The rollout directory holds the new entries (array, part); the root holds the
         # rollout directory's own entry, new with the rollout's first part.
         durable = [*new_paths, part_dir / "zarr.json", part_dir, path] + ([self.root] if seq == 1 else [])
-        return Publish(rollout_id, seq, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}), durable)
+        return Publish(rollout_id, seq, (path / "zarr.json", group_document({INDEX_KEY: index.entry_document()})), durable)
 
     def _write_rollout(self, rollout_id: str, records: list[RequestRecord]) -> Publish:
         index = self._index(rollout_id)

@@ -14,26 +14,40 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["NodeMetrics", "HttpMetrics"]
 
 
-def _http_counters(owner, registry: CollectorRegistry | None) -> None:
-    owner.http_requests = Counter(
-        "r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"], registry=registry
-    )
-    owner.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=registry)
+class _HttpCounters:
+    """The HTTP counters whoever serves the read service keeps (a node, or a read worker).
+
+    A plain class, not a dataclass: its attributes are set by :meth:`_add_http_counters`, never
+    passed to a constructor.
+    """
+
+    http_requests: Counter
+    http_bytes: Counter
+
+    def _add_http_counters(self, registry: CollectorRegistry | None) -> None:
+        self.http_requests = Counter(
+            "r3rdma_store_http_requests", "HTTP reads, by route and status", ["route", "status"], registry=registry
+        )
+        self.http_bytes = Counter("r3rdma_store_http_bytes", "Bytes served over HTTP (file bodies)", registry=registry)
 
 
 @dataclass
-class HttpMetrics:
+class HttpMetrics(_HttpCounters):
     """A read worker's counters (its process runs with ``PROMETHEUS_MULTIPROC_DIR`` set, so
     they live in files that the node process adds up)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        _http_counters(self, self.registry)
+        self._add_http_counters(self.registry)
 
 
 @dataclass
-class NodeMetrics:
+class NodeMetrics(_HttpCounters):
+    """A store node's metrics, registered in ``registry``: ingest counters, commit latency, disk
+    and client gauges, and the HTTP counters (its own, or its read workers' from ``workers_dir``).
+    :func:`bind_node_gauges` adds ``root_bytes`` once the node's server runs."""
+
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     workers_dir: str | None = None  # read workers serve HTTP and count it in files here
 
@@ -51,17 +65,18 @@ class NodeMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         if self.workers_dir is None:
-            _http_counters(self, r)
+            self._add_http_counters(r)
         else:
             # The workers' files hold the HTTP counts; the node's own HTTP (its control socket,
             # reached only through a worker, which counted the request) goes unexported.
             from prometheus_client.multiprocess import MultiProcessCollector
 
-            _http_counters(self, CollectorRegistry())
+            self._add_http_counters(CollectorRegistry())
             MultiProcessCollector(r, path=self.workers_dir)
         self.disk_used = Gauge("r3rdma_store_disk_used_bytes", "Bytes used by the filesystem holding the root", registry=r)
         self.disk_free = Gauge("r3rdma_store_disk_free_bytes", "Bytes free on the filesystem holding the root", registry=r)
         self.connected_clients = Gauge("r3rdma_store_connected_clients", "Pushing clients connected now", registry=r)
+        self.root_bytes: Gauge | None = None  # set by bind_node_gauges
 
 
 def bind_node_gauges(metrics: NodeMetrics, root, server) -> None:

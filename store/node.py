@@ -163,6 +163,8 @@ class StoreNode:
                 done.set_result(outcome)
 
     async def start(self) -> NodeAddress:
+        """Start the UCX server and the read service (in-process, or read workers on the HTTP
+        port); return where the node listens."""
         ucx = await self._server.start()
         # aiohttp (3.14) has no separate header-read timeout: a connection that sent part of
         # a request and stalls would stay open until the fd limit (issue 19). Its keep-alive

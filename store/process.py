@@ -55,6 +55,7 @@ class NodeProcess:
 
     @property
     def alive(self) -> bool:
+        """True while the node process has not exited."""
         return self.proc.poll() is None
 
     def _status(self, key: str) -> int:
@@ -73,6 +74,7 @@ class NodeProcess:
         return self._status("VmHWM")
 
     def kill(self) -> None:
+        """SIGKILL the node (no drain) if it is still running, and reap it (waits up to 30 s)."""
         if self.alive:
             self.proc.kill()
         self.proc.wait(30)
@@ -85,6 +87,7 @@ class NodeProcess:
 
 
 def new_token() -> str:
+    """A fresh push secret: 32 random bytes as 64 hex characters."""
     return secrets.token_hex(32)
 
 

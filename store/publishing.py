@@ -43,8 +43,7 @@ class Publish:
 
     rollout_id: str
     seq: int
-    entry: Path | None
-    document: dict[str, Any] | None
+    entry: tuple[Path, dict[str, Any]] | None  # the entry point's path and its new document; None: nothing to publish
     durable: list[Path]
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # committed, duplicates, bytes, pending
     done: Future = field(default_factory=Future)
@@ -52,17 +51,21 @@ class Publish:
     @classmethod
     def nothing(cls, rollout_id: str, duplicates: int) -> Publish:
         """A batch of duplicates only: durable once the commits before it are."""
-        return cls(rollout_id, 0, None, None, [], (0, duplicates, 0, 0))
+        return cls(rollout_id, 0, None, [], (0, duplicates, 0, 0))
 
     def publish(self) -> None:
+        """Write the entry point (fsyncing it with ``durable``), then resolve ``done`` to the
+        counts; raises :class:`StoreError` if the disk refuses (``done`` is left to :meth:`fail`)."""
         if self.entry is not None:
+            path, document = self.entry
             try:
-                write_json_atomic(self.entry, self.document, sync_with=self.durable)
+                write_json_atomic(path, document, sync_with=self.durable)
             except OSError as e:
                 raise StoreError(f"committing index part {self.seq} of rollout {self.rollout_id!r} failed: {e}") from e
         self.done.set_result(self.counts)
 
     def fail(self, error: BaseException) -> None:
+        """Resolve ``done`` to ``error``: this commit is not stored."""
         self.done.set_exception(error)
 
 
@@ -106,6 +109,8 @@ class Publisher:
         self._broken: BaseException | None = None  # a publish failed: in-memory indexes are ahead of the disk
 
     def enqueue(self, item: Publish) -> None:
+        """Queue ``item`` to be published after the commits queued before it (starts the thread
+        with the first)."""
         with self._published:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="r3rdma-publish", daemon=True)

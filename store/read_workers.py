@@ -103,6 +103,7 @@ class ReadWorkers:
 
     @property
     def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
         return [p.pid for p in self._procs if p is not None and p.poll() is None]
 
     def _spawn(self, slot: int) -> subprocess.Popen:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,25 +93,32 @@ INDEX_FORMAT_VERSION = 2
 GEOMETRY_KEYS = ("num_layers", "top_k", "num_experts", "dtype", "layer_map")
 
 Pending = dict[str, tuple[PendingSegment, ...]]  # request id -> its pending segments
+Requests = dict[str, RequestEntry] | ColumnRequests  # request id -> its entry: parsed, or a snapshot's columns
 
 
 def part_name(seq: int) -> str:
+    """The directory name of index part ``seq``."""
     return numbered_name(PART_PREFIX, seq)
 
 
 def parse_part_name(name: str) -> int | None:
+    """The ``seq`` of an index part's directory name, or None if ``name`` is not one."""
     return parse_numbered_name(PART_PREFIX, name)
 
 
 def snapshot_name(seq: int) -> str:
+    """The directory name of the index snapshot taken after part ``seq``."""
     return numbered_name(SNAPSHOT_PREFIX, seq)
 
 
 def parse_snapshot_name(name: str) -> int | None:
+    """The ``seq`` of a snapshot's directory name, or None if ``name`` is not one."""
     return parse_numbered_name(SNAPSHOT_PREFIX, name)
 
 
 def new_uid() -> str:
+    """A new rollout's uid (16 hex characters): parts and snapshots carry it, so a reader tells a
+    rollout created again under the same id from the one it was reading."""
     return secrets.token_hex(8)
 
 
@@ -129,7 +136,7 @@ class IndexPart:
     uid: str
     arrays: list[str]
     shards: dict[str, dict[str, Any]]
-    requests: Mapping[str, RequestEntry]
+    requests: Requests
     pending: Pending
 
     def document(self) -> dict[str, Any]:
@@ -155,7 +162,7 @@ class RolloutIndex:
     uid: str
     geometry: dict[str, Any] = field(default_factory=dict)
     parts: int = 0
-    requests: MutableMapping[str, RequestEntry] = field(default_factory=dict)  # a dict, or ColumnRequests from a snapshot
+    requests: Requests = field(default_factory=dict)
     pending: Pending = field(default_factory=dict)
     arrays: list[str] = field(default_factory=list)
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -341,6 +348,9 @@ def _shard_ok(info: Any) -> bool:
 
 
 class StalePartError(CorruptDataError):
+    """An index part whose uid is not the entry point's: the rollout was deleted and created again
+    while a reader fetched its parts (the reader reads the index afresh)."""
+
     def __init__(self, rollout_id: str, where: str, seq: int) -> None:
         super().__init__(
             f"rollout {rollout_id!r} on {where}: index part {part_name(seq)} belongs to another rollout of "
@@ -389,6 +399,8 @@ def read_file(root: Path) -> Callable[[str], bytes | None]:
 
 
 def parse_attrs(raw: bytes | None, rollout_id: str, where: str) -> Any:
+    """The ``attributes`` of a ``zarr.json`` document, or None when ``raw`` is None or the
+    document is not a JSON object; raises :class:`CorruptDataError` when it is not JSON."""
     if raw is None:
         return None
     try:

@@ -25,7 +25,7 @@ import numpy as np
 import zarr
 from crc32c import crc32c
 from numcodecs import Zstd
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import Crc32cCodec, ShardingCodecIndexLocation, ZstdCodec
 from zarr.storage import LocalStore
 
 __all__ = ["zarr_codecs", "write_batch_array", "SHARD_KEY"]
@@ -55,7 +55,7 @@ def write_batch_array(path: Path, data: np.ndarray, *, chunk_rows: int, zstd_lev
         chunks=(chunk, layers, top_k),
         # Index first: a partial read gets the shard index with the shard's first bytes (one
         # ranged GET from offset 0), and a streaming reader knows every chunk's place early.
-        shards={"shape": (count * chunk, layers, top_k), "index_location": "start"},
+        shards={"shape": (count * chunk, layers, top_k), "index_location": ShardingCodecIndexLocation.start},
         compressors=zarr_codecs(zstd_level),
         dimension_names=("token", "layer", "k"),
         fill_value=0,

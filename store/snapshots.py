@@ -56,6 +56,8 @@ class Snapshotter:
         self._last_commit.pop(rollout_id, None)
 
     def close(self) -> None:
+        """Stop snapshotting: wake the thread and wait for it to finish the snapshot it is writing
+        (unless called from that thread)."""
         self._closing = True
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -123,7 +125,7 @@ class Snapshotter:
             previous, index.snapshot = index.snapshot, seq
             # The rollout directory's new entry (the snapshot's) is made durable with the entry point.
             item = Publish(
-                rollout_id, index.parts, path / "zarr.json", group_document({INDEX_KEY: index.entry_document()}), [path]
+                rollout_id, index.parts, (path / "zarr.json", group_document({INDEX_KEY: index.entry_document()})), [path]
             )
             self._publisher.enqueue(item)
         item.done.result()

@@ -52,7 +52,7 @@ _BATCH_KEYS = frozenset({"seq", "frames", "records"})
 #: differ from their default, so a receiver that predates one refuses the batch (unknown
 #: key) rather than misreading it, and batches without them stay readable by every peer.
 _OPTIONAL_BATCH_KEYS = frozenset({"probe"})
-_DTYPES = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
+_DTYPES: dict[str, np.dtype] = {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +82,11 @@ class RecordMeta:
 
     @property
     def nbytes(self) -> int:
+        """The request's payload size in bytes (``rows * layers * top_k`` ids of ``dtype``)."""
         return self.rows * self.layers * self.top_k * _DTYPES[self.dtype].itemsize
 
     def to_wire(self) -> dict[str, Any]:
+        """This meta as one row of a batch header's request table (msgpack-able; docs/PROTOCOL.md)."""
         return {
             "rollout_id": self.rollout_id,
             "request_id": self.request_id,
@@ -103,6 +105,7 @@ class RecordMeta:
 
     @classmethod
     def of(cls, record: RequestRecord, offset: int) -> RecordMeta:
+        """The meta of ``record``, its bytes at ``offset`` in the payload."""
         ids = record.ids_TLK
         return cls(
             record.rollout_id,
@@ -139,6 +142,7 @@ class PackedBatch:
 
     @property
     def nbytes(self) -> int:
+        """The payload's size in bytes: the sum of its requests'."""
         return sum(m.nbytes for m in self.metas)
 
 

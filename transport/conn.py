@@ -34,7 +34,7 @@ class Conn(ABC):
         received length); callers zero-fill and validate the contents.
         """
 
-    async def wait_incoming(self) -> None:
+    async def wait_incoming(self) -> None:  # noqa: B027 (a default on purpose, not abstract: see below)
         """Return once a message is waiting to be received, or the pipe closed (the receive
         that follows then says so), without holding a receive posted meanwhile.
 

@@ -80,10 +80,13 @@ class Preamble:
     inline: bytes = field(default=b"", compare=False, repr=False)
 
     def pack(self) -> bytes:
+        """The preamble's fixed ``PREAMBLE_BYTES`` on the wire (``inline`` is not part of them)."""
         return _PREAMBLE.pack(MAGIC, self.version, int(self.kind), self.header_len, self.payload_len)
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Preamble:
+        """Parse a received preamble (without ``inline``); raises :class:`ProtocolError` on a wrong
+        size, magic or kind."""
         if len(raw) != PREAMBLE_BYTES:
             raise ProtocolError(f"preamble must be {PREAMBLE_BYTES} bytes, got {len(raw)}")
         magic, version, kind, header_len, payload_len = _PREAMBLE.unpack(bytes(raw))
@@ -97,6 +100,7 @@ class Preamble:
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
+    """A message header as msgpack (bytes as bin, not str)."""
     return msgpack.packb(header, use_bin_type=True)
 
 

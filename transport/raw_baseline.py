@@ -57,6 +57,7 @@ class RawSinkServer:
         return int(self._listener.port)
 
     async def stop(self) -> None:
+        """Stop listening; idempotent."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None

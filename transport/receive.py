@@ -77,6 +77,7 @@ class ReceiveBuffers:
 
     @property
     def cached_bytes(self) -> int:
+        """Bytes held by the pooled buffers now."""
         return sum(b.nbytes for b in self._free)
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -121,6 +122,8 @@ class FrameHasher:
         self._advance()  # zero-byte requests at the start need no frame
 
     def frame_done(self, index: int) -> None:
+        """Frame ``index`` landed: hash, in the background, every request whose frames have now
+        all landed (call on the event loop)."""
         self._done[index] = True
         while self._next_frame < len(self._sizes) and self._done[self._next_frame]:
             self._landed += self._sizes[self._next_frame]

@@ -217,6 +217,7 @@ class ConnServer(TransportServer):
 
     @property
     def address(self) -> ServerAddress:
+        """The address returned by :meth:`start`; raises :class:`TransportError` before it."""
         if self._address is None:
             raise TransportError("server not started: call start() first")
         return self._address
@@ -232,12 +233,15 @@ class ConnServer(TransportServer):
         """Free listening resources once every session has ended."""
 
     async def start(self) -> ServerAddress:
+        """Start listening (no-op when already listening); return the address clients connect to."""
         if self._address is None:
             self._stopping = False
             self._address = await self._listen()
         return self._address
 
     async def stop(self, drain: bool = True) -> None:
+        """Stop accepting and end every session: with ``drain``, batches in flight are finished and
+        acked first (see :meth:`TransportServer.stop`)."""
         self._stopping = True
         await self._unlisten()
         sessions = list(self._sessions)
@@ -505,9 +509,12 @@ class ConnClient(TransportClient):
 
     @property
     def connected(self) -> bool:
+        """True while the connection is open (a failed push closes it)."""
         return self._conn is not None and not self._conn.closed
 
     async def connect(self) -> None:
+        """Connect and authenticate unless connected; raises :class:`AuthenticationError`,
+        :class:`TransportError` or :class:`R3TimeoutError`."""
         if self.connected:
             return
         await self._drop()
@@ -520,6 +527,7 @@ class ConnClient(TransportClient):
         self._conn = conn
 
     async def close(self) -> None:
+        """Close the connection once the push in flight, if any, is done; idempotent."""
         async with self._lock:
             await self._drop()
 
@@ -529,6 +537,8 @@ class ConnClient(TransportClient):
             await conn.close()
 
     async def push(self, records: Sequence[RequestRecord]) -> PushAck:
+        """Send a batch of host records; return once the server acked it as durable. Raises
+        :class:`ProtocolError` for an empty batch or one over ``limits.max_records``."""
         if not records:
             raise ProtocolError("push needs at least one record, got an empty batch")
         if len(records) > self.limits.max_records:
@@ -537,6 +547,8 @@ class ConnClient(TransportClient):
         return await self._push(table, frames, probe=False)
 
     async def push_packed(self, batch: PackedBatch) -> PushAck:
+        """Send a caller-packed batch (host or CUDA payload; sync its stream first); return once
+        the server acked it. Raises :class:`ProtocolError` for an empty batch."""
         if not batch.metas:
             raise ProtocolError("push needs at least one record, got an empty batch")
         table = packed_table(batch)

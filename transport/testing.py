@@ -49,6 +49,7 @@ class RecordCopy:
 
     @classmethod
     def of(cls, r: RequestRecord) -> RecordCopy:
+        """A copy of ``r`` that owns its ids (the received buffer may be reused)."""
         return cls(
             r.rollout_id,
             r.request_id,
@@ -65,14 +66,16 @@ class RecordCopy:
 class ScriptedHandler:
     """A transport handler scripted by rollout id (see module docstring)."""
 
-    def __init__(self, report: Callable[[tuple[Any, ...]], None]) -> None:
+    def __init__(self, report: Callable[[tuple[Any, ...]], object]) -> None:  # what report returns is ignored
         self._report = report
         self._releases = asyncio.Semaphore(0)
 
     def release(self) -> None:
+        """Let one batch waiting at a ``gate*`` rollout go on."""
         self._releases.release()
 
     async def __call__(self, records: list[RequestRecord]) -> None:
+        """Handle a batch as its first record's rollout id scripts it (see the module docstring)."""
         rollout = records[0].rollout_id
         if rollout.startswith("fail."):
             name = rollout[5:].split("-")[0]
@@ -89,14 +92,18 @@ class Harness:
 
     kind: str
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Start the server (per test)."""
 
-    async def stop(self) -> None: ...
+    async def stop(self) -> None:
+        """Stop the server without draining (per test)."""
 
     def client(self, secret: bytes, limits: TransportLimits | None = None) -> TransportClient:
+        """A client of this harness's server (not yet connected)."""
         raise NotImplementedError
 
     def release(self) -> None:
+        """Let one batch waiting at a ``gate*`` rollout go on."""
         raise NotImplementedError
 
     async def next_event(self, rollout_id: str, timeout: float = 10.0) -> tuple[Any, ...]:
@@ -128,18 +135,22 @@ class LoopbackHarness(Harness):
         self._secret, self._limits = secret, limits
 
     async def start(self) -> None:
+        """Start a :class:`LoopbackServer` in this event loop with a fresh :class:`ScriptedHandler`."""
         self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._handler = ScriptedHandler(self._events.put_nowait)
         self.server = LoopbackServer(self._handler, secret=self._secret, limits=self._limits)
         await self.server.start()
 
     async def stop(self) -> None:
+        """Stop the server without draining."""
         await self.server.stop(drain=False)
 
     def client(self, secret: bytes, limits: TransportLimits | None = None) -> TransportClient:
+        """A :class:`LoopbackClient` of the server."""
         return LoopbackClient(self.server, secret=secret, limits=limits)
 
     def release(self) -> None:
+        """Let one batch waiting at a ``gate*`` rollout go on."""
         self._handler.release()
 
     async def _get(self) -> tuple[Any, ...]:
@@ -162,6 +173,8 @@ class UcxxProcessHarness(Harness):
         self._pipe: multiprocessing.connection.Connection | None = None
 
     def spawn(self, timeout: float = 60.0) -> None:
+        """Start the server process and wait for its port; raises :class:`TimeoutError` after
+        ``timeout`` seconds (the process is killed)."""
         ctx = mp.get_context("spawn")  # no fork: UCX and threads do not survive fork
         ours, theirs = ctx.Pipe()
         self._proc = ctx.Process(target=_server_main, args=(theirs, "transport", self._secret, asdict(self._limits)), daemon=True)
@@ -175,6 +188,7 @@ class UcxxProcessHarness(Harness):
         assert kind == "port", kind
 
     def kill(self) -> None:
+        """Tell the server process to stop and reap it (killed if it has not exited in 10 s)."""
         if self._pipe is not None:
             try:
                 self._pipe.send(("stop",))
@@ -187,17 +201,19 @@ class UcxxProcessHarness(Harness):
                 self._proc.join(5)
 
     async def start(self) -> None:
-        pass
+        """Nothing to do: the process serves from :meth:`spawn` on."""
 
     async def stop(self) -> None:
-        pass
+        """Nothing to do: the process serves until :meth:`kill`."""
 
     def client(self, secret: bytes, limits: TransportLimits | None = None) -> TransportClient:
+        """A :class:`UcxxClient` of the server process (on 127.0.0.1)."""
         from .ucxx_transport import UcxxClient
 
         return UcxxClient("127.0.0.1", self.port, secret=secret, limits=limits)
 
     def release(self) -> None:
+        """Let one batch waiting at a ``gate*`` rollout in the server process go on."""
         assert self._pipe is not None
         self._pipe.send(("release",))
 

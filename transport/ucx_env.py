@@ -206,6 +206,7 @@ def _rearming_blocking_mode() -> None:
 
     class RearmingBlockingMode(BlockingMode):
         _r3rdma_rearms = True
+        arm_task: asyncio.Task[None] | None  # ucxx's own attribute (its module is untyped): None once cleared
 
         def __init__(self, worker, event_loop, *args, **kwargs) -> None:
             _blocking_loops.add(event_loop)
