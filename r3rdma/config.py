@@ -272,6 +272,7 @@ class R3Config:
         return cls.from_env(env, **data)
 
     def to_json(self) -> str:
+        """Every field as one JSON object (sorted keys); :meth:`from_json` reads it back."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 

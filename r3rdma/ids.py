@@ -13,7 +13,7 @@ from r3rdma.errors import InvalidIdError
 __all__ = ["ID_PATTERN", "MAX_ID_LEN", "validate_id"]
 
 MAX_ID_LEN = 200
-ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_LEN)
+ID_PATTERN = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_LEN}}}")
 
 
 def validate_id(value: object, kind: str = "id") -> str:

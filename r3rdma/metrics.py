@@ -82,6 +82,8 @@ class CaptureMetrics(Collector):
         ]
 
     def collect(self) -> Iterator[Metric]:
+        """The current counters and gauges (prometheus_client calls it at each scrape); raises
+        :class:`~r3rdma.errors.ConfigError` if an object lost one of its attributes."""
         for obj, counters, gauges, kind in self._tables():
             _require_attributes(obj, counters + gauges, kind)
             for family, table in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):

@@ -124,6 +124,7 @@ class RequestRecord:
 
     @property
     def num_rows(self) -> int:
+        """Rows (positions) this record holds."""
         return int(self.ids_TLK.shape[0])
 
     @property
@@ -133,10 +134,12 @@ class RequestRecord:
 
     @property
     def top_k(self) -> int:
+        """Experts chosen per token and layer (``K`` of ``ids_TLK``)."""
         return int(self.ids_TLK.shape[2])
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the routing rows (``ids_TLK``), the unit of batching and back-pressure."""
         return int(self.ids_TLK.nbytes)
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -232,6 +232,7 @@ class RoutingCapturer:
 
     @property
     def num_layers(self) -> int:
+        """MoE layers captured (``len(layer_map)``)."""
         return len(self.layer_map)
 
     @property
@@ -325,7 +326,7 @@ class RoutingCapturer:
         """
         self._steps.begin(request_ids, start_positions, num_tokens, slots_T, router_rows=router_rows, graphed=graphed)
 
-    def graph_capture(self, num_tokens: int, *, router_rows: bool = False) -> ContextManager[None]:
+    def graph_capture(self, num_tokens: int, *, router_rows: bool = False) -> AbstractContextManager[None]:
         """Open a placeholder step of ``num_tokens`` tokens for capturing a forward in a CUDA graph.
 
         Use it around ``torch.cuda.graph(...)`` (and the warm-up forwards before it): the
@@ -460,7 +461,10 @@ class RoutingCapturer:
         if self.owns_sink:
             self.owns_sink = False  # closed once, even if close() is called again
             try:
-                self.sink.close() if timeout is None else self.sink.close(timeout)
+                close_sink = getattr(self.sink, "close", None)
+                if not callable(close_sink):  # refused at construction; only a hand-set owns_sink gets here
+                    raise ConfigError(f"owns_sink=True needs a sink with close(), got {type(self.sink).__name__}")
+                close_sink() if timeout is None else close_sink(timeout)
             except BaseException as e:
                 errors.append(e)
         if errors:

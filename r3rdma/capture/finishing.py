@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 import torch
 
 from r3rdma.capture.slot_table import SlotTable
-from r3rdma.capture.transfer import DeviceRows, stage_to_host
+from r3rdma.capture.transfer import DeviceRows, StagedRows, stage_to_host
+from r3rdma.errors import ConfigError
 from r3rdma.records import RequestRecord
 
 __all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finisher", "StagedRecord", "make_record"]
@@ -35,7 +36,9 @@ __all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finish
 class RoutingSink(Protocol):
     """Where finished requests go (a :class:`~r3rdma.write.writer.RoutingWriter`, a test list...)."""
 
-    def submit(self, record: RequestRecord) -> None: ...
+    def submit(self, record: RequestRecord) -> None:
+        """Take a finished request's record (may block for back-pressure; raises what went wrong before)."""
+        ...
 
 
 @runtime_checkable
@@ -49,11 +52,17 @@ class DeviceRowsSink(Protocol):
     """
 
     @property
-    def accepts_device_rows(self) -> bool: ...
+    def accepts_device_rows(self) -> bool:
+        """Whether :meth:`submit` takes device rows now."""
+        ...
 
-    def submit(self, record) -> None: ...
+    def submit(self, record: RequestRecord | DeviceRows) -> None:
+        """Take a finished request: a host record, or its rows still on the device."""
+        ...
 
-    def probe_transfer_mode(self, device=None): ...
+    def probe_transfer_mode(self, device=None):
+        """Measure GPU-direct against staged pushes; return a :class:`~r3rdma.write.device_push.ProbeResult`."""
+        ...
 
 
 @runtime_checkable
@@ -65,18 +74,23 @@ class DeferredSink(Protocol):
 
     accepts_deferred: bool
 
-    def submit(self, record) -> None: ...
+    def submit(self, record: RequestRecord | StagedRecord) -> None:
+        """Take a finished request: a record, or one whose rows are still being copied to the host."""
+        ...
 
 
-def takes_device_rows(sink: object) -> bool:
+def takes_device_rows(sink: object) -> TypeGuard[DeviceRowsSink]:
+    """Whether ``sink`` takes device rows now (a :class:`DeviceRowsSink` that says it does)."""
     return isinstance(sink, DeviceRowsSink) and bool(sink.accepts_device_rows)
 
 
-def takes_deferred(sink: object) -> bool:
+def takes_deferred(sink: object) -> TypeGuard[DeferredSink]:
+    """Whether ``sink`` resolves deferred records itself (a :class:`DeferredSink` that says it does)."""
     return isinstance(sink, DeferredSink) and bool(sink.accepts_deferred)
 
 
 def make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:
+    """The :class:`RequestRecord` of rows ``ids`` (the slot table's dtype) and ``meta`` (its other fields)."""
     if storage_dtype == np.uint16:
         ids = ids.view(np.uint16)  # the table holds uint16 bit patterns as int16
     return RequestRecord(ids_TLK=ids, **meta)
@@ -90,18 +104,21 @@ class StagedRecord:
 
     __slots__ = ("_staged", "_dtype", "_meta", "nbytes")
 
-    def __init__(self, staged, storage_dtype: np.dtype, meta: dict, nbytes: int) -> None:
+    def __init__(self, staged: StagedRows, storage_dtype: np.dtype, meta: dict, nbytes: int) -> None:
         self._staged, self._dtype, self._meta, self.nbytes = staged, storage_dtype, meta, nbytes
 
     @property
     def rollout_id(self) -> str:
+        """The rollout the request belongs to."""
         return self._meta["rollout_id"]
 
     @property
     def request_id(self) -> str:
+        """The id the request is stored as."""
         return self._meta["request_id"]
 
     def result(self) -> RequestRecord:
+        """Wait for the copy, then build the record over the pinned rows."""
         # The pinned block returns to torch's pool when `staged` is dropped; the record owns a
         # copy-free numpy view of it until then.
         return make_record(self._staged.wait(), self._dtype, self._meta)
@@ -118,14 +135,17 @@ class Finisher:
     def __init__(self, sink: RoutingSink) -> None:
         self.sink = sink
         self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[StagedRecord | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="r3rdma-finish", daemon=True)
         self._thread.start()
 
     def put(self, deferred: StagedRecord) -> None:
+        """Queue a staged record for the thread to wait on and hand over (never blocks)."""
         self._queue.put(deferred)
 
     def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything queued so far was handed to the sink; raise
+        :class:`~r3rdma.errors.R3TimeoutError` after ``timeout`` seconds."""
         done = threading.Event()
         self._queue.put(done)
         if not done.wait(timeout):
@@ -134,6 +154,7 @@ class Finisher:
             raise R3TimeoutError(f"finished requests not handed to the sink within {timeout} s")
 
     def stop(self) -> None:
+        """Let the thread finish what is queued, then end it (waits up to 30 s)."""
         self._queue.put(None)
         self._thread.join(30)
 
@@ -169,6 +190,8 @@ class Finishing:
         self.storage_dtype = storage_dtype
         self.row_bytes = row_bytes  # one [L, K] row in the storage dtype
         self._finisher: Finisher | None = None
+        # The sink as a taker of device rows; the capturer chose gpu_direct only for such a sink.
+        self._device_sink = sink if takes_device_rows(sink) else None
 
     def finish(self, slots: np.ndarray, meta: dict) -> RequestRecord | None:
         """The record (CPU, or without a sink), or None once the rows are on their way (CUDA)."""
@@ -177,22 +200,28 @@ class Finishing:
             if self.transfer_mode == "gpu_direct":
                 # The gathered device rows are the payload; the pusher waits on `ready`
                 # (a CUDA event) in its own thread before UCX reads them.
+                device_sink = self._device_sink
+                if device_sink is None:
+                    raise ConfigError(
+                        f"transfer_mode 'gpu_direct' needs a sink that pushes device memory; {type(self.sink).__name__} does not"
+                    )
                 rows = self.table.gather(slots)
                 ready = torch.cuda.Event()
                 ready.record()
-                self.sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **meta))
+                device_sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **meta))
                 return None
             # Gather on the GPU, copy to pinned host memory asynchronously, and let the
             # finisher thread wait for the copy and hand the record over: no sync here.
             staged = stage_to_host(self.table.gather(slots))
             deferred = StagedRecord(staged, self.storage_dtype, meta, int(slots.size) * self.row_bytes)
-            if takes_deferred(self.sink):
+            sink = self.sink
+            if takes_deferred(sink):
                 # A RoutingWriter resolves it on its own thread, so its flush() also covers
                 # records whose copy is still in flight.
-                self.sink.submit(deferred)
+                sink.submit(deferred)
             else:
                 if self._finisher is None:
-                    self._finisher = Finisher(self.sink)
+                    self._finisher = Finisher(sink)
                 self._finisher.put(deferred)
             return None
         ids = self.table.gather(slots).cpu().numpy()
@@ -202,16 +231,19 @@ class Finishing:
         return record
 
     def flush(self, timeout: float | None = None) -> None:
+        """Wait until the finisher thread (if any) handed over everything queued; raise its first error."""
         if self._finisher is not None:
             self._finisher.flush(timeout)
         self.raise_error()
 
     def stop(self) -> None:
+        """Stop the finisher thread, if one was started (a later CUDA finish starts another)."""
         if self._finisher is not None:
             self._finisher.stop()
             self._finisher = None
 
     def raise_error(self) -> None:
+        """Raise the finisher thread's first error not yet raised, if any (then forget it)."""
         if self._finisher is not None and self._finisher.error is not None:
             error, self._finisher.error = self._finisher.error, None
             raise error

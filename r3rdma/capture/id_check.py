@@ -36,17 +36,30 @@ class IdRangeCheck(Protocol):
 
     enabled: bool
 
-    def set_limit(self, expert_map: torch.Tensor | None) -> None: ...
+    def set_limit(self, expert_map: torch.Tensor | None) -> None:
+        """Ids recorded from now on are physical ids of ``expert_map``, or logical ids without one."""
+        ...
 
-    def on_record(self, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None) -> None: ...
+    def on_record(self, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None) -> None:
+        """Fold MoE layer ``moe``'s ids of this step (the ``router_rows`` among them, if given) into its range."""
+        ...
 
-    def on_chunk(self, moe: int, topk_ids_TK: torch.Tensor) -> None: ...
+    def on_chunk(self, moe: int, topk_ids_TK: torch.Tensor) -> None:
+        """Fold one chunk of MoE layer ``moe``'s ids (chunked MoE) into its running range."""
+        ...
 
-    def end_step(self) -> None: ...
+    def end_step(self) -> None:
+        """Fold the step's per-layer ranges into the running ones."""
+        ...
 
-    def check(self, *, block: bool) -> None: ...
+    def check(self, *, block: bool) -> None:
+        """Raise :class:`~r3rdma.errors.OutOfRangeError` if an id seen so far is out of range
+        (``block``: wait for the device to say; otherwise only what has already arrived)."""
+        ...
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Forget the ranges seen so far (a bad id is reported once)."""
+        ...
 
 
 class NoIdRangeCheck:
@@ -55,22 +68,22 @@ class NoIdRangeCheck:
     enabled = False
 
     def set_limit(self, expert_map: torch.Tensor | None) -> None:
-        pass
+        """Nothing to limit: the check is off."""
 
     def on_record(self, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None) -> None:
-        pass
+        """Nothing recorded: the check is off."""
 
     def on_chunk(self, moe: int, topk_ids_TK: torch.Tensor) -> None:
-        pass
+        """Nothing recorded: the check is off."""
 
     def end_step(self) -> None:
-        pass
+        """Nothing to fold: the check is off."""
 
     def check(self, *, block: bool) -> None:
-        pass
+        """Never raises: the check is off."""
 
     def reset(self) -> None:
-        pass
+        """Nothing to forget: the check is off."""
 
 
 class DeviceIdRangeCheck:
@@ -90,9 +103,9 @@ class DeviceIdRangeCheck:
         self._ids_lo_L = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
         self._ids_hi_L = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
         self._ids_probe: tuple[torch.Tensor, torch.cuda.Event] | None = None  # CUDA: copy in flight
-        # This step's range per layer, in the router's dtype (one aminmax writes it in place).
-        self._step_lo_L: torch.Tensor | None = None
-        self._step_hi_L: torch.Tensor | None = None
+        # This step's lowest / highest id per layer, in the router's dtype (one aminmax writes
+        # both in place); None until the first record.
+        self._step_L: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_limit(self, expert_map: torch.Tensor | None) -> None:
         """Ids from now on are physical ids of ``expert_map`` (or logical ones without)."""
@@ -102,26 +115,31 @@ class DeviceIdRangeCheck:
             self._limit, self._physical = int(expert_map.numel()), True
 
     def on_record(self, moe: int, topk_ids_TK: torch.Tensor, router_rows: torch.Tensor | None) -> None:
-        # One kernel per record: aminmax straight into this step's [L] pair (folded at end_step).
+        """One kernel: ``aminmax`` of the layer's ids straight into this step's ``[L]`` pair (folded at :meth:`end_step`)."""
         ids = topk_ids_TK if router_rows is None else topk_ids_TK.index_select(0, router_rows)
         if ids.numel() == 0:
             return
-        if self._step_lo_L is None or self._step_lo_L.dtype != ids.dtype or self._step_lo_L.device != ids.device:
-            if self._step_lo_L is not None:
+        step = self._step_L
+        if step is None or step[0].dtype != ids.dtype or step[0].device != ids.device:
+            if step is not None:
                 self.end_step()
-            self._step_lo_L = torch.zeros(self.num_layers, dtype=ids.dtype, device=ids.device)
-            self._step_hi_L = torch.zeros(self.num_layers, dtype=ids.dtype, device=ids.device)
-        torch.aminmax(ids, out=(self._step_lo_L[moe], self._step_hi_L[moe]))
+            step = self._step_L = (
+                torch.zeros(self.num_layers, dtype=ids.dtype, device=ids.device),
+                torch.zeros(self.num_layers, dtype=ids.dtype, device=ids.device),
+            )
+        lo_L, hi_L = step
+        torch.aminmax(ids, out=(lo_L[moe], hi_L[moe]))
 
     def end_step(self) -> None:
-        # Two kernels per step. Layers not recorded this step hold last step's values: folding
-        # them again changes nothing.
-        if self._step_lo_L is not None:
-            self._ids_lo_L.clamp_(max=self._step_lo_L.to(self._ids_lo_L.device, torch.int64))
-            self._ids_hi_L.clamp_(min=self._step_hi_L.to(self._ids_hi_L.device, torch.int64))
+        """Two kernels: fold this step's ``[L]`` pair into the running one. Layers not recorded
+        this step hold last step's values: folding them again changes nothing."""
+        if self._step_L is not None:
+            lo_L, hi_L = self._step_L
+            self._ids_lo_L.clamp_(max=lo_L.to(self._ids_lo_L.device, torch.int64))
+            self._ids_hi_L.clamp_(min=hi_L.to(self._ids_hi_L.device, torch.int64))
 
     def on_chunk(self, moe: int, topk_ids_TK: torch.Tensor) -> None:
-        # Device only: one reduction, two in-place clamps on 1-element views (no host sync).
+        """Device only: one reduction, two in-place clamps on 1-element views (no host sync)."""
         if topk_ids_TK.numel() == 0:
             return
         lo, hi = torch.aminmax(topk_ids_TK)
@@ -129,9 +147,9 @@ class DeviceIdRangeCheck:
         self._ids_hi_L[moe : moe + 1].clamp_(min=hi.to(torch.int64))
 
     def reset(self) -> None:
-        for t in (self._ids_lo_L, self._ids_hi_L, self._step_lo_L, self._step_hi_L):
-            if t is not None:
-                t.zero_()
+        """Zero the running and this step's ranges (a bad id is reported once; later ones afresh)."""
+        for t in (self._ids_lo_L, self._ids_hi_L, *(self._step_L or ())):
+            t.zero_()
 
     def check(self, *, block: bool) -> None:
         """Raise if a recorded id lay outside what the capturer stores.

@@ -49,10 +49,14 @@ def num_routing_rows(prompt_len: int, generated_len: int) -> int:
     return prompt_len + max(generated_len, 1) - 1
 
 
-class _Lanes(dict):
+class _Lanes(dict[str, int]):
     """Request id -> lane; looking up an id without one gives it a free lane (a new request)."""
 
     __slots__ = ("ledger",)
+
+    def __init__(self, ledger: RequestLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
 
     def __missing__(self, request_id: str) -> int:
         return self.ledger._new_lane(request_id)
@@ -77,8 +81,7 @@ class RequestLedger:
         self._shift = page_positions.bit_length() - 1
         self._mask = page_positions - 1
         self._offsets = np.arange(page_positions, dtype=np.int64)  # positions within a page
-        self._lanes = _Lanes()
-        self._lanes.ledger = self
+        self._lanes = _Lanes(self)
         self._free_lanes = list(range(lanes - 1, -1, -1))
         # lane, page index -> the page's offset into the pools (page * P; 0: the empty page)
         self._page_table = np.zeros((lanes, 4), dtype=np.int64)
@@ -94,6 +97,7 @@ class RequestLedger:
 
     @property
     def active_requests(self) -> int:
+        """Requests holding a lane (live: not yet finished, aborted, preempted or forgotten)."""
         return len(self._lanes)
 
     @property

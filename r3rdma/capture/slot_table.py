@@ -166,6 +166,7 @@ class SlotTable:
         return (self.step_buf.data_ptr(), self.rows_buf.data_ptr() if with_rows else 0, with_rows)
 
     def remember_graph(self, num_tokens: int, with_rows: bool) -> None:
+        """Note that a graph of ``num_tokens`` tokens was captured over the buffers as they are now."""
         self._graph_tokens[num_tokens] = self.graph_key(with_rows)
 
     def graph_for(self, num_tokens: int) -> tuple[int, int, bool] | None:
@@ -175,6 +176,7 @@ class SlotTable:
         return self._graph_tokens.get(num_tokens)
 
     def graph_token_counts(self) -> list[int]:
+        """The token counts graphs were captured for, ascending."""
         return sorted(self._graph_tokens)
 
     def record(
@@ -198,9 +200,10 @@ class SlotTable:
         Rows ``0 .. total - 1`` of the step buffer, or with ``token_idx`` only those tokens
         (speculative decoding: accepted tokens), one slot each.
         """
-        if self._table_np is not None:  # CPU: numpy scatter, the bytes write_step_rows writes
-            rows = self._step_np[:total]
-            self._table_np[slots] = rows if token_idx is None else rows[token_idx]
+        table_np, step_np = self._table_np, self._step_np  # both set on a CPU table, both None on CUDA
+        if table_np is not None and step_np is not None:  # CPU: numpy scatter, the bytes write_step_rows writes
+            rows = step_np[:total]
+            table_np[slots] = rows if token_idx is None else rows[token_idx]
         elif token_idx is None:
             write_step_rows(self.table_SLK, self.to_device(slots), self.step_buf[:total])
         else:  # one transfer for both index arrays

@@ -51,6 +51,7 @@ class EndedStep(NamedTuple):
 
     @property
     def rows(self) -> int:
+        """Rows the step kept (its kept tokens, one slot each)."""
         return int(self.slots.size)
 
 
@@ -75,7 +76,21 @@ class _OpenStep:
         "local",
     )
 
-    def __init__(self, request_ids, starts, counts, fewest, slots, router_rows, num_layers, recorded) -> None:
+    def __init__(
+        self,
+        request_ids: tuple[str, ...],
+        starts: np.ndarray,
+        counts: np.ndarray,
+        fewest: int,
+        slots: np.ndarray,
+        router_rows: torch.Tensor | None,
+        num_layers: int,
+        recorded: bool,
+        *,
+        chunk: int,
+        base: int,
+        local: int,
+    ) -> None:
         self.request_ids = request_ids
         self.members: frozenset[str] | None = None  # built on the first retire (overlap scheduling)
         self.retired: set[str] | None = None
@@ -87,6 +102,11 @@ class _OpenStep:
         self.total = int(slots.shape[0])
         self.recorded = [recorded] * num_layers
         self.covered = [0] * num_layers  # tokens recorded so far per layer (chunked MoE)
+        # This rank's share of the step's tokens (all of them without TP): its `local` tokens are
+        # step-buffer rows from `base`, in shares of `chunk` rows per rank.
+        self.chunk = chunk
+        self.base = base
+        self.local = local
 
 
 class StepRecorder:
@@ -127,6 +147,7 @@ class StepRecorder:
 
     @property
     def is_open(self) -> bool:
+        """Whether a step is open (between ``begin`` and ``end``, or inside :meth:`graph_capture`)."""
         return self.open is not None
 
     def begin(
@@ -189,16 +210,35 @@ class StepRecorder:
         self.open = step
 
     def _open_step(
-        self, request_ids, starts, counts, fewest, slots, router_rows, graphed: bool, *, recorded: bool = False
+        self,
+        request_ids: tuple[str, ...],
+        starts: np.ndarray,
+        counts: np.ndarray,
+        fewest: int,
+        slots: np.ndarray,
+        router_rows: torch.Tensor | None,
+        graphed: bool,
+        *,
+        recorded: bool = False,
     ) -> _OpenStep:
         total = int(slots.shape[0])
         chunk = -(-total // self.tp_size)  # tokens per TP rank (the last may have fewer)
         self.table.reserve_step(chunk * self.tp_size)
-        step = _OpenStep(request_ids, starts, counts, fewest, slots, router_rows, self.num_layers, recorded)
-        # This rank's share of the step's tokens: all of them without TP.
-        step.chunk = chunk
-        step.base = self.tp_rank * chunk
-        step.local = max(0, min(chunk, total - step.base))
+        base = self.tp_rank * chunk
+        local = max(0, min(chunk, total - base))
+        step = _OpenStep(
+            request_ids,
+            starts,
+            counts,
+            fewest,
+            slots,
+            router_rows,
+            self.num_layers,
+            recorded,
+            chunk=chunk,
+            base=base,
+            local=local,
+        )
         if router_rows is not None and self.tp_size > 1:
             step.router_rows = router_rows[step.base : step.base + step.local]
         if router_rows is not None and graphed:
@@ -284,6 +324,7 @@ class StepRecorder:
             step.retired.add(request_id)
 
     def cancel(self) -> None:
+        """Drop the open step without ending it: nothing of it reaches the slot table."""
         self.open = None
 
     def end(self, accepted_T: Sequence[bool] | np.ndarray | None) -> EndedStep | None:

@@ -98,4 +98,5 @@ class DeviceRows:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the device rows (the push payload)."""
         return self.ids_TLK.numel() * self.ids_TLK.element_size()

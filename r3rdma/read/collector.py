@@ -63,14 +63,17 @@ class ShareCollector:
 
     @property
     def total(self) -> int:
+        """Requests in the share."""
         return len(self._order)
 
     @property
     def ready(self) -> int:
+        """Requests of the share read so far."""
         with self._lock:
             return len(self._got)
 
     def done(self) -> bool:
+        """Whether the collection ended (every request read, an error, or :meth:`close`): :meth:`result` no longer waits."""
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> dict[str, np.ndarray]:

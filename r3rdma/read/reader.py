@@ -146,6 +146,7 @@ class RoutingReader:
         self.read_failovers = 0
 
     def close(self) -> None:
+        """Release the checksum thread pool (without waiting for hashes in flight)."""
         self._pool.shutdown(wait=False)
 
     def __enter__(self) -> RoutingReader:
@@ -155,6 +156,7 @@ class RoutingReader:
         self.close()
 
     def info(self, rollout_id: str) -> RolloutInfo:
+        """The rollout's geometry and committed requests, from a fresh index (:class:`RolloutInfo`)."""
         merged = self._index(rollout_id, refresh=True)
         geometry = merged.geometry
         return RolloutInfo(
@@ -389,27 +391,28 @@ class RoutingReader:
             rows, chunk = source.shape_of(rollout_id, index, name)
             segs = sorted(segs, key=lambda s: s[2].offset)
             if 2 * sum(s[2].rows for s in segs) >= rows:
-                ranges = [[0, rows, segs]]  # most of the array: all of it, in one ranged read
+                ranges = [_RowRange(0, rows, segs)]  # most of the array: all of it, in one ranged read
             else:
                 ranges = []
-                for seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
-                    lo, hi = seg[2].offset, seg[2].offset + seg[2].rows
-                    if ranges and lo // chunk <= (ranges[-1][1] - 1) // chunk:
-                        ranges[-1][1] = max(ranges[-1][1], hi)
-                        ranges[-1][2].append(seg)
+                for wanted_seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
+                    lo, hi = wanted_seg[2].offset, wanted_seg[2].offset + wanted_seg[2].rows
+                    if ranges and lo // chunk <= (ranges[-1].hi - 1) // chunk:
+                        ranges[-1].hi = max(ranges[-1].hi, hi)
+                        ranges[-1].members.append(wanted_seg)
                     else:
-                        ranges.append([lo, hi, [seg]])
+                        ranges.append(_RowRange(lo, hi, [wanted_seg]))
             async with limit:
-                blocks = await source.read_ranges(rollout_id, index, name, [(lo, hi) for lo, hi, _ in ranges])
+                blocks = await source.read_ranges(rollout_id, index, name, [(r.lo, r.hi) for r in ranges])
             bar.update()
             out = {}
-            for (lo, _hi, members), block in zip(ranges, blocks):
-                for rid, seg_no, seg in members:
+            for row_range, block in zip(ranges, blocks):
+                lo = row_range.lo
+                for rid, seg_no, seg in row_range.members:
                     out[(rid, seg_no)] = block[seg.offset - lo : seg.offset - lo + seg.rows]
             if self._verify:
                 # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
                 sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
-                for (rid, seg_no, seg), got in zip(segs, sums):
+                for (rid, _seg_no, seg), got in zip(segs, sums):
                     if got != seg.crc32c:
                         raise CorruptDataError(
                             f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array {name} rows "
@@ -635,6 +638,16 @@ async def _raise(error: BaseException) -> None:
 
 def _checksums(pieces: list[np.ndarray]) -> list[int]:
     return [checksum(piece) for piece in pieces]
+
+
+@dataclass(slots=True)
+class _RowRange:
+    """Rows ``lo .. hi - 1`` of one batch array, read in one ranged read, and the wanted
+    segments ``(request id, segment number, segment)`` inside them."""
+
+    lo: int
+    hi: int
+    members: list[tuple[str, int, Segment]]
 
 
 @dataclass

@@ -65,6 +65,8 @@ class ShardLayout:
 
     @classmethod
     def of(cls, metadata: dict[str, Any]) -> ShardLayout | None:
+        """The layout an array's ``zarr.json`` (as a dict) describes, or None when it is not r3rdma's
+        (the reader then reads the array through zarr)."""
         try:
             shape = tuple(metadata["shape"])
             outer = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
@@ -115,10 +117,12 @@ class ShardLayout:
 
     @property
     def chunks_per_shard(self) -> int:
+        """Inner chunks per shard."""
         return self.shard_rows // self.chunk_rows
 
     @property
     def chunk_bytes(self) -> int:
+        """Bytes of one decoded inner chunk (edge chunks are stored padded to this size)."""
         return self.chunk_rows * int(np.prod(self.row_shape)) * self.dtype.itemsize
 
 
@@ -164,7 +168,7 @@ async def read_ranges(
         async def group(items: list[tuple[int, int, int]]) -> None:
             start, end = items[0][0], max(e for _, e, _ in items)
             buffer = await store.get(key, prototype=default_buffer_prototype(), byte_range=RangeByteRequest(start, end))
-            data = b"" if buffer is None else buffer.as_numpy_array()
+            data = np.empty(0, dtype=np.uint8) if buffer is None else buffer.as_numpy_array()
             if len(data) != end - start:
                 raise CorruptDataError(
                     f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"

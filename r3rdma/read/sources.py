@@ -20,7 +20,8 @@ import asyncio
 import itertools
 import os
 import re
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -44,6 +45,9 @@ from r3rdma.store.rollout_index import (
     part_name,
     snapshot_name,
 )
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig
 
 __all__ = ["Source", "http_store", "source_items", "check_url"]
 
@@ -217,6 +221,9 @@ class Source:
     # -- batch arrays ---------------------------------------------------------------------
 
     async def array(self, rollout_id: str, uid: str, name: str) -> zarr.AsyncArray:
+        """The batch array ``name`` of the rollout, opened once and kept (by the index's ``uid``:
+        a rollout deleted and written again is opened afresh); raises :class:`CorruptDataError`
+        when it cannot be opened or is not ``[rows, L, K]``."""
         key = (rollout_id, uid, name)
         array = self._arrays.get(key)
         if array is None:
@@ -268,6 +275,7 @@ class Source:
         await self.prepare(rollout_id, index, name)
         layout = self._layouts[(rollout_id, index.uid, name)]
         where = self._where(rollout_id, name)
+        read: Coroutine[Any, Any, list[np.ndarray]]
         if layout is not None:
             rows = layout.rows
             read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where)
@@ -275,10 +283,10 @@ class Source:
             array = await self.array(rollout_id, index.uid, name)
             rows = array.shape[0]
 
-            async def read():
+            async def read_through_zarr() -> list[np.ndarray]:
                 return [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
 
-            read = read()
+            read = read_through_zarr()
         if any(hi > rows for _, hi in ranges):
             read.close()
             raise CorruptDataError(f"{where} has {rows} rows; the index lists rows up to {max(hi for _, hi in ranges)}")
@@ -311,11 +319,11 @@ class Source:
     def forget(self, rollout_id: str) -> None:
         """Drop what is cached about a rollout (it was deleted)."""
         self._indexes.pop(rollout_id, None)
-        for key in [k for k in self._arrays if k[0] == rollout_id]:
-            del self._arrays[key]
-            self._layouts.pop(key, None)
-        for key in [k for k in self._shard_indexes if k[0].startswith(f"{rollout_id}/")]:
-            del self._shard_indexes[key]
+        for array_key in [k for k in self._arrays if k[0] == rollout_id]:
+            del self._arrays[array_key]
+            self._layouts.pop(array_key, None)
+        for shard_key in [k for k in self._shard_indexes if k[0].startswith(f"{rollout_id}/")]:
+            del self._shard_indexes[shard_key]
 
     async def stored_bytes(self, rollout_id: str, index: RolloutIndex) -> int:
         """Bytes this root stores for the rollout: entry point, index parts, batch arrays."""
@@ -381,14 +389,14 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
         return _fsspec_store(url, token, timeout_s)
     from zarr.storage import ObjectStore
 
-    options: dict[str, Any] = {
+    options: ClientConfig = {
         "allow_http": True,
         "connect_timeout": timedelta(seconds=timeout_s),
         "timeout": timedelta(seconds=timeout_s),
     }
     if token:
         options["default_headers"] = {"Authorization": f"Bearer {token}"}
-    retry = {
+    retry: RetryConfig = {
         "max_retries": 2,
         "retry_timeout": timedelta(seconds=timeout_s),
         "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1), "base": 2},

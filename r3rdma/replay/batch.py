@@ -50,21 +50,26 @@ class ReplayBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Rows the routers see (``N``)."""
         return int(self.ids_NLK.shape[0])
 
     @property
     def num_layers(self) -> int:
+        """MoE layers (``L``)."""
         return int(self.ids_NLK.shape[1])
 
     @property
     def top_k(self) -> int:
+        """Experts per row and layer (``K``)."""
         return int(self.ids_NLK.shape[2])
 
     @property
     def num_recorded(self) -> int:
+        """Rows with recorded routing (the others use the router's live top-k)."""
         return int(self.recorded_N.sum())
 
     def to(self, device: torch.device | str) -> ReplayBatch:
+        """The same batch with its tensors on ``device``."""
         return ReplayBatch(self.ids_NLK.to(device), self.recorded_N.to(device), self.layer_map, self.num_experts)
 
     def check_fits(self, *, layer_map: Sequence[int], top_k: int, num_experts: int) -> None:
@@ -195,7 +200,11 @@ def _as_int64(ids: torch.Tensor) -> torch.Tensor:
     return ids.to(torch.int64)
 
 
-def _pieces(routing, layer_map, num_experts):
+def _pieces(
+    routing: PackedRouting | Sequence[torch.Tensor], layer_map: Sequence[int] | None, num_experts: int | None
+) -> tuple[list[torch.Tensor], tuple[int, ...] | None, int | None]:
+    """Per-request routing tensors in batch order, with the layer map and expert count to keep
+    (the routing's own when it is a :class:`PackedRouting`, else the caller's)."""
     if isinstance(routing, PackedRouting):
         if any(s != 0 for s in routing.start_rows):
             bad = [r for r, s in zip(routing.request_ids, routing.start_rows) if s != 0]

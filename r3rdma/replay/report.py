@@ -35,10 +35,12 @@ class ReplayReport:
 
     @property
     def decisions_differ_frac(self) -> float:
+        """Share of decisions that differ (0.0 without any decision)."""
         return self.decisions_differ / self.decisions if self.decisions else 0.0
 
     @property
     def tokens_any_layer_differ_frac(self) -> float:
+        """Share of recorded tokens with a differing decision in at least one layer (0.0 without any)."""
         return self.tokens_any_layer_differ / self.recorded_tokens if self.recorded_tokens else 0.0
 
 

@@ -56,6 +56,7 @@ class ProbeResult:
     rounds: int
 
     def to_json(self) -> dict:
+        """The result as a JSON object: mode, both rates in GB/s (3 decimals), probe bytes and rounds."""
         return {
             "mode": self.mode,
             "gpu_direct_gbps": round(self.gpu_direct_gbps, 3),

@@ -25,9 +25,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from r3rdma.errors import AuthenticationError, ConfigError, R3Error, R3TimeoutError, TransportError
 from r3rdma.records import RequestRecord, batches_by_size
+
+if TYPE_CHECKING:
+    from r3rdma.transport import UcxxClient
 
 __all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url"]
 
@@ -91,7 +95,7 @@ class StoreNodesClient:
         self._down_until: dict[str, float] = {}
         self._cooldown = down_cooldown_s
         self._commit_timeout = commit_timeout_s
-        self._clients: dict[str, object] = {}
+        self._clients: dict[str, UcxxClient] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="r3rdma-push", daemon=True)
         self._thread.start()
@@ -168,7 +172,7 @@ class StoreNodesClient:
         errors = {n: r for n, r in zip(self.nodes, results) if isinstance(r, BaseException)}
         live = [n for n in self.nodes if n not in errors]
         if len(live) < self.replicas:
-            detail = "; ".join(f"{n}: {type(e).__name__}: {e or 'no answer in %.0f s' % timeout_s}" for n, e in errors.items())
+            detail = "; ".join(f"{n}: {type(e).__name__}: {e or f'no answer in {timeout_s:.0f} s'}" for n, e in errors.items())
             raise TransportError(
                 f"{len(live)} of {len(self.nodes)} store nodes answered within {timeout_s:.0f} s, but each request "
                 f"needs {self.replicas} (replicas); {detail}"
@@ -191,6 +195,7 @@ class StoreNodesClient:
             raise R3TimeoutError(f"{what} took over {self._commit_timeout} s") from e
 
     def close(self) -> None:
+        """Close every node connection and stop the client's loop thread; calling it again does nothing."""
         if self._loop.is_closed():
             return
         asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(30)

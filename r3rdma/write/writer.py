@@ -23,11 +23,14 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
 from r3rdma.records import RequestRecord
 from r3rdma.store.refusals import commit_each, retry_part_by_part
+
+if TYPE_CHECKING:
+    from r3rdma.capture.transfer import DeviceRows
 
 __all__ = ["CommitFailure", "DeferredRecord", "DeviceRecordStore", "RoutingWriter", "RecordStore"]
 
@@ -64,7 +67,9 @@ class RecordStore(Protocol):
     """Where a writer commits: ``commit`` returns once ``records`` are durable
     (:class:`~r3rdma.store.local_store.LocalRoutingStore`, :class:`~r3rdma.write.push_client.StoreNodesClient`)."""
 
-    def commit(self, records: Sequence[RequestRecord]) -> object: ...
+    def commit(self, records: Sequence[RequestRecord]) -> object:
+        """Make ``records`` durable; return once they are (raise if any is not)."""
+        ...
 
 
 @runtime_checkable
@@ -73,11 +78,17 @@ class DeviceRecordStore(Protocol):
     whether that beats staging through pinned host memory: a
     :class:`~r3rdma.write.push_client.StoreNodesClient`. The local store is not one."""
 
-    def commit(self, records: Sequence[RequestRecord]) -> object: ...
+    def commit(self, records: Sequence[RequestRecord]) -> object:
+        """Make host ``records`` durable; return once they are (raise if any is not)."""
+        ...
 
-    def commit_device(self, items: Sequence[object]) -> object: ...
+    def commit_device(self, items: Sequence[object]) -> object:
+        """Make :class:`~r3rdma.capture.transfer.DeviceRows` durable, pushing their device buffers directly."""
+        ...
 
-    def probe_transfer_mode(self, device=None): ...
+    def probe_transfer_mode(self, device=None):
+        """Measure GPU-direct against staged pushes; return a :class:`~r3rdma.write.device_push.ProbeResult`."""
+        ...
 
 
 class DeferredRecord(Protocol):
@@ -89,7 +100,9 @@ class DeferredRecord(Protocol):
 
     nbytes: int
 
-    def result(self) -> RequestRecord: ...
+    def result(self) -> RequestRecord:
+        """Block until the record's rows exist; return the record (raises what producing it raised)."""
+        ...
 
 
 class RoutingWriter:
@@ -146,7 +159,7 @@ class RoutingWriter:
         self.flush_interval_s = flush_interval_s
         self.max_inflight_bytes = max_inflight_bytes
         self._cond = threading.Condition()
-        self._queue: deque[RequestRecord | DeferredRecord] = deque()
+        self._queue: deque[RequestRecord | DeferredRecord | DeviceRows] = deque()
         self._queued_bytes = 0
         self._inflight_bytes = 0  # queued + being committed
         self._submitted = 0
@@ -165,7 +178,7 @@ class RoutingWriter:
         self._thread = threading.Thread(target=self._run, name="r3rdma-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, record: RequestRecord | DeferredRecord) -> None:
+    def submit(self, record: RequestRecord | DeferredRecord | DeviceRows) -> None:
         """Queue a finished request; blocks while the in-flight budget is exhausted.
 
         A record without rows is refused here (:class:`ShapeMismatchError`), before anything
@@ -227,7 +240,10 @@ class RoutingWriter:
             self._thread.join(timeout)
             if self.owns_store:
                 self.owns_store = False  # closed once
-                self.store.close()
+                close_store = getattr(self.store, "close", None)
+                if not callable(close_store):  # refused at construction; only a hand-set owns_store gets here
+                    raise ConfigError(f"owns_store=True needs a store with close(), got {type(self.store).__name__}")
+                close_store()
 
     def __enter__(self) -> RoutingWriter:
         return self
@@ -242,6 +258,7 @@ class RoutingWriter:
 
     @property
     def queued_bytes(self) -> int:
+        """Bytes of the records waiting for the worker (not yet in a commit)."""
         return self._queued_bytes
 
     @property
@@ -269,8 +286,10 @@ class RoutingWriter:
                 cause = error
                 error = StoreError(f"committing routing failed: {cause!r}")
                 error.__cause__ = cause
-            error.failed_request_ids = failed
-            error.errors = errors
+            # Attached to whichever R3Error this is (the store's own type is kept for the
+            # engine to catch), so as attributes of this instance, not of a class.
+            setattr(error, "failed_request_ids", failed)  # noqa: B010
+            setattr(error, "errors", errors)  # noqa: B010
             error.add_note(
                 f"r3rdma: {len(failed)} requests failed to commit ({len(errors)} errors) since the last error raised: "
                 + ", ".join(f"{r}/{q}" for r, q in failed[:10])
@@ -336,7 +355,12 @@ class RoutingWriter:
             elif host:
                 job.failures += self._commit(self.store.commit, host)
             if device:
-                job.failures += self._commit(self.store.commit_device, device)  # GPU-direct: UCX reads device memory
+                store = self.store
+                if isinstance(store, DeviceRecordStore):
+                    job.failures += self._commit(store.commit_device, device)  # GPU-direct: UCX reads device memory
+                else:  # a capturer sends device rows only where accepts_device_rows said yes
+                    reason = f"device rows need a store that pushes device memory, got {type(store).__name__}"
+                    job.failures.append((StoreError(reason), device))
             if publishing is not None:
                 self._finish(publishing)
             publishing = job
@@ -410,6 +434,7 @@ class _Job:
     host: list = field(default_factory=list)
 
     def settled(self) -> bool:
+        """Whether the batch's commit has finished, durable or failed (never blocks)."""
         return self.future is None or self.future.done()
 
 
