@@ -10,6 +10,7 @@ run. Writes ``OUT/results.json``, ``OUT/tables.md`` and ``OUT/*.png``; the last 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -89,6 +90,8 @@ def run_all(
     capture: bool | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
+    """Run every bench not in ``skip`` (capture: ``None`` = when a GPU is present), write ``out``'s
+    results.json, tables.md and PNGs; return the summary (ratios, errors per bench, seconds per bench)."""
     from r3rdma.bench import plots
     from r3rdma.bench.codec_bench import run_codec_bench
     from r3rdma.bench.store_bench import run_store_bench
@@ -254,7 +257,8 @@ def markdown_tables(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench all``."""
     parser.add_argument("--out", default="bench_results", help="directory for results.json, tables.md and PNGs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, numbers mean nothing")
     parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "codecs", "capture"])
@@ -263,7 +267,8 @@ def add_arguments(parser) -> None:
     )
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench all``: run, print the summary as JSON; exit status 1 if a bench failed."""
     capture = {"auto": None, "on": True, "off": False}[args.capture]
     summary = run_all(out=args.out, quick=args.quick, skip=tuple(args.skip), capture=capture)
     print(json.dumps(summary))

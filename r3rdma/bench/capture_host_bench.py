@@ -31,6 +31,7 @@ Run ``--running 64 256`` to see how the cost grows with the batch. The last line
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -279,7 +280,9 @@ def _run_plugin(args, running: int) -> dict:
     }
 
 
-def run_capture_host_bench(args) -> dict:
+def run_capture_host_bench(args: argparse.Namespace) -> dict:
+    """One simulated run per ``--running`` count (the graphed path, the eager one unless ``--no-eager``,
+    the vLLM plug-in's path unless ``--no-plugin``); return the summary: host microseconds per step."""
     results = []
     for graphed in [True, False] if args.eager else [True]:
         for running in args.running:
@@ -292,7 +295,7 @@ def run_capture_host_bench(args) -> dict:
             plugin[running] = _run_plugin(args, running)
             if args.verbose:
                 print(json.dumps(plugin[running]), flush=True)
-    graphed = {r["running"]: r for r in results if r["record_path"] == "graphed"}
+    graphed_runs = {r["running"]: r for r in results if r["record_path"] == "graphed"}
     summary = {
         "bench": "capture_host",
         "device": "cpu",
@@ -300,14 +303,17 @@ def run_capture_host_bench(args) -> dict:
         "top_k": args.top_k,
         "block_size": BLOCK,
         "steps": args.steps,
-        "begin_end_us_median": {n: r["begin_end_us"]["median"] for n, r in graphed.items()},
-        "capturer_us_per_step_mean": {n: r["capturer_us_per_step_mean"] for n, r in graphed.items()},
-        "begin_end_us_decode_only_steps_median": {n: r["begin_end_us_decode_only_steps"]["median"] for n, r in graphed.items()},
+        "begin_end_us_median": {n: r["begin_end_us"]["median"] for n, r in graphed_runs.items()},
+        "capturer_us_per_step_mean": {n: r["capturer_us_per_step_mean"] for n, r in graphed_runs.items()},
+        "begin_end_us_decode_only_steps_median": {
+            n: r["begin_end_us_decode_only_steps"]["median"] for n, r in graphed_runs.items()
+        },
         "yardstick_engine_slot_mapping_us_median": {
-            n: r["yardstick_engine_slot_mapping_us"]["median"] for n, r in graphed.items()
+            n: r["yardstick_engine_slot_mapping_us"]["median"] for n, r in graphed_runs.items()
         },
         "begin_end_over_yardstick": {
-            n: round(r["begin_end_us"]["median"] / r["yardstick_engine_slot_mapping_us"]["median"], 2) for n, r in graphed.items()
+            n: round(r["begin_end_us"]["median"] / r["yardstick_engine_slot_mapping_us"]["median"], 2)
+            for n, r in graphed_runs.items()
         },
         "results": results,
     }
@@ -324,8 +330,8 @@ def run_capture_host_bench(args) -> dict:
                 plugin, lambda r: r["plugin_host_us_decode_only_steps"]
             )
         summary["plugin_results"] = list(plugin.values())
-    if len(graphed) > 1:
-        summary["begin_end_us_per_extra_request"] = _per_extra_request(graphed, lambda r: r["begin_end_us"]["median"])
+    if len(graphed_runs) > 1:
+        summary["begin_end_us_per_extra_request"] = _per_extra_request(graphed_runs, lambda r: r["begin_end_us"]["median"])
     return summary
 
 
@@ -335,7 +341,8 @@ def _per_extra_request(by_running: dict[int, dict], value) -> float:
     return round((value(by_running[hi]) - value(by_running[lo])) / (hi - lo), 3)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench capture-host``: running requests, steps, the model's shape, the request mix."""
     parser.add_argument("--running", type=int, nargs="+", default=[64, 256], help="running requests (one run each)")
     parser.add_argument("--steps", type=int, default=2000, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=600, help="untimed steps first (the batch reaches steady turnover)")
@@ -356,5 +363,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", dest="verbose", action="store_false")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench capture-host``: run, print the summary as the last JSON line."""
     return emit(run_capture_host_bench(args))

@@ -25,12 +25,13 @@ records ``"topk_sorted": true`` (see docs/FORMAT.md). The last line is JSON.
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -43,6 +44,9 @@ __all__ = ["CODECS", "CodecChoice", "run_codec_bench", "routing_sources", "add_a
 
 @dataclass(frozen=True, slots=True)
 class CodecChoice:
+    """A codec setting of the study: its name in the tables, the zarr compressors, and whether each
+    (token, layer)'s top-k ids are sorted before encoding (``+sorted``: replay uses them as a set)."""
+
     name: str
     compressors: tuple[Any, ...]  # bytes-to-bytes codecs (immutable zarr codecs); CRC-32C appended by the bench
     sort_topk: bool = False
@@ -53,14 +57,12 @@ def _codecs() -> list[CodecChoice]:
 
     base = [CodecChoice("none", ())]
     base += [CodecChoice(f"zstd-{level}", (ZstdCodec(level=level),)) for level in (1, 3, 9, 19)]
-    base += [
-        CodecChoice(name, (BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle"),))
-        for name, cname, level in (
-            ("blosc-lz4-bitshuffle", "lz4", 5),
-            ("blosc-zstd3-bitshuffle", "zstd", 3),
-            ("blosc-zstd5-bitshuffle", "zstd", 5),
-        )
-    ]
+    blosc: tuple[tuple[str, Literal["lz4", "zstd"], int], ...] = (
+        ("blosc-lz4-bitshuffle", "lz4", 5),
+        ("blosc-zstd3-bitshuffle", "zstd", 3),
+        ("blosc-zstd5-bitshuffle", "zstd", 5),
+    )
+    base += [CodecChoice(name, (BloscCodec(cname=cname, clevel=level, shuffle="bitshuffle"),)) for name, cname, level in blosc]
     return base + [CodecChoice(c.name + "+sorted", c.compressors, True) for c in base if c.name != "none"]
 
 
@@ -300,11 +302,11 @@ def run_codec_bench(
     chunk_source = "synthetic-skewed" if "synthetic-skewed" in sources else next(iter(sources))
     skewed = sources[chunk_source]
     for name in ("zstd-3", "blosc-zstd5-bitshuffle"):
-        codec = next((c for c in CODECS if c.name == name), None)
-        if codec is None or (codecs is not None and name not in codecs):
+        studied = next((c for c in CODECS if c.name == name), None)
+        if studied is None or (codecs is not None and name not in codecs):
             continue
         for rows_per_chunk in chunk_rows:
-            m = measure(skewed, codec, chunk_rows=rows_per_chunk, repeats=repeats)
+            m = measure(skewed, studied, chunk_rows=rows_per_chunk, repeats=repeats)
             chunking.append(
                 {
                     "source": chunk_source,
@@ -326,11 +328,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     head = "| codec | " + " | ".join(f"{s}: B/token (x uint8) | enc/dec MB/s" for s in sources) + " |"
     lines = [head, "|---|" + "---|---|" * len(sources)]
     for s in ("int32_raw", "base64_int32", "uint8_raw"):
-        cells = " | ".join(
+        yardstick_cells = " | ".join(
             f"{result['sources'][src][s]} ({result['sources'][src][s] / result['sources'][src]['uint8_raw']:.2f}) | "
             for src in sources
         )
-        lines.append(f"| *{s} (yardstick)* | {cells} |")
+        lines.append(f"| *{s} (yardstick)* | {yardstick_cells} |")
     for codec in codecs:
         cells = []
         for src in sources:
@@ -341,7 +343,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench codecs``: sizes, the codecs, repeats, stored rollouts to measure."""
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--no-large", dest="large", action="store_false", help="skip the larger random-init config")
     parser.add_argument("--codecs", nargs="+", default=None, help=f"subset of: {' '.join(c.name for c in CODECS)}")
@@ -358,7 +361,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--routing-only", action="store_true", help="measure only the --routing rollouts")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench codecs``: run the study, print it (also as markdown with ``--markdown``) and the JSON line."""
     result = run_codec_bench(
         quick=args.quick,
         large=args.large,

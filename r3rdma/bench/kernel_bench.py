@@ -15,8 +15,10 @@ A custom kernel "wins" an operation when it is faster in the regime that operati
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from r3rdma.bench.support import emit
 
@@ -75,11 +77,11 @@ def _cases(layers: int, top_k: int, num_slots: int):
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     table = torch.randint(0, 128, (num_slots, layers, top_k), device=dev, generator=gen).to(torch.uint8)
-    cases = []
+    cases: list[tuple[str, str, int, Callable[[], dict[str, Callable[[], object]]]]] = []
     for T in (64, 256, 4096):
         for rows_mode in ("dense", "router_rows", "router_rows+expert_map"):
 
-            def make(T=T, rows_mode=rows_mode):
+            def make_record_layer(T=T, rows_mode=rows_mode):
                 pad = T + T // 4
                 ids = torch.randint(0, 128, (pad, top_k), device=dev, generator=gen)
                 rows = torch.randperm(pad, device=dev, generator=gen)[:T] if rows_mode != "dense" else None
@@ -91,11 +93,11 @@ def _cases(layers: int, top_k: int, num_slots: int):
                     "triton": lambda: triton_kernels.record_layer(buf, 3, src, rows, emap),
                 }
 
-            cases.append(("record_layer", f"T={T} {rows_mode}", T, make))
+            cases.append(("record_layer", f"T={T} {rows_mode}", T, make_record_layer))
     for T in (64, 1024, 8192):
         for mode in ("all", "accepted"):
 
-            def make(T=T, mode=mode):
+            def make_write_step_rows(T=T, mode=mode):
                 rows = torch.randint(0, 128, (T, layers, top_k), device=dev, generator=gen).to(torch.uint8)
                 idx = torch.randperm(T, device=dev, generator=gen)[: T // 2].sort().values if mode == "accepted" else None
                 n = T if idx is None else idx.numel()
@@ -105,10 +107,10 @@ def _cases(layers: int, top_k: int, num_slots: int):
                     "triton": lambda: triton_kernels.write_step_rows(table, slots, rows, idx),
                 }
 
-            cases.append(("write_step_rows", f"T={T} {mode}", T, make))
+            cases.append(("write_step_rows", f"T={T} {mode}", T, make_write_step_rows))
     for T in (1024, 8192, 32768):
 
-        def make(T=T):
+        def make_gather_rows(T=T):
             slots = torch.randperm(num_slots, device=dev, generator=gen)[:T]
             out = torch.empty((T, layers, top_k), dtype=torch.uint8, device=dev)
             return {
@@ -116,13 +118,16 @@ def _cases(layers: int, top_k: int, num_slots: int):
                 "triton": lambda: triton_kernels.gather_rows(table, slots, out),
             }
 
-        cases.append(("gather_rows", f"T={T}", T, make))
+        cases.append(("gather_rows", f"T={T}", T, make_gather_rows))
     return cases
 
 
 def run_kernel_bench(
     *, layers: int = 48, top_k: int = 8, num_slots: int = 1 << 18, calls: int = 50, repeats: int = 20, verbose: bool = True
 ) -> dict:
+    """Time each capture kernel, torch reference vs Triton, on the GPU (graphed) and eagerly; return
+    per-case microseconds and, per operation, the geometric-mean speedup in its regime.
+    Raises SystemExit without a CUDA GPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -168,7 +173,8 @@ def run_kernel_bench(
     }
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench kernels``: the slot table's shape, calls per timing, repeats."""
     parser.add_argument("--layers", type=int, default=48, help="MoE layers L (Qwen3-30B-A3B: 48)")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--num-slots", type=int, default=1 << 18, help="slot-table rows")
@@ -176,7 +182,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=20)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench kernels``: run, print the result as the last JSON line."""
     result = run_kernel_bench(
         layers=args.layers, top_k=args.top_k, num_slots=args.num_slots, calls=args.calls, repeats=args.repeats
     )

@@ -56,6 +56,7 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench reliability``: crash cycles, fuzz sizes, load clients and seconds, seed."""
     parser.add_argument("--kill-cycles", type=int, default=20)
     parser.add_argument("--crash-clients", type=int, default=6)
     parser.add_argument("--frames", type=int, default=10000, help="protocol messages to fuzz")
@@ -75,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench reliability``: every part in turn on loopback nodes in a scratch directory;
+    progress on stderr, the figures as the last JSON line."""
     import logging
 
     logging.basicConfig(level=logging.WARNING)

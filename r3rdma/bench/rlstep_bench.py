@@ -69,6 +69,7 @@ test suite running beside it). ``verify`` (tests): each rank hashes every reques
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import shutil
@@ -77,7 +78,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -96,9 +97,25 @@ __all__ = [
     "FULL",
 ]
 
+
+class _Preset(TypedDict):
+    """The sizes ``--quick`` and the full run set (each overridden by its own option)."""
+
+    requests: int
+    min_rows: int
+    max_rows: int
+    median_rows: float
+    nodes: int
+    engines: int
+    trainers: int
+    rollout_seconds: float
+    batch_mb: float
+    rounds: int
+
+
 #: ``FULL``: a 16-core GPU host (~10 GB decoded, ~21 GB written with 2 replicas). ``QUICK``: the
 #: 2-core CPU machine (~0.3 GB decoded).
-FULL = {
+FULL: _Preset = {
     "requests": 16384,
     "min_rows": 100,
     "max_rows": 16000,
@@ -110,7 +127,7 @@ FULL = {
     "batch_mb": 8.0,
     "rounds": 2,
 }
-QUICK = {
+QUICK: _Preset = {
     "requests": 4096,
     "min_rows": 16,
     "max_rows": 2000,
@@ -155,7 +172,7 @@ def plan_rollout(
 def disk_write_gbps(path: Path, nbytes: int, source: np.ndarray, block: int = 8 << 20) -> float:
     """GB/s of writing ``nbytes`` (blocks of ``source``'s bytes, in turn) sequentially to a new file
     at ``path``, fsync included; the file is removed."""
-    buf = memoryview(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+    buf = np.ascontiguousarray(source).reshape(-1).view(np.uint8).data  # a memoryview of its bytes
     blocks = [buf[i : i + block] for i in range(0, len(buf) - block + 1, block)] or [buf]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -310,7 +327,7 @@ def run_rlstep_bench(
         rollout_seconds=rollout_seconds,
         seed=seed,
     )
-    rollout_kw = dict(
+    rollout_kw: dict[str, Any] = dict(  # TiledRollout's arguments, here and in every engine process
         num_requests=requests,
         min_rows=min_rows,
         max_rows=max_rows,
@@ -558,7 +575,8 @@ def run_rlstep_bench(
 # -- command line ------------------------------------------------------------------------------
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench rlstep``: the preset, the rollout's shape and timing, processes, reads."""
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -609,7 +627,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench rlstep``: run the preset with the options given, print the JSON line (also to ``--json-out``)."""
     result = run_rlstep_bench(
         **preset(args, QUICK, FULL),
         sigma=args.sigma,

@@ -47,28 +47,59 @@ The reader processes live in :mod:`r3rdma.bench.scale_readers`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
 from r3rdma.bench.support import bar, emit, log, preset, run_phase, span_rate, stop_all, worker_context
 
 __all__ = ["run_scale_bench", "add_arguments", "main", "QUICK", "FULL"]
 
+
+class _Preset(TypedDict):
+    """The sizes ``--quick`` and the full run set (each overridden by its own option)."""
+
+    requests: int
+    min_rows: int
+    max_rows: int
+    batch_mb: float
+    readers: int
+    read_seconds: float
+    rounds: int
+
+
 #: ``--quick``: the 2-core CPU machine, about 90 s. ``FULL``: a 16-core GPU host (~26 GB decoded).
-QUICK = {"requests": 16384, "min_rows": 8, "max_rows": 64, "batch_mb": 2.0, "readers": 8, "read_seconds": 5.0, "rounds": 2}
-FULL = {"requests": 16384, "min_rows": 500, "max_rows": 8000, "batch_mb": 8.0, "readers": 8, "read_seconds": 60.0, "rounds": 3}
+QUICK: _Preset = {
+    "requests": 16384,
+    "min_rows": 8,
+    "max_rows": 64,
+    "batch_mb": 2.0,
+    "readers": 8,
+    "read_seconds": 5.0,
+    "rounds": 2,
+}
+FULL: _Preset = {
+    "requests": 16384,
+    "min_rows": 500,
+    "max_rows": 8000,
+    "batch_mb": 8.0,
+    "readers": 8,
+    "read_seconds": 60.0,
+    "rounds": 3,
+}
 
 _CURVE_POINTS = 128  # commit-time curves are binned to at most this many points in the JSON
 
 
-def _growth(log: list[tuple[int, float]]) -> dict[str, float]:
-    """First / last 10% means (the rollout's first commit left out) and their ratio."""
+def _growth(log: list[tuple[int, float]]) -> dict[str, float | None]:
+    """First / last 10% means (the rollout's first commit left out) and their ratio (None where a
+    first window's mean or median is 0)."""
     ms = [m for _, m in log[1:]] or [m for _, m in log]
     tenth = max(1, len(ms) // 10)
     first, last = statistics.fmean(ms[:tenth]), statistics.fmean(ms[-tenth:])
@@ -334,7 +365,8 @@ def _push(rollout, node_procs, token: str, replicas: int, batch_mb: float, progr
 
     def node_commits() -> tuple[float, float]:
         samples = [node_samples(n) for n in node_procs]
-        return tuple(sum(s.get(f"r3rdma_store_commit_seconds_{k}", 0.0) for s in samples) for k in ("sum", "count"))
+        seconds, count = (sum(s.get(f"r3rdma_store_commit_seconds_{k}", 0.0) for s in samples) for k in ("sum", "count"))
+        return seconds, count
 
     client = StoreNodesClient([n.push_url for n in node_procs], secret=token, replicas=replicas)
     try:
@@ -384,7 +416,8 @@ def _commit_inprocess(rollout, batches: list[list[str]], path: Path, progress: b
 # -- command line ------------------------------------------------------------------------------
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench scale``: the preset, the rollout's shape, nodes and replicas, readers."""
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -429,7 +462,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--label", default=None, help="machine label of the plot")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench scale``: run the preset with the options given, print the JSON line."""
     result = run_scale_bench(
         **preset(args, QUICK, FULL),
         layers=args.layers,

@@ -17,6 +17,8 @@ __all__ = ["reader_worker", "reader_main", "worker_read", "open_index_ms"]
 
 
 def reader_worker(ctx, rank: int, urls: list[str], token: str) -> Worker:
+    """Start reader process ``rank`` (:func:`reader_main` over the nodes at ``urls``) from ``ctx``, a
+    :func:`~r3rdma.bench.support.worker_context`."""
     return Worker(ctx, rank, reader_main, (urls, token), f"r3rdma-reader-{rank}")
 
 
@@ -171,13 +173,18 @@ class FileGetter:
         conn = self._conns.get(base)
         if conn is None:
             url = urllib.parse.urlsplit(base)
+            if url.hostname is None:
+                raise ValueError(f"{base!r} is not a node's http://host:port URL")
             conn = self._conns[base] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
         try:
             conn.request("GET", f"/zarr/{path}", headers=self._headers)
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"GET {base}/zarr/{path}: HTTP {response.status}")
-            size = int(response.getheader("Content-Length"))
+            length = response.getheader("Content-Length")
+            if length is None:
+                raise RuntimeError(f"GET {base}/zarr/{path}: no Content-Length")
+            size = int(length)
             if size > len(self._buffer):
                 self._buffer = memoryview(bytearray(size))
             got = 0

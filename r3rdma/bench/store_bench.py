@@ -15,6 +15,7 @@ each is reported.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import statistics
 import tempfile
@@ -47,10 +48,16 @@ def run_store_bench(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
+    """Ingest ``requests`` synthetic requests through a RoutingWriter into a LocalRoutingStore, and
+    write the same batches as plain zarr arrays (three yardsticks), ``rounds`` times alternating;
+    return GB/s of each (medians) and the ratios. ``root``: scratch directory (default: temporary)."""
     records = synthetic_records(requests, seed=seed)
     total = sum(r.nbytes for r in records)
     base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
-    ingest_s, raw_s, raw_sync_s, raw_no_scan_s = [], [], [], []
+    ingest_s: list[float] = []
+    raw_s: list[float] = []
+    raw_sync_s: list[float] = []
+    raw_no_scan_s: list[float] = []
     for rnd in _rounds(rounds, "store"):
         d = base / f"ingest-{rnd}"
         t0 = time.perf_counter()
@@ -65,13 +72,13 @@ def run_store_bench(
         for durable, scan, times in ((False, True, raw_s), (True, True, raw_sync_s), (False, False, raw_no_scan_s)):
             d = base / f"raw-{rnd}"
             t0 = time.perf_counter()
-            store = LocalStore(d)
+            raw_store = LocalStore(d)
             for n, batch in enumerate(batches_by_size(records, flush_bytes)):
                 data = np.concatenate([r.ids_TLK for r in batch])
                 rows, layers, k = data.shape
                 chunk = min(chunk_rows, rows)
                 zarr.create_array(
-                    store,
+                    raw_store,
                     name=f"bench/a{n}",
                     data=data,
                     chunks=(chunk, layers, k),
@@ -113,12 +120,14 @@ def run_store_bench(
     }
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench store``: requests, rounds, scratch directory."""
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--root", default=None, help="scratch directory (default: temporary)")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench store``: run, print the result as the last JSON line."""
     result = run_store_bench(requests=args.requests, rounds=args.rounds, root=args.root)
     return emit(result)

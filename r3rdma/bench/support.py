@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import urllib.parse
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
 
 
 def log(bench: str, progress: bool, message: str) -> None:
+    """Print ``message`` on stderr, tagged with the bench's name, when ``progress``."""
     if progress:
         print(f"[bench {bench}] {message}", file=sys.stderr, flush=True)
 
@@ -92,9 +94,12 @@ class Worker:
         self._stopping = False
 
     def send(self, message: dict[str, Any]) -> None:
+        """Send a command (``{"cmd": name, ...}``) to the process."""
         self.conn.send(message)
 
     def recv(self, timeout: float) -> dict[str, Any]:
+        """The process's next answer. Raises TimeoutError after ``timeout`` seconds without one,
+        RuntimeError if the process exited or answered ``error`` (its traceback in the message)."""
         if not self.conn.poll(timeout):
             raise TimeoutError(f"{self.proc.name}: no answer in {timeout} s")
         try:
@@ -107,6 +112,7 @@ class Worker:
         return message
 
     def request_stop(self) -> None:
+        """Ask the process to stop (once; without waiting for it)."""
         if self.proc.is_alive() and not self._stopping:
             self._stopping = True
             try:
@@ -115,6 +121,7 @@ class Worker:
                 pass
 
     def stop(self) -> None:
+        """Stop the process (asked, then killed after 30 s) and close the pipe."""
         if self.proc.is_alive():
             self.request_stop()
             self.proc.join(30)
@@ -245,6 +252,7 @@ class TimedCommits:
         self.log: list[tuple[float, float, list[str]]] = []
 
     def commit(self, records):
+        """The inner client's commit, logged; returns what it returned."""
         started = time.time()
         result = self.inner.commit(records)
         self.log.append((started, time.time(), [r.request_id for r in records]))
@@ -272,7 +280,7 @@ def warm_connections(client, rollout, rollout_id: str, prefix: str) -> list[str]
 # -- command line -----------------------------------------------------------------------------
 
 
-def preset(args, quick: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+def preset(args, quick: Mapping[str, Any], full: Mapping[str, Any]) -> dict[str, Any]:
     """The preset's values (``--quick`` or full size) under the options given on the command line."""
     chosen = quick if args.quick else full
     return {k: getattr(args, k) if getattr(args, k) is not None else chosen[k] for k in chosen}

@@ -114,6 +114,7 @@ class TiledRollout:
 
     @staticmethod
     def request_id(i: int) -> str:
+        """The id of request ``i`` (``r000042``): zero-padded, so ids sort in request order."""
         return f"r{i:06d}"
 
     def ids(self, i: int) -> np.ndarray:
@@ -121,11 +122,14 @@ class TiledRollout:
         return self.pool[self.offsets[i] : self.offsets[i] + self.lengths[i]]
 
     def nbytes(self, i: int) -> int:
+        """Bytes of request ``i``'s routing (uint8 ids)."""
         return int(self.lengths[i]) * self.row_bytes
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the whole rollout's routing."""
         return int(self.lengths.sum()) * self.row_bytes
 
     def record(self, i: int) -> RequestRecord:
+        """Request ``i`` as a :class:`RequestRecord` (its ids a view of the pool; the CRC is computed here)."""
         return RequestRecord(self.rollout_id, self.request_id(i), self.ids(i), self.layer_map, self.num_experts)

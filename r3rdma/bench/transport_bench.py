@@ -11,6 +11,7 @@ ratios (a round's push and raw run back to back); the last line is JSON.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -34,7 +35,8 @@ def records_of_size(total: int, *, seed: int, rollout_id: str = "bench"):
     from r3rdma.bench.synthetic import synthetic_records
     from r3rdma.records import RequestRecord
 
-    records, size = [], 0
+    records: list[RequestRecord] = []
+    size = 0
     pool = synthetic_records(8, min_rows=1024, max_rows=4096, seed=seed)
     while size < total:
         base = pool[len(records) % len(pool)]
@@ -92,7 +94,7 @@ async def _client(
             # Rounds of a few pushes of 1 MiB last milliseconds and measured scheduler noise:
             # each round moves at least bytes_per_round (default 64 MiB) on each path.
             pushes = max(iterations, -(-bytes_per_round // nbytes))
-            for rnd in range(rounds):
+            for _ in range(rounds):
                 t0 = asyncio.get_running_loop().time()
                 for _ in range(pushes):
                     await client.push(records)
@@ -123,6 +125,10 @@ async def _client(
 def run_transport_bench(
     *, sizes_mb=(1, 8, 64), rounds: int = 5, iterations: int = 4, mb_per_round: float = 64, progress: bool = True
 ) -> dict:
+    """Start the server process, then per size in ``sizes_mb`` (MiB): ``rounds`` rounds of pushes and
+    raw sends of the same bytes (at least ``iterations`` and ``mb_per_round`` MiB each); return GB/s
+    of both and their ratio per size, the last size headlined. Raises TimeoutError if the server
+    does not start in 120 s."""
     secret = secrets.token_hex(32)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     server = subprocess.Popen(
@@ -132,11 +138,14 @@ def run_transport_bench(
         text=True,
         env=env,
     )
+    stdin, stdout = server.stdin, server.stdout
+    if stdin is None or stdout is None:  # both are pipes (PIPE above)
+        raise RuntimeError("bench server started without its stdin / stdout pipes")
     try:
-        ready, _, _ = select.select([server.stdout], [], [], 120)
+        ready, _, _ = select.select([stdout], [], [], 120)
         if not ready:
             raise TimeoutError("bench server did not start in 120 s")
-        ports = json.loads(server.stdout.readline())
+        ports = json.loads(stdout.readline())
         sizes = [int(mb * (1 << 20)) for mb in sizes_mb]
         rows = asyncio.run(
             _client(
@@ -144,7 +153,7 @@ def run_transport_bench(
             )
         )
     finally:
-        server.stdin.close()
+        stdin.close()
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
@@ -161,7 +170,8 @@ def run_transport_bench(
     }
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench transport``: batch sizes, rounds, pushes and MiB per round."""
     parser.add_argument(
         "--sizes-mb", type=float, nargs="+", default=[1, 8, 64], help="batch sizes to measure; the last is headlined"
     )
@@ -170,7 +180,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mb-per-round", type=float, default=64, help="each round pushes at least this much per path")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench transport``: run, print the result as the last JSON line."""
     return emit(
         run_transport_bench(
             sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations, mb_per_round=args.mb_per_round

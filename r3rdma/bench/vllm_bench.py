@@ -23,19 +23,23 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from r3rdma.bench.support import emit, rounds_bar
 
+if TYPE_CHECKING:  # vllm is imported where it runs: `--help` and the other benches stay light
+    from vllm.inputs import TokensPrompt
+
 __all__ = ["run_vllm_bench"]
 
 
-def _workload(n: int, max_new: int, seed: int) -> tuple[list[dict], list[int]]:
+def _workload(n: int, max_new: int, seed: int) -> tuple[list[TokensPrompt], list[int]]:
     rng = np.random.default_rng(seed)
     prompt_lens = np.clip(rng.lognormal(np.log(48), 0.8, n), 4, 400).astype(int)
     new_lens = np.clip(rng.lognormal(np.log(max_new / 2), 0.6, n), 4, max_new).astype(int)
-    prompts = [{"prompt_token_ids": rng.integers(3, 250, size=int(p)).tolist()} for p in prompt_lens]
+    prompts: list[TokensPrompt] = [{"prompt_token_ids": rng.integers(3, 250, size=int(p)).tolist()} for p in prompt_lens]
     return prompts, [int(x) for x in new_lens]
 
 
@@ -94,14 +98,16 @@ def run_vllm_bench(
     return result
 
 
-def _run_mode(mode: str, model: str, store: str, prompts: list[dict], new_lens: list[int], rounds: int, seed: int) -> dict:
+def _run_mode(
+    mode: str, model: str, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int, seed: int
+) -> dict:
     """Plug-in off and on for one compilation mode: two engines, rounds interleaved."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
     from r3rdma.integrations.vllm import flush_routing
 
-    common = dict(
+    common: dict[str, Any] = dict(  # LLM's arguments, the same for both engines
         model=model,
         dtype="bfloat16",
         enforce_eager=mode == "eager",
