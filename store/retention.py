@@ -124,6 +124,8 @@ async def _all(nodes: list[str], method: str, path: str, token: str, timeout_s: 
         summary = "; ".join(f"{n}: {r}" for n, r in failed)
         cls = type(first) if isinstance(first, R3Error) else StoreError
         error = cls(f"retention incomplete on {len(failed)} of {len(nodes)} nodes (done on {done}): {summary}")
-        error.failed_nodes = [n for n, _ in failed]  # still hold data: delete there again later
+        # Still hold data: delete there again later. Set on the instance (it keeps the first
+        # failure's type, whose class does not declare the attribute), as RoutingWriter does.
+        setattr(error, "failed_nodes", [n for n, _ in failed])  # noqa: B010
         raise error from first
     return dict(zip(nodes, results))

@@ -153,8 +153,8 @@ class StepRecorder:
     def begin(
         self,
         request_ids: Sequence[str],
-        start_positions: Sequence[int],
-        num_tokens: Sequence[int],
+        start_positions: Sequence[int] | np.ndarray,
+        num_tokens: Sequence[int] | np.ndarray,
         slots_T: Sequence[int] | np.ndarray | torch.Tensor,
         *,
         router_rows: torch.Tensor | None,
