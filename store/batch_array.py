@@ -1,5 +1,6 @@
 """A commit's batch array: rows per inner chunk, where each request's rows go, the rows
-written (one shard, :mod:`r3rdma.store.shard_writer`) and its layout for the index part."""
+encoded and written (one shard, :mod:`r3rdma.store.shard_writer`) and its layout for the index
+part."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from r3rdma.errors import ShapeMismatchError
 from r3rdma.records import RequestRecord
 from r3rdma.store.assembly import Assembly
 from r3rdma.store.layout import tree_paths
 from r3rdma.store.rollout_index import GEOMETRY_KEYS
-from r3rdma.store.shard_writer import write_batch_array
+from r3rdma.store.shard_writer import EncodedArray, encode_batch_array, write_encoded
 
-__all__ = ["batch_chunk_rows", "aligned", "place_records", "record_geometry", "batch_rows", "write_array"]
+__all__ = [
+    "batch_chunk_rows",
+    "aligned",
+    "place_records",
+    "placed_offsets",
+    "record_geometry",
+    "encode_array",
+    "write_array",
+]
 
 
 def batch_chunk_rows(records: Sequence[RequestRecord], min_chunk_rows: int, chunk_rows: int) -> int:
@@ -75,6 +82,17 @@ def place_records(
     return new, duplicates, end
 
 
+def placed_offsets(records: Sequence[RequestRecord], chunk: int) -> tuple[list[int], int]:
+    """Where :func:`place_records` puts ``records`` if every one of them is new: each one's
+    offset, and the array's rows (what a commit encodes before it knows its duplicates)."""
+    offsets, end = [], 0
+    for record in records:
+        offset = aligned(end, record.num_rows, chunk)
+        offsets.append(offset)
+        end = offset + record.num_rows
+    return offsets, end
+
+
 def record_geometry(record: RequestRecord) -> dict[str, Any]:
     """What every record of a rollout shares (the entry point's geometry keys)."""
     geometry = {
@@ -88,34 +106,24 @@ def record_geometry(record: RequestRecord) -> dict[str, Any]:
     return geometry
 
 
-def batch_rows(placed: list[tuple[int, RequestRecord]], end: int) -> np.ndarray:
-    """The array's rows: each ``(offset, record)``'s rows at its offset, ``end`` rows in all
-    (the rows :func:`aligned` skipped hold the fill value 0)."""
-    first = placed[0][1].ids_TLK
-    if end == sum(r.num_rows for _, r in placed):
-        return np.concatenate([r.ids_TLK for _, r in placed]) if len(placed) > 1 else first
-    data = np.zeros((end, *first.shape[1:]), dtype=first.dtype)
-    for offset, r in placed:
-        data[offset : offset + r.num_rows] = r.ids_TLK
-    return data
+def encode_array(placed: list[tuple[int, RequestRecord]], end: int, chunk_rows: int, zstd_level: int) -> EncodedArray:
+    """Encode a batch array of ``end`` rows holding each ``(offset, record)``'s rows at its offset
+    (:func:`~r3rdma.store.shard_writer.encode_batch_array`: chunks compressed in parallel; the
+    rows :func:`aligned` skipped hold the fill value 0). Needs nothing of the index."""
+    return encode_batch_array([(offset, r.ids_TLK) for offset, r in placed], end, chunk_rows=chunk_rows, zstd_level=zstd_level)
 
 
-def write_array(
-    rollout_path: Path, name: str, data: np.ndarray, chunk_rows: int, zstd_level: int
-) -> tuple[dict[str, Any], list[Path]]:
-    """Write a batch array (:mod:`r3rdma.store.shard_writer`: zarr's bytes, chunks compressed
-    in parallel); return its shard layout for the index part and the files and directories
-    written (fsynced with the part)."""
-    rows = data.shape[0]
+def write_array(rollout_path: Path, name: str, encoded: EncodedArray, zstd_level: int) -> tuple[dict[str, Any], list[Path]]:
+    """Write an encoded batch array as ``name``; return its shard layout for the index part and
+    the files and directories written (fsynced with the part)."""
     rollout_path.mkdir(parents=True, exist_ok=True)
-    # The array's own store, not the rollout's with name=: zarr would first write a bare
-    # group zarr.json for the parent, and a crash before the index rename would leave a
-    # rollout that lists but has no index.
-    places = write_batch_array(rollout_path / name, data, chunk_rows=chunk_rows, zstd_level=zstd_level)
+    # The array's own directory, not the rollout's group: a bare group zarr.json for the
+    # parent, left by a crash before the index rename, would list a rollout without an index.
+    write_encoded(rollout_path / name, encoded)
     # The shard's chunk index, copied into the index part: a reader of a few requests from
     # every array (a data-parallel rank's share) then needs one ranged GET per request,
     # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
     # Every chunk is written (placement, :func:`aligned`, leaves less than a chunk of
     # fill rows between requests, so no chunk is all fill value).
-    chunk = max(1, min(chunk_rows, rows))
-    return {"rows": rows, "chunk_rows": chunk, "zstd": zstd_level > 0, "chunks": places}, tree_paths(rollout_path / name)
+    shards = {"rows": encoded.rows, "chunk_rows": encoded.chunk_rows, "zstd": zstd_level > 0, "chunks": encoded.places}
+    return shards, tree_paths(rollout_path / name)

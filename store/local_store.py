@@ -4,10 +4,11 @@ One writer owns a root (an exclusive ``flock`` on ``<root>/.r3rdma.lock`` refuse
 any number of readers may read it concurrently, and see a request only once its batch is
 committed (see :mod:`r3rdma.store.layout` for the format and the commit protocol).
 
-A commit is: its records applied to the rollout's index (:mod:`r3rdma.store.assembly`: segments,
-pending requests, duplicates), its batch array written (:mod:`r3rdma.store.batch_array`), its
-index part written, then made durable and visible in order on a publisher thread
-(:mod:`r3rdma.store.publishing`). Index snapshots are merged in the background
+A commit is: its batch array encoded (:mod:`r3rdma.store.batch_array`: compressed, before the
+writer's lock, as if every record were new), then under the lock its records applied to the
+rollout's index (:mod:`r3rdma.store.assembly`: segments, pending requests, duplicates), its
+batch array and index part written, then made durable and visible in order on a publisher
+thread (:mod:`r3rdma.store.publishing`). Index snapshots are merged in the background
 (:mod:`r3rdma.store.snapshots`); opening a root removes what crashed commits left
 (:mod:`r3rdma.store.recovery`).
 """
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,14 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.records import RequestRecord
 from r3rdma.store.assembly import Assembly
-from r3rdma.store.batch_array import batch_chunk_rows, batch_rows, place_records, record_geometry, write_array
+from r3rdma.store.batch_array import (
+    batch_chunk_rows,
+    encode_array,
+    place_records,
+    placed_offsets,
+    record_geometry,
+    write_array,
+)
 from r3rdma.store.index_entries import PendingSegment, RequestEntry
 from r3rdma.store.layout import (
     INDEX_KEY,
@@ -59,10 +68,30 @@ from r3rdma.store.rollout_index import (
     part_name,
     read_file,
 )
-from r3rdma.store.shard_writer import zarr_codecs
+from r3rdma.store.shard_writer import EncodedArray, zarr_codecs
 from r3rdma.store.snapshots import Snapshotter
 
-__all__ = ["LocalRoutingStore", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
+__all__ = ["LocalRoutingStore", "PreparedBatch", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    """A rollout's batch array encoded before the lock, as if every record were new: valid
+    for the commit if :func:`place_records` placed every record at ``offsets``."""
+
+    chunk: int
+    offsets: list[int]
+    encoded: EncodedArray
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """A batch checked and encoded by :meth:`LocalRoutingStore.prepare`, for
+    :meth:`LocalRoutingStore.commit_async`: its records by rollout, and each rollout's
+    draft array (None where the batch mixes geometries: the commit refuses it)."""
+
+    by_rollout: dict[str, list[RequestRecord]]
+    drafts: dict[str, _Draft | None]
 
 
 class LocalRoutingStore:
@@ -128,7 +157,30 @@ class LocalRoutingStore:
 
     # -- public API -------------------------------------------------------------------------
 
-    def commit_async(self, records: Sequence[RequestRecord]) -> Future:
+    def prepare(self, records: Sequence[RequestRecord]) -> PreparedBatch:
+        """The part of a commit that needs no lock: the batch checked (:func:`_by_rollout`'s
+        refusals), each rollout's batch array encoded (compressed) as if every record were new.
+        :meth:`commit_async` does this itself when given records; a caller committing batches
+        in turn (a store node) prepares the next batch while the previous one is written.
+
+        Why before the lock: compressing a batch is most of a commit, and under the lock it
+        kept every other commit (and a node's next group) waiting. Whether a record is new
+        is known only under the lock; a batch with a duplicate (a retry) is encoded again
+        there, which costs only that rarer commit.
+        """
+        by_rollout = _by_rollout(records)
+        drafts: dict[str, _Draft | None] = {}
+        for rollout_id, group in by_rollout.items():
+            geometry = record_geometry(group[0])
+            if any(record_geometry(r) != geometry for r in group[1:]):
+                drafts[rollout_id] = None  # refused under the lock, with the message it always had
+                continue
+            chunk = batch_chunk_rows(group, self.min_chunk_rows, self.chunk_rows)
+            offsets, end = placed_offsets(group, chunk)
+            drafts[rollout_id] = _Draft(chunk, offsets, encode_array(list(zip(offsets, group)), end, chunk, self.zstd_level))
+        return PreparedBatch(by_rollout, drafts)
+
+    def commit_async(self, records: Sequence[RequestRecord] | PreparedBatch) -> Future:
         """Write ``records`` (any mix of rollouts; all or nothing per rollout) and return a
         future of the :class:`CommitResult` that resolves once they are durable and visible.
 
@@ -150,14 +202,17 @@ class LocalRoutingStore:
         with different bytes it raises :class:`DuplicateRequestError`. A record whose
         ``start_row`` continues a committed request exactly where it ends is appended to it as a
         new segment (a later turn of a multi-turn conversation).
+
+        ``records`` may be a :class:`PreparedBatch` (:meth:`prepare`): its arrays are already
+        encoded, and only the index decisions and the writes run here, under the lock.
         """
-        by_rollout = _by_rollout(records)
+        prepared = records if isinstance(records, PreparedBatch) else self.prepare(records)
         with self._lock:
             self._settle()
             publishes: list[Publish] = []
             try:
-                for rollout_id, group in by_rollout.items():
-                    publishes.append(self._write_rollout(rollout_id, group))
+                for rollout_id, group in prepared.by_rollout.items():
+                    publishes.append(self._write_rollout(rollout_id, group, prepared.drafts[rollout_id]))
             except BaseException:
                 # Rollouts of this batch written before the refusal are stored, as they would
                 # be one by one: made durable before the error reaches the caller.
@@ -340,7 +395,7 @@ class LocalRoutingStore:
         durable = [*new_paths, part_dir / "zarr.json", part_dir, path] + ([self.root] if seq == 1 else [])
         return Publish(rollout_id, seq, (path / "zarr.json", group_document({INDEX_KEY: index.entry_document()})), durable)
 
-    def _write_rollout(self, rollout_id: str, records: list[RequestRecord]) -> Publish:
+    def _write_rollout(self, rollout_id: str, records: list[RequestRecord], draft: _Draft | None) -> Publish:
         index = self._index(rollout_id)
         geometry = record_geometry(records[0])
         if index.geometry and index.geometry != geometry:
@@ -358,15 +413,19 @@ class LocalRoutingStore:
         new, duplicates, end = place_records(records, state, name, chunk, geometry)
         if not new:
             return Publish.nothing(rollout_id, duplicates)
-        data = batch_rows(new, end)
+        if draft is not None and draft.chunk == chunk and len(new) == len(records) and [o for o, _ in new] == draft.offsets:
+            encoded = draft.encoded
+        else:  # duplicates skipped: the records left sit elsewhere in the array
+            encoded = encode_array(new, end, chunk, self.zstd_level)
         rollout_path = self.root / rollout_id
         try:
-            shards, written = write_array(rollout_path, name, data, chunk, self.zstd_level)
+            shards, written = write_array(rollout_path, name, encoded, self.zstd_level)
         except R3Error:
             raise
         except OSError as e:
             shutil.rmtree(rollout_path / name, ignore_errors=True)
-            raise StoreError(f"writing {len(new)} requests ({data.nbytes} bytes) to {rollout_path / name} failed: {e}") from e
+            nbytes = encoded.rows * new[0][1].ids_TLK[0].nbytes  # the array's, fill rows included
+            raise StoreError(f"writing {len(new)} requests ({nbytes} bytes) to {rollout_path / name} failed: {e}") from e
         if not index.geometry:
             index.geometry = geometry
         try:
