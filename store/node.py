@@ -14,7 +14,7 @@ from aiohttp import web
 
 from r3rdma.errors import R3Error
 from r3rdma.records import RequestRecord
-from r3rdma.store.local_store import CommitResult, LocalRoutingStore
+from r3rdma.store.local_store import CommitResult, LocalRoutingStore, PreparedBatch
 from r3rdma.transport import TransportLimits, UcxxServer
 from r3rdma.transport.auth import derive_admin_token, derive_read_token
 
@@ -95,9 +95,11 @@ class StoreNode:
         """Make one client batch durable (the transport acks when this returns).
 
         Group commit: batches that arrive while a commit is being written wait, then are
-        committed together in one write + fsync + index replace; a written group is flushed
-        by the store's publisher thread while the next one is written, and each batch is acked
-        only once its group is durable (``LocalRoutingStore.commit_async``).
+        committed together in one write + fsync + index replace. Three groups are in flight at
+        once: one encoded while the one before it is written and the one before that is
+        flushed by the store's publisher thread; groups are written and published in arrival
+        order, and each batch is acked only once its group is durable
+        (``LocalRoutingStore.commit_async``).
         Transfer probes never get here: the transport acks them without calling the handler.
         """
         started = time.perf_counter()
@@ -118,19 +120,43 @@ class StoreNode:
         self.metrics.duplicates.inc(result.duplicates)
 
     async def _commit_waiting(self) -> None:
-        while self._waiting:
+        """Commit the waiting batches group by group, in arrival order: a group is encoded
+        (``LocalRoutingStore.prepare``, no lock) while the group before it is written, then
+        written once that one is (its ``commit_async``); each is acked once durable."""
+        writing: asyncio.Task | None = None  # the previous group's write
+        while True:
+            if not self._waiting:
+                if writing is None:
+                    return
+                await writing  # batches arriving meanwhile form the next group
+                writing = None
+                continue
             group, self._waiting = self._waiting, []
             merged = [r for records, _ in group for r in records]
             try:
-                # Written now; durable once the future resolves (the store's publisher thread
-                # flushes it while the next group is written here).
-                durable = await asyncio.to_thread(self.store.commit_async, merged)
+                prepared = await asyncio.to_thread(self.store.prepare, merged)
             except BaseException as e:
+                if writing is not None:
+                    await writing  # refusals are retried batch by batch after the groups before
+                    writing = None
                 await self._refused(group, e)
                 continue
-            task = asyncio.create_task(self._answer(group, asyncio.wrap_future(durable)))
-            self._answering.add(task)
-            task.add_done_callback(self._answering.discard)
+            if writing is not None:
+                await writing
+            writing = asyncio.create_task(self._write_group(group, prepared))
+
+    async def _write_group(self, group, prepared: PreparedBatch) -> None:
+        """Write a prepared group; its batches are answered once it is durable."""
+        try:
+            # Written now; durable once the future resolves (the store's publisher thread
+            # flushes it while the next group is encoded and written here).
+            durable = await asyncio.to_thread(self.store.commit_async, prepared)
+        except BaseException as e:
+            await self._refused(group, e)
+            return
+        task = asyncio.create_task(self._answer(group, asyncio.wrap_future(durable)))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
     async def _answer(self, group, durable: asyncio.Future) -> None:
         """Ack a group's batches once its commit is durable; if the flush failed, each batch

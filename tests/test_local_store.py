@@ -297,3 +297,24 @@ def test_a_writer_writes_the_next_batch_while_the_store_flushes_one(tmp_path, ma
             writer.flush(30)
         assert writer.requests_committed == 6 and writer.failed_requests() == []
     assert RoutingReader(tmp_path).info("roll-0").request_ids == ("warm", *(r.request_id for r in recs))
+
+
+def test_a_prepared_batch_is_encoded_before_the_lock_and_a_duplicate_reencodes_it(tmp_path, make_record):
+    """``prepare`` encodes a batch as if every record were new (no lock); a batch prepared
+    before a record of it was stored skips that duplicate and is encoded again under the lock,
+    its other records placed as if committed alone (same bytes on disk)."""
+    recs = [make_record(f"p{i}", rows=n, num_experts=300) for i, n in enumerate([70, 150, 20, 90])]
+    with LocalRoutingStore(tmp_path, chunk_rows=64, min_chunk_rows=64) as store:
+        early = store.prepare(recs)  # p1 is committed between its preparation and its commit
+        assert store.commit(recs[1:2]).committed == 1
+        got = store.commit_async(early).result(30)
+        assert (got.committed, got.duplicates) == (3, 1)
+        assert store.commit_async(store.prepare([make_record("q", rows=5, num_experts=300)])).result(30).committed == 1
+    with LocalRoutingStore(tmp_path / "alone", chunk_rows=64, min_chunk_rows=64) as store:
+        store.commit(recs[1:2])
+        store.commit([recs[0], *recs[2:]])
+    assert (tmp_path / "roll-0" / "b00000002/c/0/0/0").read_bytes() == (tmp_path / "alone/roll-0/b00000002/c/0/0/0").read_bytes()
+    reader = RoutingReader(tmp_path)
+    got = reader.get_numpy("roll-0", [r.request_id for r in recs] + ["q"])
+    for r in recs:
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
