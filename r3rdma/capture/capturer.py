@@ -379,7 +379,7 @@ class RoutingCapturer:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def attach_cached(self, request_id: str, positions: Sequence[int], slots: Sequence[int]) -> None:
+    def attach_cached(self, request_id: str, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> None:
         """A prefix-cache hit: ``positions`` of ``request_id`` reuse rows already in ``slots``."""
         self._ledger.attach(request_id, positions, slots)
 

@@ -246,7 +246,7 @@ class RequestLedger:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def attach(self, request_id: str, positions: Sequence[int], slots: Sequence[int]) -> None:
+    def attach(self, request_id: str, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> None:
         """A prefix-cache hit: ``positions`` of ``request_id`` reuse rows already in ``slots``."""
         pos = host_int64(positions)
         slt = host_int64(slots)
