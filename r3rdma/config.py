@@ -246,12 +246,21 @@ class R3Config:
         if unknown:
             raise ConfigError(f"unknown R3Config fields {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
         values: dict[str, Any] = {}
+        from_env: list[str] = []
         for name in _DEFAULTS:
             if name in overrides:
                 values[name] = overrides[name]
             elif (raw := env.get("R3_" + name.upper())) is not None:
                 values[name] = _parse_env(name, raw)
-        return cls(**values)
+                from_env.append(name)
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            # A value refused by a field's check: say where it came from when a variable set it.
+            source = next((name for name in from_env if str(e).startswith(name)), None)
+            if source is None:
+                raise
+            raise ConfigError(f"{e} (from the environment: R3_{source.upper()})") from e
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any], env: Mapping[str, str] | None = None) -> R3Config:

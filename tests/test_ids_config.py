@@ -95,3 +95,11 @@ def test_json_keys_beat_environment():
 def test_bad_env_value_names_variable():
     with pytest.raises(ConfigError, match="R3_FLUSH_BYTES"):
         R3Config.from_env({"R3_FLUSH_BYTES": "lots"})
+
+
+def test_a_refused_environment_value_names_its_variable():
+    """A value the field's check refuses says which R3_* variable set it (an argument does not)."""
+    with pytest.raises(ConfigError, match=r"transfer_mode must be one of .*got 'fast' \(from the environment: R3_TRANSFER_MODE\)"):
+        R3Config.from_env({"R3_TRANSFER_MODE": "fast"})
+    with pytest.raises(ConfigError, match=r"got 'fast'$"):
+        R3Config.from_env({"R3_TRANSFER_MODE": "auto"}, transfer_mode="fast")
