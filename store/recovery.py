@@ -76,7 +76,7 @@ def recover_root(root: Path) -> None:
         except ValueError:  # a bare group document zarr wrote in place, torn by the crash
             attrs = {}
         entry = check_entry(child.name, attrs, str(root)) if attrs else None
-        if entry is not None and entry.get("format_version", 1) != 2:
+        if entry is not None and entry.get("format_version", 1) == 1:
             continue  # not this format's (refused by check_format unless the root says otherwise)
         if entry is None and attrs is not None:
             index_path.unlink()  # a bare parent group zarr wrote before the array

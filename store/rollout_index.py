@@ -54,6 +54,7 @@ from r3rdma.store.index_entries import (
     RequestEntry,
     parse_pending,
     parse_requests,
+    shard_entry_ok,
 )
 from r3rdma.store.index_entries import (
     malformed as _bad,
@@ -89,7 +90,10 @@ __all__ = [
     "StalePartError",
 ]
 
-INDEX_FORMAT_VERSION = 2
+# 3: batch arrays' inner chunks hold a group of layers, and ``shards`` copies chunk sizes as
+# base64 (index_entries.shard_entry). A reader reads 1, 2 and 3; an older one refuses 3 naming it.
+INDEX_FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 GEOMETRY_KEYS = ("num_layers", "top_k", "num_experts", "dtype", "layer_map")
 
 Pending = dict[str, tuple[PendingSegment, ...]]  # request id -> its pending segments
@@ -278,10 +282,10 @@ def check_entry(rollout_id: str, attrs: Any, where: str) -> dict[str, Any] | Non
         if "requests" not in index:
             return None
         return index
-    if version != INDEX_FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CorruptDataError(
             f"rollout {rollout_id!r} on {where} has index format version {version!r}; this r3rdma reads "
-            f"versions 1 and {INDEX_FORMAT_VERSION}: upgrade r3rdma to read it"
+            f"versions {', '.join(map(str, READ_VERSIONS))}: upgrade r3rdma to read it"
         )
     if not _is_int(index.get("parts"), 1) or not isinstance(index.get("uid"), str):
         raise _bad(rollout_id, where, "entry point", f"needs 'parts' >= 1 and a 'uid', got {str(index)[:200]}")
@@ -328,23 +332,9 @@ def _checked_header(rollout_id: str, seq: int, uid: str, attrs: Any, where: str,
         raise _bad(rollout_id, where, what, f"'arrays' must list batch array names, got {str(arrays)[:100]}")
     shards = part.get("shards", {})
     listed = set(arrays)  # a snapshot lists every array: a list lookup per shard was O(n^2)
-    if not isinstance(shards, dict) or not all(name in listed and _shard_ok(info) for name, info in shards.items()):
+    if not isinstance(shards, dict) or not all(name in listed and shard_entry_ok(info) for name, info in shards.items()):
         raise _bad(rollout_id, where, what, f"'shards' must describe arrays it adds, got {str(shards)[:200]}")
     return part, what
-
-
-def _shard_ok(info: Any) -> bool:
-    """``{"rows", "chunk_rows", "zstd", "chunks": [offset, nbytes, ...]}`` of one batch array's
-    single shard (offset and nbytes -1 for a chunk zarr left out as all fill value)."""
-    if not isinstance(info, dict) or not _is_int(info.get("rows"), 1) or not _is_int(info.get("chunk_rows"), 1):
-        return False
-    chunks = info.get("chunks")
-    return (
-        isinstance(info.get("zstd"), bool)
-        and isinstance(chunks, list)
-        and len(chunks) == 2 * -(-info["rows"] // info["chunk_rows"])
-        and (not chunks or (set(map(type, chunks)) == {int} and min(chunks) >= -1))
-    )  # C loops: bool is not int here
 
 
 class StalePartError(CorruptDataError):

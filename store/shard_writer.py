@@ -1,8 +1,12 @@
 """Writing a batch array's single shard: zarr's own bytes, its chunks compressed in parallel.
 
-A batch array is ``[rows, L, K]`` in one shard of ``chunk_rows``-row inner chunks, each zstd
-then CRC-32C (:func:`zarr_codecs`), the shard index first (``index_location: start``). zarr
-writes the array's ``zarr.json`` here; the shard file ``c/0/0/0`` is assembled by hand.
+A batch array is ``[rows, L, K]`` in one shard of inner chunks of ``chunk_rows`` rows by
+``layers_per_chunk`` layers (format 3: a pipeline stage reads its layers without its
+neighbours'; the last layer group is padded with the fill value, the shard spans
+``ceil(L / layers_per_chunk) * layers_per_chunk`` layers), each zstd then CRC-32C
+(:func:`zarr_codecs`), the shard index first (``index_location: start``), chunks back to back
+in the index's order (row chunk, then layer group). zarr writes the array's ``zarr.json`` here;
+the shard file ``c/0/0/0`` is assembled by hand.
 
 Why by hand: zarr-python 3.1's sharded write encodes a shard's inner chunks one after another
 in effect (measured on the CPU VM, one 16 MB batch: 0.09 GB/s with zstd-3, 0.36 GB/s with no
@@ -43,9 +47,9 @@ __all__ = ["zarr_codecs", "EncodedArray", "encode_batch_array", "write_encoded",
 SHARD_KEY = ("c", "0", "0", "0")  # the one shard of a [rows, L, K] array: chunk grid (0, 0, 0)
 
 _pool: ThreadPoolExecutor | None = None
-# zarr.json of each (dtype, layers, top_k, chunk rows, zstd level), as zarr writes it; a batch's
-# own differs only in its row counts (see _metadata).
-_metadata_templates: dict[tuple[str, int, int, int, int], dict[str, Any]] = {}
+# zarr.json of each (dtype, layers, top_k, chunk rows, layers per chunk, zstd level), as zarr
+# writes it; a batch's own differs only in its row counts (see _metadata).
+_metadata_templates: dict[tuple[str, int, int, int, int, int], dict[str, Any]] = {}
 
 
 def zarr_codecs(zstd_level: int) -> list[Any]:
@@ -57,19 +61,30 @@ def zarr_codecs(zstd_level: int) -> list[Any]:
 @dataclass(frozen=True, slots=True)
 class EncodedArray:
     """A batch array's files, encoded and not yet written: ``metadata`` (its ``zarr.json``),
-    ``shard`` (the pieces of its shard file, in order: the index, then each chunk) and
-    ``places`` (the shard index as ``[offset, nbytes, ...]`` per chunk)."""
+    ``shard`` (the pieces of its shard file, in order: the index, then each chunk),
+    ``places`` (the shard index as ``[offset, nbytes, ...]`` per chunk) and ``sizes`` (each
+    chunk's bytes, in the index's order)."""
 
     rows: int
     chunk_rows: int
+    layers_per_chunk: int
     metadata: bytes
     shard: list[bytes]
     places: list[int]
+    sizes: np.ndarray
 
 
-def encode_batch_array(pieces: Sequence[tuple[int, np.ndarray]], rows: int, *, chunk_rows: int, zstd_level: int) -> EncodedArray:
+def encode_batch_array(
+    pieces: Sequence[tuple[int, np.ndarray]],
+    rows: int,
+    *,
+    chunk_rows: int,
+    zstd_level: int,
+    layers_per_chunk: int | None = None,
+) -> EncodedArray:
     """Encode an array of ``rows`` rows ``[rows, L, K]`` whose rows are ``pieces``: ``(offset,
     rows)`` in row order, not overlapping; rows no piece covers hold the fill value 0.
+    ``layers_per_chunk``: layers per inner chunk (None: all, the layout before format 3).
 
     Each chunk is gathered from its pieces in the encoding thread that compresses it (a chunk
     inside one piece is a view of it): no whole-batch copy on the caller's thread.
@@ -78,6 +93,8 @@ def encode_batch_array(pieces: Sequence[tuple[int, np.ndarray]], rows: int, *, c
     _, layers, top_k = first.shape
     chunk = max(1, min(chunk_rows, rows))
     count = -(-rows // chunk)
+    per = layers if layers_per_chunk is None else max(1, min(layers_per_chunk, layers))
+    groups = -(-layers // per)
     codec = Zstd(level=zstd_level) if zstd_level > 0 else None
     # The pieces each chunk overlaps (pieces are in row order).
     spans: list[list[int]] = [[] for _ in range(count)]
@@ -85,7 +102,8 @@ def encode_batch_array(pieces: Sequence[tuple[int, np.ndarray]], rows: int, *, c
         for i in range(offset // chunk, min(count, -(-(offset + len(data)) // chunk))):
             spans[i].append(k)
 
-    def encode(i: int) -> bytes:
+    def encode(i: int) -> list[bytes]:
+        """Row chunk ``i``'s inner chunks, one per layer group."""
         lo, hi = i * chunk, (i + 1) * chunk
         block: np.ndarray | None = None
         if len(spans[i]) == 1:
@@ -98,23 +116,48 @@ def encode_batch_array(pieces: Sequence[tuple[int, np.ndarray]], rows: int, *, c
                 offset, data = pieces[k]
                 a, b = max(lo, offset), min(hi, offset + len(data))
                 block[a - lo : b - lo] = data[a - offset : b - offset]
-        raw = block.tobytes() if codec is None else codec.encode(block)
-        return raw + crc32c(raw).to_bytes(4, "little")
+        if groups > 1:
+            # Each group's layers contiguous, in one buffer per row chunk (the last group
+            # padded with the fill value to a whole chunk).
+            grouped = np.empty((groups, chunk, per, top_k), dtype=block.dtype)
+            if groups * per > layers:
+                grouped[-1, :, layers - (groups - 1) * per :] = 0
+            for g in range(groups):
+                width = min(per, layers - g * per)
+                grouped[g, :, :width] = block[:, g * per : g * per + width]
+        else:
+            grouped = block[None]
+        out = []
+        for part in grouped:
+            raw = part.tobytes() if codec is None else codec.encode(part)
+            out.append(raw + crc32c(raw).to_bytes(4, "little"))
+        return out
 
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 4, thread_name_prefix="r3rdma-encode")
-    encoded = list(_pool.map(encode, range(count))) if count > 1 else [encode(0)]
-    # The shard index (zarr's default index codecs: little-endian uint64 pairs, then CRC-32C).
-    index = np.empty((count, 2), dtype="<u8")
-    offset = 16 * count + 4
-    for i, piece in enumerate(encoded):
-        index[i] = (offset, len(piece))
-        offset += len(piece)
+    by_row = list(_pool.map(encode, range(count))) if count > 1 else [encode(0)]
+    encoded = [piece for pieces_of_row in by_row for piece in pieces_of_row]
+    # The shard index (zarr's default index codecs: little-endian uint64 pairs, then CRC-32C),
+    # over the inner chunk grid (count, groups, 1) in C order: the order the chunks are written.
+    sizes = np.fromiter(map(len, encoded), dtype="<u8", count=len(encoded))
+    index = np.empty((len(encoded), 2), dtype="<u8")
+    index[:, 1] = sizes
+    index[0, 0] = 16 * len(encoded) + 4
+    np.cumsum(sizes[:-1], out=index[1:, 0])
+    index[1:, 0] += index[0, 0]
     index_bytes = index.tobytes()
-    metadata = _metadata(first.dtype, rows, layers, top_k, chunk, count, zstd_level)
+    metadata = _metadata(first.dtype, rows, layers, top_k, chunk, count, zstd_level, per)
     places = index.astype(np.int64).reshape(-1).tolist()
-    return EncodedArray(rows, chunk, metadata, [index_bytes + crc32c(index_bytes).to_bytes(4, "little"), *encoded], places)
+    return EncodedArray(
+        rows,
+        chunk,
+        per,
+        metadata,
+        [index_bytes + crc32c(index_bytes).to_bytes(4, "little"), *encoded],
+        places,
+        sizes.astype("<u4"),
+    )
 
 
 def write_encoded(path: Path, encoded: EncodedArray) -> None:
@@ -126,15 +169,22 @@ def write_encoded(path: Path, encoded: EncodedArray) -> None:
         f.writelines(encoded.shard)
 
 
-def write_batch_array(path: Path, data: np.ndarray, *, chunk_rows: int, zstd_level: int) -> list[int]:
+def write_batch_array(
+    path: Path, data: np.ndarray, *, chunk_rows: int, zstd_level: int, layers_per_chunk: int | None = None
+) -> list[int]:
     """Write ``data`` ``[rows, L, K]`` as a Zarr v3 array at ``path`` (one shard of
-    ``chunk_rows``-row chunks); return the shard index as ``[offset, nbytes, ...]`` per chunk."""
-    encoded = encode_batch_array([(0, data)], data.shape[0], chunk_rows=chunk_rows, zstd_level=zstd_level)
+    ``chunk_rows`` x ``layers_per_chunk`` chunks); return the shard index as ``[offset, nbytes,
+    ...]`` per chunk."""
+    encoded = encode_batch_array(
+        [(0, data)], data.shape[0], chunk_rows=chunk_rows, zstd_level=zstd_level, layers_per_chunk=layers_per_chunk
+    )
     write_encoded(path, encoded)
     return encoded.places
 
 
-def _metadata(dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, count: int, zstd_level: int) -> bytes:
+def _metadata(
+    dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, count: int, zstd_level: int, per: int
+) -> bytes:
     """The array's ``zarr.json``, byte for byte zarr's.
 
     Why not ``zarr.create_array`` per batch: it cost ~3 ms of each commit (on the CPU VM),
@@ -142,17 +192,18 @@ def _metadata(dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, c
     geometry here (into memory); a batch's own differs in its row count and its shard's
     (``count * chunk``) rows, set in the same document and serialized as zarr does.
     """
-    key = (np.dtype(dtype).str, layers, top_k, chunk, zstd_level)
+    key = (np.dtype(dtype).str, layers, top_k, chunk, per, zstd_level)
     template = _metadata_templates.get(key)
     if template is None:
         array = zarr.create_array(
             MemoryStore(),
             shape=(chunk, layers, top_k),
             dtype=dtype,
-            chunks=(chunk, layers, top_k),
+            chunks=(chunk, per, top_k),
             # Index first: a partial read gets the shard index with the shard's first bytes (one
             # ranged GET from offset 0), and a streaming reader knows every chunk's place early.
-            shards={"shape": (chunk, layers, top_k), "index_location": ShardingCodecIndexLocation.start},
+            # One shard spans every layer: whole layer groups (the last padded past L).
+            shards={"shape": (chunk, -(-layers // per) * per, top_k), "index_location": ShardingCodecIndexLocation.start},
             compressors=zarr_codecs(zstd_level),
             dimension_names=("token", "layer", "k"),
             fill_value=0,

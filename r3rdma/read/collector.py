@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError, TransportError, UnknownRolloutError
+from r3rdma.read.layers import layer_selection
 from r3rdma.read.packed import PackedRouting, pack
 
 __all__ = ["ShareCollector"]
@@ -38,13 +39,23 @@ class ShareCollector:
     :meth:`result`. Use as a context manager, or :meth:`close` it.
     """
 
-    def __init__(self, reader: Any, rollout_id: str, request_ids: list[str], *, poll_s: float, max_batch: int) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        rollout_id: str,
+        request_ids: list[str],
+        *,
+        poll_s: float,
+        max_batch: int,
+        layers: list[int] | None = None,
+    ) -> None:
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
             raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self._reader, self._rollout_id = reader, rollout_id
         self._order = request_ids
+        self._layers = layers  # decoder layer ids wanted (None: all), checked once the geometry is known
         self._missing = dict.fromkeys(request_ids)  # insertion-ordered set
         self._got: dict[str, np.ndarray] = {}
         self._poll_s, self._max_batch = float(poll_s), max_batch
@@ -97,11 +108,12 @@ class ShareCollector:
         """:meth:`result` packed along tokens in the order named (as ``get_packed``)."""
         arrays = self.result(timeout)
         merged = self._reader._index(self._rollout_id)
+        _, geometry = layer_selection(self._rollout_id, merged.geometry, self._layers)
         return pack(
             self._order,
             [[arrays[rid]] for rid in self._order],
             [merged.entry(rid).start_row for rid in self._order],
-            merged.geometry,
+            geometry,
         )
 
     def close(self) -> None:
@@ -126,13 +138,16 @@ class ShareCollector:
                     # Not created yet, or a node down for a moment: keep polling.
                     self._last_retryable = e
                     merged = None
+                positions = None
+                if merged is not None and merged.owner:
+                    positions, _ = layer_selection(self._rollout_id, merged.geometry, self._layers)
                 if merged is not None:
                     with self._lock:
                         ready = [rid for rid in self._missing if rid in merged.owner]
                     for start in range(0, len(ready), self._max_batch):
                         batch = ready[start : start + self._max_batch]
                         try:
-                            pieces = self._reader._read(self._rollout_id, merged, batch)
+                            pieces = self._reader._read(self._rollout_id, merged, batch, positions)
                         except (TransportError, R3TimeoutError, StoreError) as e:
                             self._last_retryable = e  # every holder failed this time: next poll
                             break

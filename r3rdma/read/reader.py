@@ -50,6 +50,7 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
+from r3rdma.read.layers import layer_list, layer_selection
 from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.sources import Source, source_items
 from r3rdma.records import checksum
@@ -184,41 +185,65 @@ class RoutingReader:
             out[source.name] = 0 if index is None else sync(source.stored_bytes(rollout_id, index))
         return out
 
-    def get_numpy(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, np.ndarray]:
-        """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id."""
+    def get_numpy(
+        self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id.
+
+        ``layers``: the MoE layers wanted, as decoder layer ids (the rollout's ``layer_map``
+        values; a sequence or a range), in the order wanted; the arrays then hold those
+        layers alone (``[rows, len(layers), K]``) and only the inner chunks that hold them are
+        fetched (format 3 stores; older ones are read whole and sliced). A layer the rollout
+        does not have raises :class:`ShapeMismatchError` naming it. Such a read checks each
+        chunk's CRC-32C, not the request's (which covers every layer). Default: every layer.
+        """
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
-        pieces = self._read(rollout_id, merged, request_ids)
+        positions, _ = layer_selection(rollout_id, merged.geometry, layers)
+        pieces = self._read(rollout_id, merged, request_ids, positions)
         return {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
 
-    def get(self, rollout_id: str, request_ids: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids)."""
-        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids).items()}
+    def get(self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+        """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids);
+        ``layers`` as in :meth:`get_numpy`."""
+        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids, layers=layers).items()}
 
-    def get_packed(self, rollout_id: str, request_ids: Iterable[str]) -> PackedRouting:
-        """Requests concatenated along tokens in the given order, with ``cu_seqlens``."""
+    def get_packed(
+        self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None
+    ) -> PackedRouting:
+        """Requests concatenated along tokens in the given order, with ``cu_seqlens``;
+        ``layers`` as in :meth:`get_numpy` (the result's ``layer_map`` lists the layers read)."""
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
-        pieces = self._read(rollout_id, merged, request_ids)
+        positions, geometry = layer_selection(rollout_id, merged.geometry, layers)
+        pieces = self._read(rollout_id, merged, request_ids, positions)
         return pack(
             request_ids,
             [pieces[rid] for rid in request_ids],
             [merged.entry(rid).start_row for rid in request_ids],
-            merged.geometry,
+            geometry,
         )
 
     def prefetch(
-        self, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int = 2, pin_memory: bool = False
+        self,
+        rollout_id: str,
+        batches: Iterable[Iterable[str]],
+        *,
+        depth: int = 2,
+        pin_memory: bool = False,
+        layers: Iterable[int] | None = None,
     ) -> Prefetcher:
         """Iterate :class:`PackedRouting` of each batch of request ids (a trainer's micro-batches),
         in order, while the next ``depth`` batches load in the background.
 
         Every batch is checked against the index before anything is read, so an unknown or
-        repeated id fails here, not halfway through a step. ``pin_memory``: returned tensors
-        are in page-locked memory (for ``.to("cuda", non_blocking=True)``; needs CUDA).
-        Use as a context manager, or ``close()`` it to stop loading early.
+        repeated id (or a layer the rollout does not have) fails here, not halfway through a
+        step. ``pin_memory``: returned tensors are in page-locked memory (for
+        ``.to("cuda", non_blocking=True)``; needs CUDA). ``layers``: as in :meth:`get_numpy`
+        (a pipeline stage's layers). Use as a context manager, or ``close()`` it to stop
+        loading early.
         """
-        return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory)
+        return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory, layers=layers)
 
     def wait_committed(self, rollout_id: str, request_ids: Iterable[str], *, timeout_s: float = 60.0) -> None:
         """Return once every one of ``request_ids`` is committed and readable: a :meth:`get`,
@@ -269,16 +294,26 @@ class RoutingReader:
             pause = min(2 * pause, _WAIT_MAX_S)
 
     def collect(
-        self, rollout_id: str, request_ids: Iterable[str], *, poll_s: float = 0.1, max_batch: int = 256
+        self,
+        rollout_id: str,
+        request_ids: Iterable[str],
+        *,
+        poll_s: float = 0.1,
+        max_batch: int = 256,
+        layers: Iterable[int] | None = None,
     ) -> ShareCollector:
         """Start reading ``request_ids`` as they are committed, while the rollout still runs (a
         trainer rank names its share up front); :class:`~r3rdma.read.collector.ShareCollector`
         says how. Ids need not be committed yet; bad or repeated ids fail here. ``poll_s``: how
-        often the index is polled; ``max_batch``: requests read per read call."""
+        often the index is polled; ``max_batch``: requests read per read call; ``layers``: as
+        in :meth:`get_numpy` (checked once the rollout's geometry is known: a layer it does not
+        have ends the collection, raised by ``result()``)."""
         from r3rdma.read.collector import ShareCollector
 
         validate_id(rollout_id, "rollout_id")
-        return ShareCollector(self, rollout_id, _check_ids(request_ids), poll_s=poll_s, max_batch=max_batch)
+        return ShareCollector(
+            self, rollout_id, _check_ids(request_ids), poll_s=poll_s, max_batch=max_batch, layers=layer_list(layers)
+        )
 
     # -- internals --------------------------------------------------------------------------
 
@@ -307,10 +342,13 @@ class RoutingReader:
             f"asked for are missing; {len(merged.owner)} requests committed){note}; nothing was read"
         )
 
-    def _read(self, rollout_id: str, merged: _MergedIndex, request_ids: list[str]) -> dict[str, list[np.ndarray]]:
+    def _read(
+        self, rollout_id: str, merged: _MergedIndex, request_ids: list[str], positions: np.ndarray | None = None
+    ) -> dict[str, list[np.ndarray]]:
         """Each request's segments, read from one source holding it (the first that has not
-        failed in this call). A source whose read fails (unreachable, timed out, failed I/O) is
-        dropped and its requests are read again from their other replicas."""
+        failed in this call); ``positions``: the MoE layer positions wanted (None: all). A
+        source whose read fails (unreachable, timed out, failed I/O) is dropped and its
+        requests are read again from their other replicas."""
         merged.check_replicas(rollout_id, self._sources, request_ids)
         pieces: dict[str, list[np.ndarray]] = {}
         failed: dict[int, Exception] = {}
@@ -341,7 +379,7 @@ class RoutingReader:
                         for seg_no, seg in enumerate(entry.segments):
                             wanted.setdefault((src, seg.array), []).append((rid, seg_no, seg))
                     bar.total = (bar.total or 0) + len(wanted)
-                    results = sync(self._fetch(rollout_id, merged, wanted, bar))
+                    results = sync(self._fetch(rollout_id, merged, wanted, bar, positions))
                     got: dict[tuple[str, int], np.ndarray] = {}
                     first_error: Exception | None = None
                     for (src, _name), result in zip(wanted, results):
@@ -378,7 +416,12 @@ class RoutingReader:
         return pieces
 
     async def _fetch(
-        self, rollout_id: str, merged: _MergedIndex, wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]], bar: tqdm
+        self,
+        rollout_id: str,
+        merged: _MergedIndex,
+        wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]],
+        bar: tqdm,
+        positions: np.ndarray | None = None,
     ) -> list[Any]:
         """Read every array's wanted segments at once; per array its segments' rows by
         (request, segment number), or the exception that array's read raised."""
@@ -402,14 +445,16 @@ class RoutingReader:
                     else:
                         ranges.append(_RowRange(lo, hi, [wanted_seg]))
             async with limit:
-                blocks = await source.read_ranges(rollout_id, index, name, [(r.lo, r.hi) for r in ranges])
+                blocks = await source.read_ranges(rollout_id, index, name, [(r.lo, r.hi) for r in ranges], positions)
             bar.update()
             out = {}
             for row_range, block in zip(ranges, blocks):
                 lo = row_range.lo
                 for rid, seg_no, seg in row_range.members:
                     out[(rid, seg_no)] = block[seg.offset - lo : seg.offset - lo + seg.rows]
-            if self._verify:
+            if self._verify and positions is None:
+                # A segment's CRC-32C covers every layer: a read of some layers relies on the
+                # chunks' own CRC-32C, checked as they are decoded.
                 # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
                 sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
                 for (rid, _seg_no, seg), got in zip(segs, sums):
@@ -515,7 +560,14 @@ class Prefetcher:
     8 readers kept 8 of 16 cores busy at 0.61 of the contiguous rate."""
 
     def __init__(
-        self, reader: RoutingReader, rollout_id: str, batches: Iterable[Iterable[str]], *, depth: int, pin_memory: bool
+        self,
+        reader: RoutingReader,
+        rollout_id: str,
+        batches: Iterable[Iterable[str]],
+        *,
+        depth: int,
+        pin_memory: bool,
+        layers: Iterable[int] | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
@@ -523,7 +575,9 @@ class Prefetcher:
             raise ConfigError("pin_memory=True needs CUDA (page-locked memory is for copies to a GPU); none is available")
         self._batches = [_check_ids(batch) for batch in batches]
         every = [rid for batch in self._batches for rid in batch]
-        reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
+        merged = reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
+        self._layers = layer_list(layers)
+        layer_selection(rollout_id, merged.geometry, self._layers)  # so do layers the rollout lacks
         self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
         # get_packed may run in several threads: each call's reads run as one coroutine on the
         # reader's event loop, where its caches live.
@@ -551,7 +605,10 @@ class Prefetcher:
             raise
 
     def _load(self, batch: list[str]) -> PackedRouting:
-        packed = self._reader.get_packed(self._rollout_id, batch)
+        if self._layers is None:
+            packed = self._reader.get_packed(self._rollout_id, batch)
+        else:
+            packed = self._reader.get_packed(self._rollout_id, batch, layers=self._layers)
         if self._pin:
             import dataclasses
 

@@ -12,6 +12,13 @@ ranged GET (``store.get`` with a byte range: obstore, local files, any zarr stor
 at once, and chunks are checked (CRC-32C) and decoded (zstd) in a thread pool: both release the
 GIL. Exactly the layout r3rdma writes (sharded on tokens, ``bytes`` [+ ``zstd``] + ``crc32c``
 inner codecs, index at the start or end); anything else goes through zarr.
+
+Layer groups (format 3): an inner chunk holds ``chunk_rows`` rows of ``layer_chunk`` layers
+(one shard spans every layer, the last group padded with the fill value). A read may name
+the MoE layer positions it wants (``layers``): only the chunks holding them are fetched and
+decoded, and chunks of one row chunk's layer groups are fetched together only when every
+group is wanted (a skipped group between them is not fetched). A chunk is numbered
+``row_chunk * layer_chunks + group``: zarr's shard index order (C order over the chunk grid).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from zarr.core.buffer import default_buffer_prototype
 from r3rdma.errors import CorruptDataError
 from r3rdma.read.gather import gather
 from r3rdma.records import buffer_checksum
+from r3rdma.store.index_entries import chunk_sizes_of
 
 __all__ = ["ShardLayout", "read_ranges", "shard_indexes", "shard_index_of"]
 
@@ -62,6 +70,7 @@ class ShardLayout:
     zstd: bool
     fill: int
     index_at_start: bool
+    layer_chunk: int = 0  # layers per inner chunk; 0: every layer (format 2 and earlier)
 
     @classmethod
     def of(cls, metadata: dict[str, Any]) -> ShardLayout | None:
@@ -82,8 +91,12 @@ class ShardLayout:
                 and config.get("index_location", "end") in ("start", "end")
                 and metadata.get("data_type") in _DTYPES
                 and len(shape) == 3
-                and outer[1:] == shape[1:]
-                and inner[1:] == shape[1:]
+                and len(outer) == len(inner) == 3
+                and outer[2] == inner[2] == shape[2]
+                # one shard spans every layer: whole layer groups, the last one maybe padded
+                and 1 <= inner[1] <= outer[1]
+                and outer[1] % inner[1] == 0
+                and shape[1] <= outer[1] < shape[1] + inner[1]
                 and outer[0] % inner[0] == 0
                 and names in (["bytes", "crc32c"], ["bytes", "zstd", "crc32c"])
                 and config["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
@@ -104,6 +117,7 @@ class ShardLayout:
             "zstd" in names,
             metadata["fill_value"],
             config.get("index_location", "end") == "start",
+            inner[1],
         )
 
     @classmethod
@@ -112,18 +126,72 @@ class ShardLayout:
         whole chunks, index first, fill value 0); see :func:`shard_index_of`."""
         rows, chunk_rows = shard["rows"], shard["chunk_rows"]
         return cls(
-            rows, np.dtype(_DTYPES[dtype]), row_shape, -(-rows // chunk_rows) * chunk_rows, chunk_rows, shard["zstd"], 0, True
+            rows,
+            np.dtype(_DTYPES[dtype]),
+            row_shape,
+            -(-rows // chunk_rows) * chunk_rows,
+            chunk_rows,
+            shard["zstd"],
+            0,
+            True,
+            shard.get("layers_per_chunk", row_shape[0]),
         )
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers per inner chunk (every layer in stores written before format 3)."""
+        return self.layer_chunk or self.row_shape[0]
+
+    @property
+    def layer_chunks(self) -> int:
+        """Layer groups: inner chunks per row chunk."""
+        return -(-self.row_shape[0] // self.layers_per_chunk)
 
     @property
     def chunks_per_shard(self) -> int:
         """Inner chunks per shard."""
-        return self.shard_rows // self.chunk_rows
+        return self.shard_rows // self.chunk_rows * self.layer_chunks
 
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one decoded inner chunk (edge chunks are stored padded to this size)."""
-        return self.chunk_rows * int(np.prod(self.row_shape)) * self.dtype.itemsize
+        return self.chunk_rows * self.layers_per_chunk * self.row_shape[1] * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class _Pick:
+    """Which layers of each layer group a read wants: ``groups[g] = (src, dst)``, the layers
+    of group ``g``'s chunks to copy (``src``, within the chunk) and where they go in the
+    output (``dst``); slices where contiguous (a plain strided copy), index arrays otherwise."""
+
+    width: int  # layers per output row
+    groups: dict[int, tuple[slice | np.ndarray, slice | np.ndarray]]
+    every: bool  # every group wanted (chunks of a row chunk lie together in the file)
+
+
+def _pick(layout: ShardLayout, layers: np.ndarray | None) -> _Pick:
+    per = layout.layers_per_chunk
+    if layers is None:
+        groups = {
+            g: (slice(0, min(per, layout.row_shape[0] - g * per)), slice(g * per, min((g + 1) * per, layout.row_shape[0])))
+            for g in range(layout.layer_chunks)
+        }
+        return _Pick(layout.row_shape[0], groups, True)
+    picked: dict[int, tuple[list[int], list[int]]] = {}
+    for dst, layer in enumerate(layers.tolist()):
+        src, dsts = picked.setdefault(layer // per, ([], []))
+        src.append(layer % per)
+        dsts.append(dst)
+    out: dict[int, tuple[slice | np.ndarray, slice | np.ndarray]] = {}
+    for g, (src, dsts) in picked.items():
+        out[g] = (_as_slice(src), _as_slice(dsts))
+    return _Pick(len(layers), out, len(out) == layout.layer_chunks)
+
+
+def _as_slice(values: list[int]) -> slice | np.ndarray:
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return np.asarray(values, dtype=np.intp)
 
 
 async def read_ranges(
@@ -133,18 +201,27 @@ async def read_ranges(
     ranges: Sequence[tuple[int, int]],
     indexes: dict[tuple[str, int], np.ndarray],
     where: str,
+    layers: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """Rows ``lo:hi`` of each of ``ranges`` of the array at ``path`` in ``store``. ``indexes``
-    caches shard indexes (by path and shard number) across calls. Store errors propagate (the
-    caller says what they mean); damage raises :class:`CorruptDataError` naming ``where``."""
-    outs = [np.empty((hi - lo, *layout.row_shape), dtype=layout.dtype) for lo, hi in ranges]
+    """Rows ``lo:hi`` of each of ``ranges`` of the array at ``path`` in ``store``; with
+    ``layers`` (MoE layer positions, in the order wanted) only those layers, read from the
+    inner chunks that hold them. ``indexes`` caches shard indexes (by path and shard number)
+    across calls. Store errors propagate (the caller says what they mean); damage raises
+    :class:`CorruptDataError` naming ``where``."""
+    pick = _pick(layout, layers)
+    outs = [np.empty((hi - lo, pick.width, layout.row_shape[1]), dtype=layout.dtype) for lo, hi in ranges]
+    groups = layout.layer_chunks
     wanted: dict[int, list[int]] = {}  # chunk number -> ranges that need rows of it
     for i, (lo, hi) in enumerate(ranges):
-        for chunk in range(lo // layout.chunk_rows, -(-hi // layout.chunk_rows)):
-            wanted.setdefault(chunk, []).append(i)
+        for row_chunk in range(lo // layout.chunk_rows, -(-hi // layout.chunk_rows)):
+            for g in pick.groups:
+                wanted.setdefault(row_chunk * groups + g, []).append(i)
     by_shard: dict[int, list[int]] = {}
     for chunk in sorted(wanted):
         by_shard.setdefault(chunk // layout.chunks_per_shard, []).append(chunk)
+    # Chunks close together in the file are fetched in one GET; with layers skipped, only
+    # chunks that touch (a skipped group between two wanted ones is not fetched).
+    gap = _GAP if pick.every else 0
 
     async def shard(shard_no: int, chunks: list[int]) -> None:
         key = f"{path}/c/{shard_no}/0/0"
@@ -153,19 +230,19 @@ async def read_ranges(
         for chunk in chunks:
             offset, nbytes = (int(v) for v in index[chunk % layout.chunks_per_shard])
             if offset == _EMPTY and nbytes == _EMPTY:
-                _place(layout, chunk, None, ranges, wanted[chunk], outs)
+                _place(layout, pick, chunk, None, ranges, wanted[chunk], outs)
             else:
                 stored.append((offset, offset + nbytes, chunk))
         stored.sort()
-        groups: list[list[tuple[int, int, int]]] = []
+        runs: list[list[tuple[int, int, int]]] = []
         for item in stored:  # chunks near each other in the file: one GET
-            if groups and item[0] - groups[-1][-1][1] <= _GAP:
-                groups[-1].append(item)
+            if runs and item[0] - runs[-1][-1][1] <= gap:
+                runs[-1].append(item)
             else:
-                groups.append([item])
+                runs.append([item])
         loop = asyncio.get_running_loop()
 
-        async def group(items: list[tuple[int, int, int]]) -> None:
+        async def run(items: list[tuple[int, int, int]]) -> None:
             start, end = items[0][0], max(e for _, e, _ in items)
             buffer = await store.get(key, prototype=default_buffer_prototype(), byte_range=RangeByteRequest(start, end))
             data = np.empty(0, dtype=np.uint8) if buffer is None else buffer.as_numpy_array()
@@ -173,24 +250,35 @@ async def read_ranges(
                 raise CorruptDataError(
                     f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
                 )
-            # A task per chunk or two: the chunks of one GET decode on all cores at once.
+            # A task per ~2 whole-layer chunks' bytes: the chunks of one GET decode on all cores at once.
+            step = 2 * groups
             await asyncio.gather(
                 *(
                     loop.run_in_executor(
-                        _decode_pool(), _decode_group, layout, data, start, items[i : i + 2], ranges, wanted, outs, where
+                        _decode_pool(), _decode_group, layout, pick, data, start, items[i : i + step], ranges, wanted, outs, where
                     )
-                    for i in range(0, len(items), 2)
+                    for i in range(0, len(items), step)
                 )
             )
 
-        await gather(group(g) for g in groups)
+        await gather(run(r) for r in runs)
 
     await gather(shard(s, chunks) for s, chunks in by_shard.items())
     return outs
 
 
 def shard_index_of(shard: dict[str, Any]) -> np.ndarray:
-    """The shard index an index part's ``shards`` entry carries (-1 marks a chunk left out)."""
+    """The shard index an index part's ``shards`` entry carries: format 3's ``chunk_sizes``
+    (:func:`r3rdma.store.index_entries.chunk_sizes_of`, chunks back to back after the shard
+    index), or format 2's ``chunks`` list of ``[offset, nbytes]`` (-1 marks a chunk left out)."""
+    if "chunk_sizes" in shard:
+        sizes = chunk_sizes_of(shard).astype("<u8")
+        index = np.empty((len(sizes), 2), dtype="<u8")
+        index[:, 1] = sizes
+        index[0, 0] = 16 * len(sizes) + 4  # the shard index itself: (offset, nbytes) per chunk, then a CRC-32C
+        np.cumsum(sizes[:-1], out=index[1:, 0])
+        index[1:, 0] += index[0, 0]
+        return index
     return np.asarray(shard["chunks"], dtype=np.int64).reshape(-1, 2).astype("<u8")
 
 
@@ -225,6 +313,7 @@ async def _index(
 
 def _decode_group(
     layout: ShardLayout,
+    pick: _Pick,
     data: np.ndarray,
     start: int,
     items: list[tuple[int, int, int]],
@@ -250,8 +339,9 @@ def _decode_group(
             raise CorruptDataError(f"{what} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
         _place(
             layout,
+            pick,
             chunk,
-            np.frombuffer(raw, dtype=layout.dtype).reshape(layout.chunk_rows, *layout.row_shape),
+            np.frombuffer(raw, dtype=layout.dtype).reshape(layout.chunk_rows, layout.layers_per_chunk, layout.row_shape[1]),
             ranges,
             wanted[chunk],
             outs,
@@ -260,17 +350,20 @@ def _decode_group(
 
 def _place(
     layout: ShardLayout,
+    pick: _Pick,
     chunk: int,
     rows: np.ndarray | None,
     ranges: Sequence[tuple[int, int]],
     which: list[int],
     outs: list[np.ndarray],
 ) -> None:
-    first = chunk * layout.chunk_rows
+    row_chunk, group = divmod(chunk, layout.layer_chunks)
+    src, dst = pick.groups[group]
+    first = row_chunk * layout.chunk_rows
     for i in which:
         lo, hi = ranges[i]
         a, b = max(lo, first), min(hi, first + layout.chunk_rows)
         if rows is None:
-            outs[i][a - lo : b - lo] = layout.fill
+            outs[i][a - lo : b - lo, dst] = layout.fill
         else:
-            outs[i][a - lo : b - lo] = rows[a - first : b - first]
+            outs[i][a - lo : b - lo, dst] = rows[a - first : b - first, src]

@@ -255,8 +255,16 @@ class Source:
         hint = index.shards.get(name)
         if hint is not None:
             geometry = index.geometry
-            self._layouts[key] = ShardLayout.from_index(hint, geometry["dtype"], (geometry["num_layers"], geometry["top_k"]))
-            self._shard_indexes[(f"{rollout_id}/{name}/c/0/0/0", 0)] = shard_index_of(hint)
+            layout = ShardLayout.from_index(hint, geometry["dtype"], (geometry["num_layers"], geometry["top_k"]))
+            chunks = shard_index_of(hint)
+            if len(chunks) != layout.chunks_per_shard:
+                raise CorruptDataError(
+                    f"{self._where(rollout_id, name)}: the index lists {len(chunks)} inner chunks, its shape "
+                    f"({layout.rows} rows, {layout.chunk_rows} per chunk, {layout.layers_per_chunk} layers per chunk) "
+                    f"makes {layout.chunks_per_shard}"
+                )
+            self._layouts[key] = layout
+            self._shard_indexes[(f"{rollout_id}/{name}/c/0/0/0", 0)] = chunks
             return
         array = await self.array(rollout_id, index.uid, name)
         layout = self._layouts[key] = ShardLayout.of(array.metadata.to_dict())
@@ -268,23 +276,25 @@ class Source:
             )
 
     async def read_ranges(
-        self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]]
+        self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]], layers: np.ndarray | None = None
     ) -> list[np.ndarray]:
-        """Rows ``lo:hi`` of a batch array for each of ``ranges``; zarr's or r3rdma's own chunk
-        CRC-32C is checked on the way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
+        """Rows ``lo:hi`` of a batch array for each of ``ranges``, with ``layers`` (MoE layer
+        positions) only those; zarr's or r3rdma's own chunk CRC-32C is checked on the way
+        (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
         await self.prepare(rollout_id, index, name)
         layout = self._layouts[(rollout_id, index.uid, name)]
         where = self._where(rollout_id, name)
         read: Coroutine[Any, Any, list[np.ndarray]]
         if layout is not None:
             rows = layout.rows
-            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where)
+            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where, layers)
         else:
             array = await self.array(rollout_id, index.uid, name)
             rows = array.shape[0]
 
             async def read_through_zarr() -> list[np.ndarray]:
-                return [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
+                blocks = [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
+                return blocks if layers is None else [np.ascontiguousarray(b[:, layers]) for b in blocks]
 
             read = read_through_zarr()
         if any(hi > rows for _, hi in ranges):
