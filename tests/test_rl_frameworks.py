@@ -303,9 +303,9 @@ def test_reads_only_the_requested_share(rollout, monkeypatch):
     seen = []
     original = RoutingReader._read
 
-    def spy(self, rollout_id, merged, request_ids):  # every read of rows goes through here
+    def spy(self, rollout_id, merged, request_ids, *args, **kwargs):  # every read of rows goes through here
         seen.append(list(request_ids))
-        return original(self, rollout_id, merged, request_ids)
+        return original(self, rollout_id, merged, request_ids, *args, **kwargs)
 
     monkeypatch.setattr(RoutingReader, "_read", spy)
     with RoutingReader(root) as reader:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -175,6 +175,12 @@ class RoutingWriter:
         self.bytes_committed = 0
         self.commit_failures = 0  # commits that raised and lost records (r3rdma.metrics exports it)
         self.requests_failed = 0
+        # A store that encodes apart from writing (LocalRoutingStore.prepare) has the next
+        # batch encoded on this thread while the worker writes the one before it: compressing
+        # is most of a commit, and in turn with the write it left the disk idle meanwhile.
+        prepare = getattr(store, "prepare", None)
+        self._prepare = prepare if callable(prepare) and callable(getattr(store, "commit_async", None)) else None
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
         self._thread = threading.Thread(target=self._run, name="r3rdma-writer", daemon=True)
         self._thread.start()
 
@@ -238,6 +244,8 @@ class RoutingWriter:
                 self._closing = True
                 self._cond.notify_all()
             self._thread.join(timeout)
+            if self._encoder is not None:
+                self._encoder.shutdown(wait=False)
             if self.owns_store:
                 self.owns_store = False  # closed once
                 close_store = getattr(self.store, "close", None)
@@ -299,8 +307,19 @@ class RoutingWriter:
             raise error
 
     def _run(self) -> None:
-        publishing: _Job | None = None  # the previous batch, being made durable by the store
+        # Each batch passes three stages in order: staged (being encoded by the store, when it
+        # encodes apart: ``prepare`` on the encoder thread), written (``commit_async``: the
+        # store makes it durable on its own thread), finished (durable or failed, counted). The
+        # next batch is encoded while one is written, and written while one is made durable.
+        staged: _Job | None = None
+        publishing: _Job | None = None
         while True:
+            if staged is not None:
+                with self._cond:
+                    encode_next = bool(self._queue)
+                if not encode_next:  # nothing to encode meanwhile: write it now
+                    publishing = self._write(staged, publishing)
+                    staged = None
             if publishing is not None:
                 with self._cond:
                     while not (self._queue or self._closing or publishing.settled()):
@@ -309,61 +328,83 @@ class RoutingWriter:
                 if not write_next:  # nothing to write meanwhile: count it (flush() may wait for it)
                     self._finish(publishing)
                     publishing = None
-            with self._cond:
-                while not self._closing and not self._queue:
-                    self._cond.wait()
-                if self._closing and not self._queue:
-                    return
-                # Let a batch grow to flush_bytes, but no longer than flush_interval_s after its
-                # first record, and not at all while someone waits in flush().
-                deadline = self._first_enqueued + self.flush_interval_s
-                while not (self._closing or self._flushers or self._queued_bytes >= self.flush_bytes):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-                batch: list = []
-                size = 0
-                while self._queue and (not batch or size + self._queue[0].nbytes <= self.flush_bytes):
-                    record = self._queue.popleft()
-                    batch.append(record)
-                    size += record.nbytes
-                self._queued_bytes -= size
-                self._first_enqueued = time.monotonic()
-            job = _Job(batch, size)
-            host: list = []
-            for r in batch:
-                if getattr(r, "on_device", False):
-                    continue
-                try:
-                    host.append(r if isinstance(r, RequestRecord) else r.result())
-                except BaseException as e:  # this record's rows never arrived; the others go on
-                    job.failures.append((e, [r]))
-            device = [r for r in batch if getattr(r, "on_device", False)]
-            commit_async = getattr(self.store, "commit_async", None)
-            if host and commit_async is not None:
-                # The store writes this batch now and makes it durable on its own thread: the
-                # next batch is written while this one is flushed (LocalRoutingStore).
-                try:
-                    job.future, job.host = commit_async(host), host
-                    job.future.add_done_callback(self._wake)
-                except BaseException as e:
-                    if retry_part_by_part(e, len(host)):
-                        job.failures += self._commit_each(self.store.commit, host)
-                    else:
-                        job.failures.append((e, host))
-            elif host:
-                job.failures += self._commit(self.store.commit, host)
-            if device:
-                store = self.store
-                if isinstance(store, DeviceRecordStore):
-                    job.failures += self._commit(store.commit_device, device)  # GPU-direct: UCX reads device memory
-                else:  # a capturer sends device rows only where accepts_device_rows said yes
-                    reason = f"device rows need a store that pushes device memory, got {type(store).__name__}"
-                    job.failures.append((StoreError(reason), device))
-            if publishing is not None:
-                self._finish(publishing)
-            publishing = job
+            batch, size = self._take_batch()
+            if batch is None:
+                return
+            job = self._stage(batch, size)
+            if staged is not None:  # written while ``job`` is encoded
+                publishing = self._write(staged, publishing)
+            staged = job
+
+    def _take_batch(self) -> tuple[list | None, int]:
+        """The next batch to commit, once one is due; ``(None, 0)`` when closing with none left."""
+        with self._cond:
+            while not self._closing and not self._queue:
+                self._cond.wait()
+            if self._closing and not self._queue:
+                return None, 0
+            # Let a batch grow to flush_bytes, but no longer than flush_interval_s after its
+            # first record, and not at all while someone waits in flush().
+            deadline = self._first_enqueued + self.flush_interval_s
+            while not (self._closing or self._flushers or self._queued_bytes >= self.flush_bytes):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch: list = []
+            size = 0
+            while self._queue and (not batch or size + self._queue[0].nbytes <= self.flush_bytes):
+                record = self._queue.popleft()
+                batch.append(record)
+                size += record.nbytes
+            self._queued_bytes -= size
+            self._first_enqueued = time.monotonic()
+        return batch, size
+
+    def _stage(self, batch: list, size: int) -> _Job:
+        """A job for ``batch``: its host records resolved, their encoding started where the
+        store encodes apart, device rows committed (GPU-direct: UCX reads device memory)."""
+        job = _Job(batch, size)
+        for r in batch:
+            if getattr(r, "on_device", False):
+                continue
+            try:
+                job.host.append(r if isinstance(r, RequestRecord) else r.result())
+            except BaseException as e:  # this record's rows never arrived; the others go on
+                job.failures.append((e, [r]))
+        if job.host and self._encoder is not None and self._prepare is not None:
+            job.encoding = self._encoder.submit(self._prepare, job.host)
+        device = [r for r in batch if getattr(r, "on_device", False)]
+        if device:
+            store = self.store
+            if isinstance(store, DeviceRecordStore):
+                job.failures += self._commit(store.commit_device, device)
+            else:  # a capturer sends device rows only where accepts_device_rows said yes
+                reason = f"device rows need a store that pushes device memory, got {type(store).__name__}"
+                job.failures.append((StoreError(reason), device))
+        return job
+
+    def _write(self, job: _Job, publishing: _Job | None) -> _Job:
+        """Write ``job``'s host records (the store makes them durable on its own thread), then
+        count the batch written before it once that one is durable; ``job`` is publishing now."""
+        host = job.host
+        commit_async = getattr(self.store, "commit_async", None)
+        if host and commit_async is not None:
+            # The store writes this batch now and makes it durable on its own thread: the
+            # next batch is written while this one is flushed (LocalRoutingStore).
+            try:
+                job.future = commit_async(job.encoding.result() if job.encoding is not None else host)
+                job.future.add_done_callback(self._wake)
+            except BaseException as e:
+                if retry_part_by_part(e, len(host)):
+                    job.failures += self._commit_each(self.store.commit, host)
+                else:
+                    job.failures.append((e, host))
+        elif host:
+            job.failures += self._commit(self.store.commit, host)
+        if publishing is not None:
+            self._finish(publishing)
+        return job
 
     def _wake(self, _future: Future) -> None:
         with self._cond:
@@ -432,6 +473,7 @@ class _Job:
     failures: list = field(default_factory=list)  # (error, the records it lost)
     future: Future | None = None
     host: list = field(default_factory=list)
+    encoding: Future | None = None  # the store's prepare of ``host``, on the writer's encoder thread
 
     def settled(self) -> bool:
         """Whether the batch's commit has finished, durable or failed (never blocks)."""
