@@ -182,9 +182,7 @@ def write_batch_array(
     return encoded.places
 
 
-def _metadata(
-    dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, count: int, zstd_level: int, per: int
-) -> bytes:
+def _metadata(dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, count: int, zstd_level: int, per: int) -> bytes:
     """The array's ``zarr.json``, byte for byte zarr's.
 
     Why not ``zarr.create_array`` per batch: it cost ~3 ms of each commit (on the CPU VM),

@@ -208,9 +208,7 @@ class RoutingReader:
         ``layers`` as in :meth:`get_numpy`."""
         return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids, layers=layers).items()}
 
-    def get_packed(
-        self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None
-    ) -> PackedRouting:
+    def get_packed(self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None) -> PackedRouting:
         """Requests concatenated along tokens in the given order, with ``cu_seqlens``;
         ``layers`` as in :meth:`get_numpy` (the result's ``layer_map`` lists the layers read)."""
         request_ids = _check_ids(request_ids)

@@ -172,7 +172,7 @@ class _Pick:
 def _pick(layout: ShardLayout, layers: np.ndarray | None) -> _Pick:
     per = layout.layers_per_chunk
     if layers is None:
-        groups = {
+        groups: dict[int, tuple[slice | np.ndarray, slice | np.ndarray]] = {
             g: (slice(0, min(per, layout.row_shape[0] - g * per)), slice(g * per, min((g + 1) * per, layout.row_shape[0])))
             for g in range(layout.layer_chunks)
         }

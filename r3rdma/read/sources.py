@@ -267,12 +267,12 @@ class Source:
             self._shard_indexes[(f"{rollout_id}/{name}/c/0/0/0", 0)] = chunks
             return
         array = await self.array(rollout_id, index.uid, name)
-        layout = self._layouts[key] = ShardLayout.of(array.metadata.to_dict())
-        if layout is not None:
+        found = self._layouts[key] = ShardLayout.of(array.metadata.to_dict())
+        if found is not None:
             await self._guard(
                 rollout_id,
                 name,
-                shard_indexes(self.store, f"{rollout_id}/{name}", layout, self._shard_indexes, self._where(rollout_id, name)),
+                shard_indexes(self.store, f"{rollout_id}/{name}", found, self._shard_indexes, self._where(rollout_id, name)),
             )
 
     async def read_ranges(
