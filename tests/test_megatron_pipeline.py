@@ -8,7 +8,8 @@ builds its pipeline stage (or its two virtual chunks) of one GPTModel MoE (local
 hook keeps each router's top-k per micro-batch (a router sees micro-batches in order). The ranks
 exchange their routers' records, rank 0 stores each request's ``seq_len - 1`` rows through
 ``RoutingWriter`` -> ``LocalRoutingStore`` and serves them with the store node's read service
-over HTTP (token auth); both ranks read them back with ``RoutingReader``.
+over HTTP (token auth); each rank reads back its stage's layers alone with
+``RoutingReader.get_packed(..., layers=replay.layers)``.
 
 Router weights are then perturbed. Passes, each one whole schedule:
 - live (no replay, forward only): the perturbed routers must differ from the stored rows;
@@ -63,6 +64,7 @@ def _case(work: Path, name: str, vpp: int | None) -> dict:
     from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter
     from r3rdma.integrations.megatron import MegatronReplay, MicroBatch, ParallelLayout
     from r3rdma.records import RequestRecord
+    from r3rdma.store import batch_array
     from tests.test_megatron_multigpu import _serve
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
@@ -170,6 +172,9 @@ def _case(work: Path, name: str, vpp: int | None) -> dict:
     root = work / name / "root"
     port, stop = [None], None
     if rank == 0:
+        # one layer per inner chunk (the writer's rule would group these few small layers into
+        # one), so each stage's read fetches only its layers' chunks over HTTP
+        batch_array.layers_per_chunk = lambda *_: 1
         store = LocalRoutingStore(root)
         writer = RoutingWriter(store)
         for m in range(NUM_MB):
@@ -183,8 +188,11 @@ def _case(work: Path, name: str, vpp: int | None) -> dict:
         port[0], stop = _serve(root, TOKEN)
     dist.broadcast_object_list(port, src=0)
     reader = RoutingReader([f"http://127.0.0.1:{port[0]}"], token=TOKEN)
-    routings.extend(reader.get_packed(rollout, mb_ids[m]) for m in range(NUM_MB))
+    # each stage reads its routers' layers alone (every virtual chunk's): in 1F1B rank 0 reads
+    # decoder layers 2 and 3 of the 5 MoE layers
+    routings.extend(reader.get_packed(rollout, mb_ids[m], layers=replay.layers) for m in range(NUM_MB))
     reader.close()
+    assert all(r.layer_map == replay.layers == tuple(sorted(mine)) for r in routings), (replay.layers, sorted(mine))
 
     # expected per (my layer, micro-batch): the rollout's record, and which rows were recorded
     want = {d: [torch.from_numpy(record_all[d][m]).to(torch.int64).sort(dim=-1).values for m in range(NUM_MB)] for d in mine}

@@ -237,6 +237,92 @@ def test_pipeline_stages_take_their_layers(stored):
             assert torch.equal(got, want[d])
 
 
+@pytest.fixture
+def stored_by_layer(tmp_path, monkeypatch):
+    """The same five requests in a store whose inner chunks hold one layer each, so a read of
+    some layers fetches fewer chunks (the writer's own rule groups these tiny layers into one)."""
+    from zarr.storage import LocalStore
+
+    from r3rdma.store import batch_array
+
+    monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 1)
+    rng = np.random.default_rng(7)
+    lens = {"r0": 7, "r1": 12, "r2": 5, "r3": 9, "r4": 16}
+    rows = {rid: np.stack([np.stack([rng.permutation(E)[:K] for _ in LAYER_MAP]) for _ in range(n - 1)]).astype(np.uint8) for rid, n in lens.items()}
+    with LocalRoutingStore(tmp_path / "root", chunk_rows=8, min_chunk_rows=8) as store:
+        store.commit([RequestRecord("roll", rid, ids, LAYER_MAP, E) for rid, ids in rows.items()])
+    fetched = []  # bytes of every shard read (chunks and their index ranges)
+    real_get = LocalStore.get
+
+    async def counting_get(self, key, prototype=None, byte_range=None):
+        buffer = await real_get(self, key, prototype, byte_range)
+        if key.endswith("/c/0/0/0") and buffer is not None:
+            fetched.append(len(buffer))
+        return buffer
+
+    monkeypatch.setattr(LocalStore, "get", counting_get)
+    reader = RoutingReader(tmp_path / "root")
+    yield reader, lens, rows, fetched
+    reader.close()
+
+
+@pytest.mark.parametrize("stage_layers", [[[2, 3]], [[0], [3]]], ids=["pp_stage", "vpp_chunks"])
+def test_stage_reads_only_its_layers(stored_by_layer, stage_layers):
+    """A pipeline stage (with virtual stages: every chunk's layers) reads its routers' layers
+    alone through prefetch_routing(layers=replay.layers), fetches fewer bytes than a read of
+    every layer, and replays exactly what the whole read replays."""
+    reader, lens, rows, fetched = stored_by_layer
+    micro_batches = [MicroBatch.thd(["r4", "r0"], [lens["r4"], lens["r0"]], pad_to_multiple_of=2), MicroBatch.padded(["r1", "r3"], [12, 9], seq_length=12)]
+    replay = MegatronReplay([Stage(config(), layers) for layers in stage_layers])
+    assert replay.layers == tuple(d for layers in stage_layers for d in layers)
+    asked = []
+    real_prefetch = reader.prefetch
+
+    def spy(*args, **kw):
+        asked.append(kw.get("layers"))
+        return real_prefetch(*args, **kw)
+
+    reader.prefetch = spy
+    by_stage = list(prefetch_routing(reader, "roll", micro_batches, layers=replay.layers))
+    stage_bytes = sum(fetched)
+    fetched.clear()
+    whole = list(prefetch_routing(reader, "roll", micro_batches))
+    whole_bytes = sum(fetched)
+    assert asked == [replay.layers, None]
+    assert 0 < stage_bytes < whole_bytes
+    for (batch, part), (_, every) in zip(by_stage, whole):
+        assert part.layer_map == replay.layers and every.layer_map == LAYER_MAP
+        assert part.ids_TLK.shape[1] == len(replay.layers)
+        for chunk in range(len(stage_layers)):
+            with replay.step():
+                sliced = replay.targets(part, batch, chunk=chunk)
+                assert torch.equal(sliced, replay.targets(every, batch, chunk=chunk))
+    # the routers' decisions, loaded from the stage's read, are the rollout's
+    batch, part = by_stage[1]
+    want, _ = expected_full(rows, lens, list(batch.request_ids), "padded", batch.seq_length)
+    n = batch.seq_length * len(batch.request_ids)
+    with replay.step():
+        for chunk in range(len(stage_layers)):
+            replay.load(part, batch, chunk=chunk)
+        chosen, _, _ = run_routers(replay, n, b=len(batch.request_ids))
+    for r, got in zip(replay.routers, chosen):
+        assert torch.equal(got, want[r.decoder_layer])
+
+
+def test_routing_read_without_a_stage_layer_refused(stored):
+    """A read of other layers than the stage's (a layer-sliced PackedRouting missing one of its
+    routers' layers) is refused, naming the layer and what the rank replays."""
+    reader, lens, _ = stored
+    batch = MicroBatch.thd(["r2"], [lens["r2"]])
+    replay = MegatronReplay(Stage(config(), [2, 3]))
+    partial = reader.get_packed("roll", ["r2"], layers=[2])
+    assert partial.layer_map == (2,)
+    with replay.step(), pytest.raises(ShapeMismatchError, match=r"layers \[3\] of this stage .*layer_map \[2\].*replay decoder layers \[2, 3\]"):
+        replay.load(partial, batch)
+    with pytest.raises(ShapeMismatchError, match="no MoE layer 1"):  # before the step, before any read
+        prefetch_routing(reader, "roll", [batch], layers=[1, 2]).__next__()
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_recompute_replays_the_same_ids_fifo(stored, reentrant):
     """Two micro-batches forward, then their backwards (pipeline order): the recomputed forward
@@ -459,7 +545,7 @@ def test_replay_md_example(stored):
     replay = MegatronReplay(model, layout=ParallelLayout())
     n_forwards = 0
     with replay.step():
-        routed = prefetch_routing(reader, "roll", micro_batches)
+        routed = prefetch_routing(reader, "roll", micro_batches, layers=replay.layers)
         data_iterators = list(itertools.tee(routed, len(model)))
         for chunk, m in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # the interleaved schedule's forward order
             batch, routing = next(data_iterators[chunk])

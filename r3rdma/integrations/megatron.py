@@ -13,7 +13,9 @@ of each local router from a :class:`~r3rdma.read.reader.PackedRouting`:
   keeps chunks ``r`` and ``2 * cp - 1 - r``), then the sequence-parallel split (TP rank ``r``
   keeps rows ``[r * N / tp, (r + 1) * N / tp)``);
 - layers: each router's decoder layer (``router.layer_number - 1``, global: Megatron adds the
-  pipeline and virtual-stage offset) looked up in the routing's ``layer_map``;
+  pipeline and virtual-stage offset) looked up in the routing's ``layer_map``; a pipeline
+  stage reads only its own (:attr:`MegatronReplay.layers`, passed as ``layers=`` to
+  :func:`prefetch_routing` or the reader);
 - rows the rollout never computed (each sequence's last ``unrecorded_tail`` tokens, padding):
   megatron-core 0.16 has no replay mask, so they get the spread, duplicate-free fill
   ``(row * k + j) % E`` with ``row`` the token's row in the unsplit micro-batch (never all
@@ -57,7 +59,8 @@ __all__ = [
 class ParallelLayout:
     """Where this rank sits: tensor parallel (with or without sequence parallel) and context
     parallel. Pipeline and virtual stages need nothing here: the routers' layer numbers carry
-    them. Sizes must agree with the routers' ``TransformerConfig`` (checked)."""
+    them (:attr:`MegatronReplay.layers`: the layers a stage reads). Sizes must agree with the
+    routers' ``TransformerConfig`` (checked)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -176,6 +179,14 @@ def local_routing_rows(
     ``recorded_N`` False (never computed by the rollout, or padding) hold ``(row * K + j) % E``,
     ``row`` being the token's row in the unsplit micro-batch.
     """
+    return _local_rows(routing, routing.ids_TLK, batch, layout, num_experts)
+
+
+def _local_rows(
+    routing: Any, ids_TLK: torch.Tensor, batch: MicroBatch, layout: ParallelLayout, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`local_routing_rows` of ``ids_TLK``: ``routing``'s rows, some of its layers
+    (``routing`` gives the requests and their row spans)."""
     if tuple(routing.request_ids) != tuple(batch.request_ids):
         missing = [r for r in batch.request_ids if r not in set(routing.request_ids)]
         raise ReplayError(
@@ -215,7 +226,7 @@ def local_routing_rows(
         row = torch.tensor(cu_pad[:-1])[seq] + pos
     recorded = pos < seq_lens[seq] - batch.unrecorded_tail
     src = torch.where(recorded, starts[seq] + pos, 0)
-    ids = routing.ids_TLK
+    ids = ids_TLK
     n_layers, k = ids.shape[1], ids.shape[2]
     out = ids[src] if ids.shape[0] else torch.zeros((len(src), n_layers, k), dtype=ids.dtype)
     fill = (row[:, None] * k + torch.arange(k)[None, :]) % num_experts  # [N, K], distinct in a row when K <= E
@@ -275,6 +286,10 @@ class MegatronReplay:
     rollout; refused unless allowed. ``device``: where targets go (default: the current CUDA
     device, else CPU).
 
+    :attr:`layers`: the decoder layers of the local routers (every chunk's): what this rank
+    replays, so what it reads (``prefetch_routing(..., layers=replay.layers)``); a pipeline
+    stage then fetches only the store's chunks holding its layers.
+
     Use: ``with replay.step():`` around one training step; per micro-batch, :meth:`load`
     before its forward (with virtual pipeline stages: per micro-batch and chunk, in the
     ``forward_step_func`` Megatron's schedule calls with that chunk). Recompute in the backward
@@ -308,6 +323,9 @@ class MegatronReplay:
             self._check_router(name, r, allow_token_dropping)
             routers.append(ReplayRouter(name, r.layer_number - 1, r, chunk))
         self.routers: tuple[ReplayRouter, ...] = tuple(routers)
+        # The stage's decoder layers in stored (ascending) order; with virtual stages, every
+        # chunk's, since one read serves all the chunks of a micro-batch.
+        self.layers: tuple[int, ...] = tuple(sorted({r.decoder_layer for r in routers}))
         self._chunks = chunks
         self.topk = routers[0].module.topk
         self.num_experts = routers[0].module.config.num_moe_experts
@@ -373,9 +391,14 @@ class MegatronReplay:
         if missing:
             raise ShapeMismatchError(
                 f"MoE decoder layers {missing} of this stage are not in the routing's layer_map {list(routing.layer_map)}"
+                f" (this rank's routers replay decoder layers {list(self.layers)}: read them all, e.g. "
+                "prefetch_routing(..., layers=replay.layers), or every layer)"
             )
-        ids, _ = local_routing_rows(routing, batch, self.layout, self.num_experts)
-        sel = ids[:, [layer_of[r.decoder_layer] for r in routers], :]
+        # The chunk's layers first, then its rows: a read of every layer (or of every chunk's
+        # layers) gathers only what these routers take.
+        columns = [layer_of[r.decoder_layer] for r in routers]
+        mine = ids_TLK if columns == list(range(ids_TLK.shape[1])) else ids_TLK[:, columns, :]
+        sel, _ = _local_rows(routing, mine, batch, self.layout, self.num_experts)
         if sel.numel() and int(sel.max()) >= self.num_experts:
             raise ShapeMismatchError(f"recorded expert id {int(sel.max())} outside 0..{self.num_experts - 1}")
         return sel.permute(1, 0, 2)
@@ -496,11 +519,22 @@ class MegatronReplay:
 
 
 def prefetch_routing(
-    reader: Any, rollout_id: str, batches: Iterable[MicroBatch], *, depth: int = 2
+    reader: Any,
+    rollout_id: str,
+    batches: Iterable[MicroBatch],
+    *,
+    depth: int = 2,
+    layers: Iterable[int] | None = None,
 ) -> Iterator[tuple[MicroBatch, Any]]:
     """Yield ``(batch, routing)`` in order, reading the next ``depth`` micro-batches in the
     background while one trains (:meth:`RoutingReader.prefetch`: every batch's ids are checked
-    against the index before anything is read, so a bad id fails before the step starts)."""
+    against the index before anything is read, so a bad id fails before the step starts).
+
+    ``layers``: the decoder layers to read, ``replay.layers`` for a pipeline stage (its
+    routers' layers, every virtual chunk's): only the store's chunks holding them are fetched,
+    and a layer the rollout lacks fails before the step starts. Default: every layer."""
     batches = list(batches)
-    with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth) as routed:
+    # layers= only when given: a reader-like object without layer reads keeps working
+    kwargs = {} if layers is None else {"layers": layers}
+    with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
         yield from zip(batches, routed)
