@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 
 from r3rdma.errors import ConfigError, ReplayError, ShapeMismatchError
+from r3rdma.read.rows import cp_row_spans
 
 try:
     from megatron.core.transformer.moe.router import Router, TopKRouter
@@ -50,6 +51,7 @@ __all__ = [
     "MicroBatch",
     "ParallelLayout",
     "ReplayRouter",
+    "cp_rows",
     "local_routing_rows",
     "prefetch_routing",
 ]
@@ -168,6 +170,23 @@ def _cp_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
     return torch.cat([first, second])
+
+
+def cp_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str, list[tuple[int, int]]]:
+    """Each request's rows this rank's context-parallel share holds, for the reader's ``rows=``
+    (``prefetch``, ``get_numpy``): only the row chunks holding them are fetched. A thd batch
+    splits each sequence over its padded span, a padded batch over ``seq_length``. Without
+    sequence parallel only; :meth:`MegatronReplay.load` takes whole micro-batches, so this is
+    for a rank that gathers its routing itself (or the bench of issue #34)."""
+    if layout.sequence_parallel and layout.tp_size > 1:
+        raise ConfigError("cp_rows does not split sequence-parallel rows; read whole micro-batches with sequence parallel")
+    out: dict[str, list[tuple[int, int]]] = {}
+    for batch in batches:
+        for i, (rid, n) in enumerate(zip(batch.request_ids, batch.seq_lens)):
+            cu = batch.cu_seqlens_padded
+            padded = batch.seq_length if batch.fmt == "padded" or cu is None else cu[i + 1] - cu[i]
+            out[rid] = cp_row_spans(n - batch.unrecorded_tail, padded, layout.cp_size, layout.cp_rank)
+    return out
 
 
 def local_routing_rows(

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.read.layers import layer_list, layer_selection
 from r3rdma.read.packed import PackedRouting, pack, to_torch
+from r3rdma.read.rows import Spans, check_rows, row_spans, select_segments
 from r3rdma.read.sources import Source, source_items
 from r3rdma.records import checksum
 from r3rdma.store.index_entries import RequestEntry, Segment
@@ -186,7 +187,12 @@ class RoutingReader:
         return out
 
     def get_numpy(
-        self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None
+        self,
+        rollout_id: str,
+        request_ids: Iterable[str],
+        *,
+        layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
     ) -> dict[str, np.ndarray]:
         """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id.
 
@@ -196,25 +202,52 @@ class RoutingReader:
         fetched (format 3 stores; older ones are read whole and sliced). A layer the rollout
         does not have raises :class:`ShapeMismatchError` naming it. Such a read checks each
         chunk's CRC-32C, not the request's (which covers every layer). Default: every layer.
+
+        ``rows``: some rows of some requests, ``{request id: [(lo, hi), ...]}`` (row 0: the
+        request's first stored row; a ``range`` is one span), concatenated in the order given
+        (a context-parallel rank's chunks: ``r3rdma.integrations.megatron.cp_row_spans``);
+        only the row chunks holding them are fetched, each checked by its chunk CRC-32C.
+        Requests not named are read whole. A span past a request's end raises
+        :class:`ShapeMismatchError` naming it, before anything is read.
         """
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
         positions, _ = layer_selection(rollout_id, merged.geometry, layers)
-        pieces = self._read(rollout_id, merged, request_ids, positions)
+        spans = row_spans(rows)
+        check_rows(rollout_id, spans, request_ids, merged.entry)
+        pieces = self._read(rollout_id, merged, request_ids, positions, spans)
         return {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
 
-    def get(self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    def get(
+        self,
+        rollout_id: str,
+        request_ids: Iterable[str],
+        *,
+        layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids);
-        ``layers`` as in :meth:`get_numpy`."""
-        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids, layers=layers).items()}
+        ``layers`` and ``rows`` as in :meth:`get_numpy`."""
+        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids, layers=layers, rows=rows).items()}
 
-    def get_packed(self, rollout_id: str, request_ids: Iterable[str], *, layers: Iterable[int] | None = None) -> PackedRouting:
+    def get_packed(
+        self,
+        rollout_id: str,
+        request_ids: Iterable[str],
+        *,
+        layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
+    ) -> PackedRouting:
         """Requests concatenated along tokens in the given order, with ``cu_seqlens``;
-        ``layers`` as in :meth:`get_numpy` (the result's ``layer_map`` lists the layers read)."""
+        ``layers`` as in :meth:`get_numpy` (the result's ``layer_map`` lists the layers read).
+        ``rows`` as in :meth:`get_numpy`: ``cu_seqlens`` then counts the rows read of each
+        request (``start_rows`` stay the requests' first stored rows)."""
         request_ids = _check_ids(request_ids)
         merged = self._require(rollout_id, request_ids)
         positions, geometry = layer_selection(rollout_id, merged.geometry, layers)
-        pieces = self._read(rollout_id, merged, request_ids, positions)
+        spans = row_spans(rows)
+        check_rows(rollout_id, spans, request_ids, merged.entry)
+        pieces = self._read(rollout_id, merged, request_ids, positions, spans)
         return pack(
             request_ids,
             [pieces[rid] for rid in request_ids],
@@ -230,6 +263,7 @@ class RoutingReader:
         depth: int = 2,
         pin_memory: bool = False,
         layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
     ) -> Prefetcher:
         """Iterate :class:`PackedRouting` of each batch of request ids (a trainer's micro-batches),
         in order, while the next ``depth`` batches load in the background.
@@ -238,10 +272,11 @@ class RoutingReader:
         repeated id (or a layer the rollout does not have) fails here, not halfway through a
         step. ``pin_memory``: returned tensors are in page-locked memory (for
         ``.to("cuda", non_blocking=True)``; needs CUDA). ``layers``: as in :meth:`get_numpy`
-        (a pipeline stage's layers). Use as a context manager, or ``close()`` it to stop
-        loading early.
+        (a pipeline stage's layers). ``rows``: as in :meth:`get_numpy`, for requests of any
+        batch (a context-parallel rank's rows), checked here. Use as a context manager, or
+        ``close()`` it to stop loading early.
         """
-        return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory, layers=layers)
+        return Prefetcher(self, rollout_id, batches, depth=depth, pin_memory=pin_memory, layers=layers, rows=rows)
 
     def wait_committed(self, rollout_id: str, request_ids: Iterable[str], *, timeout_s: float = 60.0) -> None:
         """Return once every one of ``request_ids`` is committed and readable: a :meth:`get`,
@@ -341,10 +376,16 @@ class RoutingReader:
         )
 
     def _read(
-        self, rollout_id: str, merged: _MergedIndex, request_ids: list[str], positions: np.ndarray | None = None
+        self,
+        rollout_id: str,
+        merged: _MergedIndex,
+        request_ids: list[str],
+        positions: np.ndarray | None = None,
+        spans: Spans | None = None,
     ) -> dict[str, list[np.ndarray]]:
         """Each request's segments, read from one source holding it (the first that has not
-        failed in this call); ``positions``: the MoE layer positions wanted (None: all). A
+        failed in this call); ``positions``: the MoE layer positions wanted (None: all);
+        ``spans``: the rows wanted of some requests (checked by ``check_rows``). A
         source whose read fails (unreachable, timed out, failed I/O) is dropped and its
         requests are read again from their other replicas."""
         merged.check_replicas(rollout_id, self._sources, request_ids)
@@ -359,6 +400,7 @@ class RoutingReader:
             ) as bar:
                 while todo:
                     chosen: dict[str, tuple[int, RequestEntry]] = {}
+                    count: dict[str, int] = {}  # pieces read of each request
                     wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]] = {}
                     for rid in todo:
                         holders = merged.holders(rid)
@@ -374,10 +416,13 @@ class RoutingReader:
                                 + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
                             ) from cause
                         src, entry = chosen[rid] = alive[0]
-                        for seg_no, seg in enumerate(entry.segments):
+                        segments = entry.segments if spans is None or rid not in spans else select_segments(entry, spans[rid])
+                        count[rid] = len(segments)
+                        for seg_no, seg in enumerate(segments):
                             wanted.setdefault((src, seg.array), []).append((rid, seg_no, seg))
                     bar.total = (bar.total or 0) + len(wanted)
-                    results = sync(self._fetch(rollout_id, merged, wanted, bar, positions))
+                    whole = positions is None and not spans  # a segment's CRC-32C covers all its rows and layers
+                    results = sync(self._fetch(rollout_id, merged, wanted, bar, positions, whole))
                     got: dict[tuple[str, int], np.ndarray] = {}
                     first_error: Exception | None = None
                     for (src, _name), result in zip(wanted, results):
@@ -403,9 +448,9 @@ class RoutingReader:
                         raise first_error
                     # Requests on a source that failed: read them whole from another replica.
                     todo = [rid for rid in todo if chosen[rid][0] in failed]
-                    for rid, (src, entry) in chosen.items():
+                    for rid, (src, _entry) in chosen.items():
                         if src not in failed:
-                            pieces[rid] = [got[(rid, k)] for k in range(len(entry.segments))]
+                            pieces[rid] = [got[(rid, k)] for k in range(count[rid])] or [_no_rows(merged.geometry, positions)]
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
@@ -420,6 +465,7 @@ class RoutingReader:
         wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]],
         bar: tqdm,
         positions: np.ndarray | None = None,
+        whole: bool = True,
     ) -> list[Any]:
         """Read every array's wanted segments at once; per array its segments' rows by
         (request, segment number), or the exception that array's read raised."""
@@ -431,8 +477,11 @@ class RoutingReader:
             index = merged.per_source[src]
             rows, chunk = source.shape_of(rollout_id, index, name)
             segs = sorted(segs, key=lambda s: s[2].offset)
-            if 2 * sum(s[2].rows for s in segs) >= rows:
-                ranges = [_RowRange(0, rows, segs)]  # most of the array: all of it, in one ranged read
+            if whole and 2 * sum(s[2].rows for s in segs) >= rows:
+                # Most of the array: all of it, in one ranged read. Not for a slice (some layers
+                # or rows): a trainer rank's slice is its share of every array, and the rows
+                # between its pieces are other ranks' (fetching them cost a DP=2 rank 2x).
+                ranges = [_RowRange(0, rows, segs)]
             else:
                 ranges = []
                 for wanted_seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
@@ -443,16 +492,18 @@ class RoutingReader:
                     else:
                         ranges.append(_RowRange(lo, hi, [wanted_seg]))
             async with limit:
-                blocks = await source.read_ranges(rollout_id, index, name, [(r.lo, r.hi) for r in ranges], positions)
+                blocks = await source.read_ranges(
+                    rollout_id, index, name, [(r.lo, r.hi) for r in ranges], positions, exact=not whole
+                )
             bar.update()
             out = {}
             for row_range, block in zip(ranges, blocks):
                 lo = row_range.lo
                 for rid, seg_no, seg in row_range.members:
                     out[(rid, seg_no)] = block[seg.offset - lo : seg.offset - lo + seg.rows]
-            if self._verify and positions is None:
-                # A segment's CRC-32C covers every layer: a read of some layers relies on the
-                # chunks' own CRC-32C, checked as they are decoded.
+            if self._verify and whole:
+                # A segment's CRC-32C covers every layer and row: a read of some layers or rows
+                # relies on the chunks' own CRC-32C, checked as they are decoded.
                 # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
                 sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
                 for (rid, _seg_no, seg), got in zip(segs, sums):
@@ -566,6 +617,7 @@ class Prefetcher:
         depth: int,
         pin_memory: bool,
         layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
@@ -576,6 +628,8 @@ class Prefetcher:
         merged = reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
         self._layers = layer_list(layers)
         layer_selection(rollout_id, merged.geometry, self._layers)  # so do layers the rollout lacks
+        self._rows = row_spans(rows)
+        check_rows(rollout_id, self._rows, list(dict.fromkeys(every)), merged.entry)  # and rows past a request's end
         self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
         # get_packed may run in several threads: each call's reads run as one coroutine on the
         # reader's event loop, where its caches live.
@@ -603,10 +657,12 @@ class Prefetcher:
             raise
 
     def _load(self, batch: list[str]) -> PackedRouting:
-        if self._layers is None:
-            packed = self._reader.get_packed(self._rollout_id, batch)
-        else:
-            packed = self._reader.get_packed(self._rollout_id, batch, layers=self._layers)
+        kwargs: dict[str, Any] = {}
+        if self._layers is not None:
+            kwargs["layers"] = self._layers
+        if self._rows is not None:
+            kwargs["rows"] = {rid: self._rows[rid] for rid in batch if rid in self._rows}
+        packed = self._reader.get_packed(self._rollout_id, batch, **kwargs)
         if self._pin:
             import dataclasses
 
@@ -689,6 +745,12 @@ def _gc_paused() -> Iterator[None]:
 
 async def _raise(error: BaseException) -> None:
     raise error
+
+
+def _no_rows(geometry: dict[str, Any], positions: np.ndarray | None) -> np.ndarray:
+    """What a read of no row of a request returns: ``[0, L, K]`` (L: the layers read)."""
+    width = geometry["num_layers"] if positions is None else len(positions)
+    return np.empty((0, width, geometry["top_k"]), dtype=geometry["dtype"])
 
 
 def _checksums(pieces: list[np.ndarray]) -> list[int]:

@@ -202,10 +202,12 @@ async def read_ranges(
     indexes: dict[tuple[str, int], np.ndarray],
     where: str,
     layers: np.ndarray | None = None,
+    exact: bool = False,
 ) -> list[np.ndarray]:
     """Rows ``lo:hi`` of each of ``ranges`` of the array at ``path`` in ``store``; with
     ``layers`` (MoE layer positions, in the order wanted) only those layers, read from the
-    inner chunks that hold them. ``indexes`` caches shard indexes (by path and shard number)
+    inner chunks that hold them. ``exact``: fetch no chunk that is not wanted (a trainer
+    rank's slice: the chunks between its own are other ranks'). ``indexes`` caches shard indexes (by path and shard number)
     across calls. Store errors propagate (the caller says what they mean); damage raises
     :class:`CorruptDataError` naming ``where``."""
     pick = _pick(layout, layers)
@@ -219,9 +221,9 @@ async def read_ranges(
     by_shard: dict[int, list[int]] = {}
     for chunk in sorted(wanted):
         by_shard.setdefault(chunk // layout.chunks_per_shard, []).append(chunk)
-    # Chunks close together in the file are fetched in one GET; with layers skipped, only
-    # chunks that touch (a skipped group between two wanted ones is not fetched).
-    gap = _GAP if pick.every else 0
+    # Chunks close together in the file are fetched in one GET; with layers skipped or an exact
+    # read, only chunks that touch (a skipped chunk between two wanted ones is not fetched).
+    gap = _GAP if pick.every and not exact else 0
 
     async def shard(shard_no: int, chunks: list[int]) -> None:
         key = f"{path}/c/{shard_no}/0/0"

@@ -276,10 +276,16 @@ class Source:
             )
 
     async def read_ranges(
-        self, rollout_id: str, index: RolloutIndex, name: str, ranges: list[tuple[int, int]], layers: np.ndarray | None = None
+        self,
+        rollout_id: str,
+        index: RolloutIndex,
+        name: str,
+        ranges: list[tuple[int, int]],
+        layers: np.ndarray | None = None,
+        exact: bool = False,
     ) -> list[np.ndarray]:
         """Rows ``lo:hi`` of a batch array for each of ``ranges``, with ``layers`` (MoE layer
-        positions) only those; zarr's or r3rdma's own chunk CRC-32C is checked on the way
+        positions) only those; ``exact``: no chunk fetched that is not wanted; zarr's or r3rdma's own chunk CRC-32C is checked on the way
         (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
         await self.prepare(rollout_id, index, name)
         layout = self._layouts[(rollout_id, index.uid, name)]
@@ -287,7 +293,7 @@ class Source:
         read: Coroutine[Any, Any, list[np.ndarray]]
         if layout is not None:
             rows = layout.rows
-            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where, layers)
+            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where, layers, exact)
         else:
             array = await self.array(rollout_id, index.uid, name)
             rows = array.shape[0]
