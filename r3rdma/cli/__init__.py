@@ -75,6 +75,12 @@ COMMANDS = [
         "r3rdma.bench.rlstep_bench",
         "one RL step as deployed: engines push as requests finish, trainer ranks collect their shares; the stall",
     ),
+    (
+        "bench",
+        "trainer-layout",
+        "r3rdma.bench.trainer_layout_bench",
+        "a stored step read by the ranks of a DP x TP x PP x CP trainer: bytes fetched vs replayed per rank",
+    ),
     ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
 ]
 

@@ -1,0 +1,404 @@
+"""`r3rdma bench trainer-layout`: a stored RL step read by the ranks of a DP x TP x PP x CP trainer.
+
+One program (progress on stderr, the last stdout line is JSON):
+
+- **The step.** A synthetic rollout (default 48 layers, top-8, 128 experts; rows are slices of
+  one :class:`~r3rdma.bench.synthetic.TiledRollout` pool) committed in random order (requests
+  finish at random times, so a data-parallel share sits in nearly every batch array) to a
+  :class:`~r3rdma.store.local_store.LocalRoutingStore` root, in ``--batch-mb`` batches, then
+  served by a real store node over HTTP.
+- **The ranks.** DP rank ``d`` trains requests ``i`` with ``i % DP == d``, in micro-batches of
+  ``--micro-batch`` requests; pipeline stage ``p`` replays layers ``p*L/PP .. (p+1)*L/PP - 1``;
+  context-parallel rank ``c`` replays the rows Megatron gives it (each sequence padded to a
+  multiple of ``2*CP`` and cut in ``2*CP`` chunks, rank ``c`` keeping chunks ``c`` and
+  ``2*CP-1-c``). What a rank **replays** is its stage's layers x its CP rows of its DP share
+  (decoded bytes). Ranks are simulated by ``--processes`` reader processes, each running its
+  ranks as threads, each rank with its own :class:`~r3rdma.read.reader.RoutingReader` (index
+  read before the clock, as a trainer holds it before its step), all released together and
+  reading through ``prefetch`` as a trainer does.
+- **Reads, one phase each, same run, same step:**
+  ``whole``: today's whole-micro-batch reads (``layers=None``), every rank;
+  ``per_rank``: every rank reads its own slice (``layers=`` its stage's layers, ``rows=`` its
+  CP rows), as without sequence parallel each TP rank would;
+  ``tp_broadcast``: one rank per TP group reads the slice (counted once per TP group) and
+  would broadcast it over the TP group (the broadcast itself, GPU to GPU, is not simulated).
+
+Per phase: ``fetched_vs_replayed`` (one per reading rank: bytes that crossed HTTP for it over
+the bytes it replays), ``fetched_bytes`` (all ranks) against ``stored_bytes`` (the rollout's
+files), ``node_http_bytes`` (the node's own ``r3rdma_store_http_bytes`` counter over the phase:
+what it served, which the ranks' counts must add up to), ``wall_seconds`` (first release to the
+moment the last rank holds its routing), ``reader_cpu_s_per_gb`` (CPU seconds of the reader
+processes over the phase, per GB of routing returned to the ranks). Per-rank fetched bytes are
+the HTTP body bytes of every GET the rank's reader issued (its store wrapped in a counter).
+
+Goals (issue #34), as booleans: every reading rank fetches <= 1.25x what it replays; total
+fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``);
+reader CPU <= 1.5 core-seconds per GB returned. ``--quick`` fits a 2-core machine in < 60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TypedDict
+
+from r3rdma.bench.support import Worker, emit, log, node_samples, preset, serve, stop_all, wait_go, worker_context
+from r3rdma.read.rows import cp_row_spans
+
+__all__ = ["run_trainer_layout_bench", "add_arguments", "main", "QUICK", "FULL", "cp_spans", "stage_layers"]
+
+_GOAL_PER_RANK = 1.25
+_GOAL_TOTAL = 1.25
+_GOAL_CPU_S_PER_GB = 1.5
+
+
+class _Preset(TypedDict):
+    """The sizes ``--quick`` and the full run set (each overridden by its own option)."""
+
+    requests: int
+    min_rows: int
+    max_rows: int
+    batch_mb: float
+    processes: int
+
+
+#: ``--quick``: the 2-core CPU machine, < 60 s (~20 MB decoded; requests long enough for 1024-row
+#: chunks, so the store splits layers into groups as at full size). ``FULL``: a 16-core GPU host.
+QUICK: _Preset = {"requests": 48, "min_rows": 600, "max_rows": 1600, "batch_mb": 4.0, "processes": 2}
+FULL: _Preset = {"requests": 2048, "min_rows": 500, "max_rows": 8000, "batch_mb": 64.0, "processes": 8}
+
+
+def cp_spans(rows: int, cp_size: int, cp_rank: int, unrecorded_tail: int = 1) -> list[tuple[int, int]]:
+    """The stored rows of a request of ``rows`` stored rows that context-parallel rank
+    ``cp_rank`` replays: its sequence (``rows + unrecorded_tail`` tokens) padded to a multiple
+    of ``2 * cp_size`` (Megatron's thd padding with CP), split as
+    :func:`~r3rdma.read.rows.cp_row_spans` says."""
+    parts = 2 * cp_size
+    return cp_row_spans(rows, -(-(rows + unrecorded_tail) // parts) * parts, cp_size, cp_rank)
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> list[int]:
+    """Decoder layers of pipeline stage ``stage`` of ``pp`` (equal contiguous stages, as Megatron
+    splits a model whose layer count ``pp`` divides)."""
+    per = num_layers // pp
+    return list(range(stage * per, (stage + 1) * per))
+
+
+# -- the reader processes -------------------------------------------------------------------------
+
+
+def _counting_store(url: str, token: str, counter: list[int]):
+    """A store node's read-only zarr store whose every GET adds its body bytes to ``counter[0]``
+    (the reader's event loop is one thread: no lock needed)."""
+    from zarr.storage import WrapperStore
+
+    from r3rdma.read.sources import http_store
+
+    class CountingStore(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            buffer = await self._store.get(key, prototype, byte_range)
+            if buffer is not None:
+                counter[0] += len(buffer)
+            return buffer
+
+        async def get_partial_values(self, prototype, key_ranges):
+            buffers = await self._store.get_partial_values(prototype, key_ranges)
+            counter[0] += sum(len(b) for b in buffers if b is not None)
+            return buffers
+
+        def __str__(self) -> str:
+            return url
+
+    return CountingStore(http_store(url, token, 60.0))
+
+
+def _rank_main(conn, urls: list[str], token: str) -> None:
+    """Body of a reader process: per ``read`` command, its ranks read concurrently (threads)."""
+    os.dup2(2, 1)  # the parent's stdout ends with its JSON line
+    from r3rdma.read.reader import RoutingReader
+
+    conn.send({"event": "ready"})
+
+    def read(cmd: dict[str, Any]) -> None:
+        rollout = cmd["rollout"]
+        ranks = []
+        for task in cmd["ranks"]:
+            counter = [0]
+            reader = RoutingReader([_counting_store(u, token, counter) for u in urls], token=token, progress=False)
+            reader.info(rollout)  # the index, held before the step's reads
+            ranks.append((task, reader, counter))
+        for _, _, counter in ranks:
+            counter[0] = 0
+        out: list[dict[str, Any]] = [{} for _ in ranks]
+
+        def run(i: int) -> None:
+            task, reader, counter = ranks[i]
+            returned = 0
+            kwargs = {k: task[k] for k in ("layers", "rows") if task[k] is not None}
+            with reader.prefetch(rollout, task["batches"], depth=2, **kwargs) as stream:
+                for packed in stream:
+                    returned += packed.ids_TLK.numel() * packed.ids_TLK.element_size()
+            out[i] = {"rank": task["rank"], "fetched": counter[0], "returned": returned, "end": time.time()}
+
+        wait_go(conn)
+        cpu0 = time.process_time()
+        start = time.time()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        cpu = time.process_time() - cpu0
+        for _, reader, _ in ranks:
+            reader.close()
+        if any(not o for o in out):
+            raise RuntimeError("a rank's read failed (see the traceback above)")
+        conn.send({"event": "done", "start": start, "cpu_s": cpu, "ranks": out})
+
+    serve(conn, {"read": read})
+
+
+# -- the bench ------------------------------------------------------------------------------------
+
+
+def _commit_step(rollout, path: Path, batch_mb: float, seed: int) -> None:
+    """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches."""
+    from r3rdma.store.local_store import LocalRoutingStore
+
+    order = list(range(len(rollout)))
+    random.Random(seed).shuffle(order)
+    limit = batch_mb * (1 << 20)
+    with LocalRoutingStore(path) as store:
+        batch: list[int] = []
+        size = 0
+        for i in order:
+            batch.append(i)
+            size += rollout.nbytes(i)
+            if size >= limit:
+                store.commit([rollout.record(j) for j in batch])
+                batch, size = [], 0
+        if batch:
+            store.commit([rollout.record(j) for j in batch])
+
+
+def _layers_per_chunk(root: Path, rollout_id: str) -> list[int]:
+    """Layers per inner chunk of each batch array of the rollout (from their ``zarr.json``)."""
+    import json
+
+    found = set()
+    for meta in (root / rollout_id).glob("*/zarr.json"):
+        doc = json.loads(meta.read_text())
+        if doc.get("node_type") == "array":
+            found.add(doc["codecs"][0]["configuration"]["chunk_shape"][1])
+    return sorted(found)
+
+
+def run_trainer_layout_bench(
+    *,
+    requests: int = FULL["requests"],
+    min_rows: int = FULL["min_rows"],
+    max_rows: int = FULL["max_rows"],
+    batch_mb: float = FULL["batch_mb"],
+    processes: int = FULL["processes"],
+    dp: int = 2,
+    tp: int = 2,
+    pp: int = 4,
+    cp: int = 2,
+    layers: int = 48,
+    top_k: int = 8,
+    experts: int = 128,
+    micro_batch: int = 8,
+    seed: int = 0,
+    quick: bool = False,
+    progress: bool = True,
+    timeout: float = 900.0,
+    http_workers: str = "auto",
+) -> dict[str, Any]:
+    """Commit the step, serve it, run the three read phases (module docstring); the JSON dict."""
+    from r3rdma.bench.synthetic import TiledRollout
+    from r3rdma.read.reader import RoutingReader
+    from r3rdma.store.process import new_token
+    from r3rdma.testing.harness import spawn_nodes
+
+    if min(dp, tp, pp, cp, processes, micro_batch) < 1 or layers % pp or requests < dp:
+        raise ValueError(
+            f"need dp, tp, pp, cp, processes, micro_batch >= 1, pp dividing layers and requests >= dp; got dp={dp} "
+            f"tp={tp} pp={pp} cp={cp} processes={processes} micro_batch={micro_batch} layers={layers} requests={requests}"
+        )
+    began = time.perf_counter()
+    say = lambda message: log("trainer-layout", progress, message)  # noqa: E731
+    base = Path(tempfile.mkdtemp(prefix="r3rdma-bench-layout-"))
+    rollout_id = "layout-0"
+    token = new_token()
+    node_procs: list = []
+    workers: list[Worker] = []
+    try:
+        rollout = TiledRollout(
+            requests,
+            min_rows=min_rows,
+            max_rows=max_rows,
+            num_layers=layers,
+            top_k=top_k,
+            num_experts=experts,
+            rollout_id=rollout_id,
+            seed=seed,
+        )
+        say(f"committing {requests} requests, {rollout.total_bytes / 1e6:.1f} MB decoded")
+        _commit_step(rollout, base / "node0", batch_mb, seed)
+        node_procs = spawn_nodes([base / "node0"], token, "--http-workers", str(http_workers))
+        node = node_procs[0]
+        urls = [node.http_url]
+        with RoutingReader(urls, token=node.read_token, progress=False) as reader:
+            stored = sum(reader.stored_bytes(rollout_id).values())
+        ctx = worker_context()
+        workers = [Worker(ctx, p, _rank_main, (urls, node.read_token), f"r3rdma-layout-{p}") for p in range(processes)]
+        for worker in workers:
+            assert worker.recv(timeout)["event"] == "ready"
+
+        rows = {rollout.request_id(i): int(rollout.lengths[i]) for i in range(requests)}
+        itemsize = rollout.pool.itemsize
+        shares = [[rid for rid in sorted(rows) if int(rid[1:]) % dp == d] for d in range(dp)]
+        batches = [[share[i : i + micro_batch] for i in range(0, len(share), micro_batch)] for share in shares]
+
+        def rank_of(d: int, t: int, p: int, c: int) -> int:
+            return ((d * pp + p) * cp + c) * tp + t
+
+        def replayed(d: int, p: int, c: int) -> int:
+            per = layers // pp
+            held = sum(hi - lo for rid in shares[d] for lo, hi in cp_spans(rows[rid], cp, c))
+            return held * per * top_k * itemsize
+
+        def task(d: int, t: int, p: int, c: int, sliced: bool) -> dict[str, Any]:
+            return {
+                "rank": rank_of(d, t, p, c),
+                "batches": batches[d],
+                "layers": stage_layers(layers, pp, p) if sliced else None,
+                "rows": {rid: cp_spans(rows[rid], cp, c) for rid in shares[d]} if sliced and cp > 1 else None,
+            }
+
+        grid = [(d, t, p, c) for d in range(dp) for t in range(tp) for p in range(pp) for c in range(cp)]
+        phases = {
+            "whole": [task(*g, sliced=False) for g in grid],
+            "per_rank": [task(*g, sliced=True) for g in grid],
+            "tp_broadcast": [task(*g, sliced=True) for g in grid if g[1] == 0],
+        }
+        replay_of = {rank_of(*g): replayed(g[0], g[2], g[3]) for g in grid}
+        result: dict[str, Any] = {
+            "bench": "trainer-layout",
+            "quick": quick,
+            "cpu_count": os.cpu_count(),
+            "layout": {"dp": dp, "tp": tp, "pp": pp, "cp": cp},
+            "requests": requests,
+            "tokens": int(rollout.lengths.sum()),
+            "layers": layers,
+            "top_k": top_k,
+            "experts": experts,
+            "micro_batch": micro_batch,
+            "decoded_bytes": rollout.total_bytes,
+            "stored_bytes": stored,
+            "layers_per_chunk": _layers_per_chunk(base / "node0", rollout_id),
+            "processes": processes,
+        }
+        for name, tasks in phases.items():
+            say(f"phase {name}: {len(tasks)} reading ranks in {processes} processes")
+            parts = [tasks[p::processes] for p in range(processes)]
+            active = [(w, part) for w, part in zip(workers, parts) if part]
+            for worker, part in active:
+                worker.send({"cmd": "read", "rollout": rollout_id, "ranks": part})
+            for worker, _ in active:
+                assert worker.recv(timeout)["event"] == "armed"
+            served0 = node_samples(node).get("r3rdma_store_http_bytes_total", 0.0)
+            for worker, _ in active:
+                worker.send({"cmd": "go"})
+            answers = [worker.recv(timeout) for worker, _ in active]
+            served = node_samples(node).get("r3rdma_store_http_bytes_total", 0.0) - served0
+            ranks = sorted((r for a in answers for r in a["ranks"]), key=lambda r: r["rank"])
+            fetched = sum(r["fetched"] for r in ranks)
+            returned = sum(r["returned"] for r in ranks)
+            cpu = sum(a["cpu_s"] for a in answers)
+            wall = max(r["end"] for r in ranks) - min(a["start"] for a in answers)
+            ratios = [round(r["fetched"] / replay_of[r["rank"]], 3) for r in ranks]
+            result[name] = {
+                "reading_ranks": len(ranks),
+                "fetched_vs_replayed": ratios,
+                "fetched_bytes": fetched,
+                "node_http_bytes": int(served),
+                "returned_bytes": returned,
+                "replayed_bytes": sum(replay_of[r["rank"]] for r in ranks),
+                "fetched_vs_stored": round(fetched / stored, 3),
+                "wall_seconds": round(wall, 3),
+                "reader_cpu_s_per_gb": round(cpu / max(returned / 1e9, 1e-9), 3),
+                "reader_cpu_s": round(cpu, 3),
+            }
+            say(
+                f"  fetched {fetched / 1e6:.1f} MB ({fetched / stored:.2f}x stored), max per rank "
+                f"{max(ratios):.2f}x replayed, {wall:.2f} s, {result[name]['reader_cpu_s_per_gb']} core-s/GB"
+            )
+        per_rank, broadcast = result["per_rank"], result["tp_broadcast"]
+        result["goals"] = {
+            "per_rank_fetch_le_1_25x_replayed": max(per_rank["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
+            "tp_broadcast_fetch_le_1_25x_replayed": max(broadcast["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
+            "per_rank_total_le_1_25x_stored_x_tp": per_rank["fetched_bytes"] <= _GOAL_TOTAL * stored * tp,
+            "tp_broadcast_total_le_1_25x_stored": broadcast["fetched_bytes"] <= _GOAL_TOTAL * stored,
+            "reader_cpu_le_1_5_core_s_per_gb": per_rank["reader_cpu_s_per_gb"] <= _GOAL_CPU_S_PER_GB,
+        }
+        result["whole_vs_per_rank_fetched"] = round(result["whole"]["fetched_bytes"] / max(per_rank["fetched_bytes"], 1), 2)
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        result["seed"] = seed
+        return result
+    finally:
+        stop_all(workers, node_procs, base)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``r3rdma bench trainer-layout``: the preset, the trainer's layout, the rollout's shape."""
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"2-core CPU machine, < 60 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} rows",
+    )
+    parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
+    parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
+    parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']}")
+    parser.add_argument("--batch-mb", type=float, default=None, help=f"commit batch size, default {FULL['batch_mb']}")
+    parser.add_argument(
+        "--processes", type=int, default=None, help=f"reader processes the ranks share, default {FULL['processes']}"
+    )
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=8, help="requests per micro-batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--http-workers", default="auto", help="the node's --http-workers")
+    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``r3rdma bench trainer-layout``: run the preset with the options given, print the JSON line."""
+    result = run_trainer_layout_bench(
+        **preset(args, QUICK, FULL),
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        layers=args.layers,
+        top_k=args.top_k,
+        experts=args.experts,
+        micro_batch=args.micro_batch,
+        seed=args.seed,
+        quick=args.quick,
+        http_workers=args.http_workers,
+    )
+    return emit(result, args.json_out)

@@ -1,0 +1,34 @@
+"""`r3rdma bench trainer-layout` at a tiny size: its JSON line, and what it counts adds up."""
+
+import json
+
+from r3rdma.bench.trainer_layout_bench import cp_spans, run_trainer_layout_bench, stage_layers
+
+
+def test_layout_helpers():
+    assert stage_layers(48, 4, 1) == list(range(12, 24))
+    # 10 stored rows + the unrecorded tail = 11 tokens, padded to 12, chunks of 3
+    assert cp_spans(10, 2, 0) == [(0, 3), (9, 10)] and cp_spans(10, 2, 1) == [(3, 6), (6, 9)]
+    assert cp_spans(10, 1, 0) == [(0, 10)]
+
+
+def test_bench_small_run():
+    result = run_trainer_layout_bench(
+        requests=8, min_rows=200, max_rows=400, batch_mb=0.2, processes=2, dp=2, tp=2, pp=2, cp=2,
+        layers=8, micro_batch=2, progress=False,
+    )
+    json.dumps(result)
+    assert result["bench"] == "trainer-layout" and result["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 2}
+    for name, readers in (("whole", 16), ("per_rank", 16), ("tp_broadcast", 8)):
+        phase = result[name]
+        assert phase["reading_ranks"] == len(phase["fetched_vs_replayed"]) == readers
+        assert phase["fetched_bytes"] == phase["node_http_bytes"] > 0  # the ranks' counts are what the node served
+        assert phase["wall_seconds"] > 0 and phase["reader_cpu_s_per_gb"] > 0
+    # a slice returns exactly what the rank replays; whole reads return every layer and row
+    assert result["per_rank"]["returned_bytes"] == result["per_rank"]["replayed_bytes"]
+    assert result["whole"]["returned_bytes"] == result["decoded_bytes"] // 2 * 16
+    assert result["whole"]["fetched_bytes"] > result["per_rank"]["fetched_bytes"] > result["tp_broadcast"]["fetched_bytes"]
+    assert set(result["goals"]) == {
+        "per_rank_fetch_le_1_25x_replayed", "tp_broadcast_fetch_le_1_25x_replayed", "per_rank_total_le_1_25x_stored_x_tp",
+        "tp_broadcast_total_le_1_25x_stored", "reader_cpu_le_1_5_core_s_per_gb",
+    }
