@@ -140,6 +140,10 @@ class R3Config:
             value with ``store_nodes`` is refused.
         chunk_rows: ``local`` only: token rows per Zarr chunk of the local store (the unit of a
             range read). A non-default value with ``store_nodes`` is refused.
+        layers_per_chunk: ``local`` only: MoE layers per Zarr chunk of the local store (None:
+            the store's rule; set the trainers' pipeline stage size so a stage reads only its
+            layers). Store nodes take ``r3rdma-store --layers-per-chunk``; a value with
+            ``store_nodes`` is refused.
     """
 
     enable_routing_replay: bool = True
@@ -158,6 +162,7 @@ class R3Config:
     max_inflight_bytes: Annotated[int, Field(gt=0)] = 1 << 30
     zstd_level: Annotated[int, Field(ge=0, le=22)] = 3
     chunk_rows: Annotated[int, Field(gt=0)] = 1024
+    layers_per_chunk: Annotated[int, Field(gt=0)] | None = None
 
     # -- one field at a time (before: the spellings accepted; after: values a type cannot say) --
 
@@ -228,7 +233,11 @@ class R3Config:
                 "segment (finish it with start_row = rows stored so far) and cannot replace a stored "
                 "conversation; got only_last_turn=True with 'store_nodes'"
             )
-        for name, where in (("zstd_level", "r3rdma-store --zstd-level"), ("chunk_rows", "the node's default")):
+        for name, where in (
+            ("zstd_level", "r3rdma-store --zstd-level"),
+            ("chunk_rows", "the node's default"),
+            ("layers_per_chunk", "r3rdma-store --layers-per-chunk"),
+        ):
             default = _DEFAULTS[name]
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -291,9 +300,19 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(R3Config)}
 _TYPES = typing.get_type_hints(R3Config)
 
 
-def _type_text(name: str) -> str:
+def _base_type(name: str) -> tuple[Any, bool]:
+    """Field ``name``'s type without ``None``, and whether it takes ``None`` (``int | None``)."""
     hint = _TYPES[name]
-    return hint.__name__ if isinstance(hint, type) else str(hint)
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def _type_text(name: str) -> str:
+    hint, optional = _base_type(name)
+    text = hint.__name__ if isinstance(hint, type) else str(hint)
+    return f"{text} or None" if optional else text
 
 
 def _config_error(error: ValidationError, args: tuple, kwargs: Mapping[str, Any]) -> R3Error:
@@ -342,7 +361,9 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 def _parse_env(name: str, raw: str) -> Any:
     """The value of variable ``R3_<NAME>`` as field ``name`` takes it (a string otherwise)."""
-    hint = _TYPES[name]
+    hint, optional = _base_type(name)
+    if optional and raw.strip().lower() in ("", "none"):
+        return None  # an exported but empty variable: the default
     try:
         if hint is bool:
             if raw.lower() in _TRUE:

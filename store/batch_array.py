@@ -134,14 +134,20 @@ def layers_per_chunk(chunk_rows: int, num_layers: int, top_k: int, itemsize: int
     return num_layers // groups
 
 
-def encode_array(placed: list[tuple[int, RequestRecord]], end: int, chunk_rows: int, zstd_level: int) -> EncodedArray:
+def encode_array(
+    placed: list[tuple[int, RequestRecord]], end: int, chunk_rows: int, zstd_level: int, layer_group: int | None = None
+) -> EncodedArray:
     """Encode a batch array of ``end`` rows holding each ``(offset, record)``'s rows at its offset
     (:func:`~r3rdma.store.shard_writer.encode_batch_array`: chunks compressed in parallel, layers
-    grouped by :func:`layers_per_chunk`; the rows :func:`aligned` skipped hold the fill value 0).
-    Needs nothing of the index."""
+    grouped by :func:`layers_per_chunk`, or ``layer_group`` layers when set (the store's
+    setting: a trainer's pipeline stage size); the rows :func:`aligned` skipped hold the fill
+    value 0). Needs nothing of the index."""
     ids = placed[0][1].ids_TLK
     chunk = max(1, min(chunk_rows, end))
-    per = layers_per_chunk(chunk, ids.shape[1], ids.shape[2], ids.dtype.itemsize)
+    if layer_group is None:
+        per = layers_per_chunk(chunk, ids.shape[1], ids.shape[2], ids.dtype.itemsize)
+    else:
+        per = max(1, min(layer_group, ids.shape[1]))
     return encode_batch_array(
         [(offset, r.ids_TLK) for offset, r in placed], end, chunk_rows=chunk_rows, zstd_level=zstd_level, layers_per_chunk=per
     )

@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--zstd-level", type=int, default=3)
     p.add_argument(
+        "--layers-per-chunk",
+        type=int,
+        default=None,
+        help="MoE layers per inner chunk of the stored arrays (default: equal groups of >= 128 KiB); set it to the "
+        "trainers' pipeline stage size so each stage reads only its own layers",
+    )
+    p.add_argument(
         "--http-workers",
         type=_workers,
         default="auto",
@@ -138,6 +145,7 @@ async def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         zstd_level=args.zstd_level,
         http_workers=args.http_workers,
+        layers_per_chunk=args.layers_per_chunk,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

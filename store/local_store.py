@@ -107,6 +107,7 @@ class LocalRoutingStore:
         only_last_turn: bool = False,
         snapshot_parts: int = 64,
         snapshot_idle_s: float = 0.25,
+        layers_per_chunk: int | None = None,
     ) -> None:
         """``only_last_turn`` (FastDeploy's key): a request keeps only the rows of its latest
         turn's full view; a complete record set that starts where the stored request starts and
@@ -115,6 +116,13 @@ class LocalRoutingStore:
         ``chunk_rows`` / ``min_chunk_rows``: a batch array's inner chunks hold the power of two
         at or above its median request length, clamped to this range
         (:func:`~r3rdma.store.batch_array.batch_chunk_rows`).
+
+        ``layers_per_chunk``: MoE layers per inner chunk of a batch array (format 3). None (the
+        default): the store's rule, equal groups of at least 128 KiB
+        (:func:`~r3rdma.store.batch_array.layers_per_chunk`). Set it to the trainers' pipeline
+        stage size (or a divisor of it) so each stage fetches only its own layers' chunks;
+        a value that does not divide the layer count pads the last group (readable, slower to
+        encode).
 
         ``snapshot_parts`` / ``snapshot_idle_s``: a background thread merges a rollout's index
         parts into a snapshot (:mod:`r3rdma.store.rollout_index`, "Snapshots") once
@@ -125,6 +133,11 @@ class LocalRoutingStore:
             raise ConfigError(f"snapshot_parts must be an int >= 1, got {snapshot_parts!r}")
         if isinstance(snapshot_idle_s, bool) or not isinstance(snapshot_idle_s, (int, float)) or not snapshot_idle_s > 0:
             raise ConfigError(f"snapshot_idle_s must be a number of seconds > 0, got {snapshot_idle_s!r}")
+        if layers_per_chunk is not None and (
+            isinstance(layers_per_chunk, bool) or not isinstance(layers_per_chunk, int) or layers_per_chunk < 1
+        ):
+            raise ConfigError(f"layers_per_chunk must be an int >= 1 or None, got {layers_per_chunk!r}")
+        self.layers_per_chunk = layers_per_chunk
         self.root = Path(root)
         self.snapshot_parts = snapshot_parts
         self.snapshot_idle_s = float(snapshot_idle_s)
@@ -177,7 +190,9 @@ class LocalRoutingStore:
                 continue
             chunk = batch_chunk_rows(group, self.min_chunk_rows, self.chunk_rows)
             offsets, end = placed_offsets(group, chunk)
-            drafts[rollout_id] = _Draft(chunk, offsets, encode_array(list(zip(offsets, group)), end, chunk, self.zstd_level))
+            drafts[rollout_id] = _Draft(
+                chunk, offsets, encode_array(list(zip(offsets, group)), end, chunk, self.zstd_level, self.layers_per_chunk)
+            )
         return PreparedBatch(by_rollout, drafts)
 
     def commit_async(self, records: Sequence[RequestRecord] | PreparedBatch) -> Future:
@@ -416,7 +431,7 @@ class LocalRoutingStore:
         if draft is not None and draft.chunk == chunk and len(new) == len(records) and [o for o, _ in new] == draft.offsets:
             encoded = draft.encoded
         else:  # duplicates skipped: the records left sit elsewhere in the array
-            encoded = encode_array(new, end, chunk, self.zstd_level)
+            encoded = encode_array(new, end, chunk, self.zstd_level, self.layers_per_chunk)
         rollout_path = self.root / rollout_id
         try:
             shards, written = write_array(rollout_path, name, encoded, self.zstd_level)

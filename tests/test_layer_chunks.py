@@ -177,3 +177,24 @@ def test_format_2_store_still_reads(tmp_path, monkeypatch):
     for r in recs:
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
     np.testing.assert_array_equal(reader.get_numpy("roll", ["r2"], layers=[5, 9])["r2"], recs[2].ids_TLK[:, [3, 6]])
+
+
+def test_the_store_setting_sets_the_layer_groups(tmp_path):
+    """``LocalRoutingStore(layers_per_chunk=)`` (a trainer's pipeline stage size) overrides the
+    rule: every batch array of the rollout is written in groups of that many layers, and a read
+    of one stage's layers returns exactly their ids."""
+    recs = [_record(f"s{i}", rows, 10 + i) for i, rows in enumerate([40, 33, 70])]
+    with LocalRoutingStore(tmp_path, chunk_rows=32, min_chunk_rows=32, layers_per_chunk=2) as store:
+        store.commit(recs)
+    shards = _part(tmp_path, 1)["shards"]
+    assert {entry["layers_per_chunk"] for entry in shards.values()} == {2}
+    array = zarr.open_array(LocalStore(tmp_path / "roll" / next(iter(shards))), mode="r")
+    assert array.chunks == (32, 2, 4)
+    stage = [4, 5]  # decoder layers 4 and 5: MoE positions 2 and 3, one group
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy("roll", ["s0", "s2"], layers=stage)
+    for rid in ("s0", "s2"):
+        want = next(r for r in recs if r.request_id == rid).ids_TLK[:, 2:4]
+        np.testing.assert_array_equal(got[rid], want)
+    with pytest.raises(ConfigError, match="layers_per_chunk must be an int >= 1"):
+        LocalRoutingStore(tmp_path / "other", layers_per_chunk=0)

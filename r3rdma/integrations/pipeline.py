@@ -145,6 +145,7 @@ def _open_store(config: R3Config):
             zstd_level=config.zstd_level,
             chunk_rows=config.chunk_rows,
             only_last_turn=config.only_last_turn,
+            layers_per_chunk=config.layers_per_chunk,
         )
     from r3rdma.transport.auth import load_secret
     from r3rdma.write.push_client import StoreNodesClient
