@@ -100,7 +100,8 @@ class Snapshotter:
         """
         with self._lock:
             index = self._indexes.get(rollout_id)
-            if index is None or index.parts <= index.snapshot or index.version != 2:
+            # Format 1 is one whole document: no parts to merge.
+            if index is None or index.parts <= index.snapshot or index.version < 2:
                 return
             frozen = index.copy()  # O(requests) dict copies; the encoding runs with the lock released
         document = frozen.snapshot_document()
