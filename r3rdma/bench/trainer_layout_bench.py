@@ -166,14 +166,14 @@ def _rank_main(conn, urls: list[str], token: str) -> None:
 # -- the bench ------------------------------------------------------------------------------------
 
 
-def _commit_step(rollout, path: Path, batch_mb: float, seed: int) -> None:
+def _commit_step(rollout, path: Path, batch_mb: float, seed: int, layers_per_chunk: int | None = None) -> None:
     """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches."""
     from r3rdma.store.local_store import LocalRoutingStore
 
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
     limit = batch_mb * (1 << 20)
-    with LocalRoutingStore(path) as store:
+    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk) as store:
         batch: list[int] = []
         size = 0
         for i in order:
@@ -218,6 +218,7 @@ def run_trainer_layout_bench(
     progress: bool = True,
     timeout: float = 900.0,
     http_workers: str = "auto",
+    layers_per_chunk: int | None = None,
 ) -> dict[str, Any]:
     """Commit the step, serve it, run the three read phases (module docstring); the JSON dict."""
     from r3rdma.bench.synthetic import TiledRollout
@@ -249,7 +250,7 @@ def run_trainer_layout_bench(
             seed=seed,
         )
         say(f"committing {requests} requests, {rollout.total_bytes / 1e6:.1f} MB decoded")
-        _commit_step(rollout, base / "node0", batch_mb, seed)
+        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk)
         node_procs = spawn_nodes([base / "node0"], token, "--http-workers", str(http_workers))
         node = node_procs[0]
         urls = [node.http_url]
@@ -382,6 +383,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="requests per micro-batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-workers", default="auto", help="the node's --http-workers")
+    parser.add_argument(
+        "--layers-per-chunk",
+        type=int,
+        default=None,
+        help="the store's layer group (r3rdma-store --layers-per-chunk; default: its rule)",
+    )
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
@@ -400,5 +407,6 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         quick=args.quick,
         http_workers=args.http_workers,
+        layers_per_chunk=args.layers_per_chunk,
     )
     return emit(result, args.json_out)
