@@ -9,7 +9,8 @@
 set -euo pipefail
 R3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$R3_ROOT"
-VPY="${VPY:-$R3_ROOT/.venv/bin/python}"
+# Absolute (the type check runs from build/typecheck); -s keeps the venv's python link unresolved.
+VPY="$(realpath -s "${VPY:-$R3_ROOT/.venv/bin/python}")"
 "$VPY" -m ruff check --quiet r3rdma transport kernels store
 "$VPY" -m ruff format --quiet --check r3rdma transport kernels store
 tree="$R3_ROOT/build/typecheck"
