@@ -36,13 +36,13 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from r3rdma.cli.verify_report import VerifyResult, report
+from r3rdma.cli.verify_report import RoutingTally, VerifyResult, report
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -280,28 +280,11 @@ class _Rollout:
 
 
 @dataclass(slots=True)
-class _Tally:
-    """What one mode of the training forwards (no replay, or replay) measured, summed over
-    micro-batches: routing vs recorded, and the sampled tokens' log-probabilities on both sides."""
-
-    moe_layers: int
-    decisions_differ: int = 0
-    tokens_any: int = 0
-    layer: np.ndarray = field(init=False)  # differing decisions per MoE layer
-    layers_per_token: list[np.ndarray] = field(default_factory=list)
-    logp_train: list[float] = field(default_factory=list)
-    logp_rollout: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.layer = np.zeros(self.moe_layers, np.int64)
-
-
-@dataclass(slots=True)
 class _Training:
     """The training forwards' tallies by mode, replay's own live-vs-replayed count, the rows
     read back, the stored rollout's geometry (``RolloutInfo``) and the wall time."""
 
-    tally: dict[str, _Tally]
+    tally: dict[str, RoutingTally]
     live_vs_replayed: dict[str, int]
     rows_total: int
     info: RolloutInfo
@@ -492,7 +475,7 @@ def _train_forwards(
     reader = RoutingReader(root)
     info = reader.info(rollout_id)
     order = list(np.random.default_rng(o.seed + 1).permutation(len(rollout.outputs)))
-    tally = {mode: _Tally(len(routers)) for mode in ("no_replay", "replay")}
+    tally = {mode: RoutingTally(len(routers)) for mode in ("no_replay", "replay")}
     live_vs_replayed = {"decisions_differ": 0, "tokens_any": 0}
     rows_total = 0
     t0 = time.perf_counter()
@@ -517,7 +500,7 @@ def _train_forwards(
     return _Training(tally, live_vs_replayed, rows_total, info, time.perf_counter() - t0)
 
 
-def _count_routing(tally: _Tally, used_TLK: torch.Tensor, recorded_TLK: torch.Tensor) -> None:
+def _count_routing(tally: RoutingTally, used_TLK: torch.Tensor, recorded_TLK: torch.Tensor) -> None:
     """Add the decisions, tokens and layers where the routing used differs from the recorded."""
     from r3rdma.replay import routing_agreement
 
@@ -529,7 +512,13 @@ def _count_routing(tally: _Tally, used_TLK: torch.Tensor, recorded_TLK: torch.Te
 
 
 def _count_logp(
-    tally: _Tally, logits: torch.Tensor, input_ids: torch.Tensor, group, seqs, rows, logp_rollout: dict[str, dict[int, float]]
+    tally: RoutingTally,
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    group,
+    seqs,
+    rows,
+    logp_rollout: dict[str, dict[int, float]],
 ) -> None:
     """Add the trainer's and the rollout's log-probabilities of each generated token."""
     # Logits at the row of position p - 1 predict the token at position p (generated positions
@@ -586,7 +575,7 @@ def _summary(
     return summary
 
 
-def _mode_metrics(a: _Tally, mode: str, suffix: str, decisions: int, rows_total: int, top_k: int) -> dict[str, Any]:
+def _mode_metrics(a: RoutingTally, mode: str, suffix: str, decisions: int, rows_total: int, top_k: int) -> dict[str, Any]:
     """One mode's routing differences and log-ratio statistics (KL k3, extreme tokens, ...)."""
     r = np.asarray(a.logp_train, dtype=np.float64) - np.asarray(a.logp_rollout, dtype=np.float64)
     lpt = np.concatenate(a.layers_per_token) if a.layers_per_token else np.zeros(0, np.int64)

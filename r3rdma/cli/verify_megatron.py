@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3rdma.cli.verify_report import VerifyResult, report
+from r3rdma.cli.verify_report import RoutingTally, VerifyResult, report
 
 __all__ = ["main", "run_verify_megatron"]
 
@@ -202,22 +202,6 @@ def _padded(seqs, device: str):
     position_ids = torch.arange(width).unsqueeze(0).expand(len(seqs), -1)
     mask = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None]  # True = masked
     return tokens.to(device), position_ids.to(device), mask.to(device), width
-
-
-@dataclass(slots=True)
-class _Tally:
-    """What one mode of the fp32 forwards (no replay, or replay) measured, summed over
-    micro-batches: routing vs recorded, and the sampled tokens' log-probabilities on both sides."""
-
-    moe_layers: int
-    decisions_differ: int = 0
-    tokens_any: int = 0
-    layer: np.ndarray = field(init=False)  # differing decisions per MoE layer
-    logp_train: list[float] = field(default_factory=list)
-    logp_rollout: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.layer = np.zeros(self.moe_layers, np.int64)
 
 
 @dataclass(slots=True)
@@ -469,7 +453,7 @@ def _train_forwards(
     reader = RoutingReader(root)
     info = reader.info(rollout_id)
     order = list(np.random.default_rng(seed + 1).permutation(len(requests)))
-    tally = {mode: _Tally(moe_layers) for mode in ("no_replay", "replay")}
+    tally = {mode: RoutingTally(moe_layers) for mode in ("no_replay", "replay")}
     rows_total = 0
     t0 = time.perf_counter()
     tap = _Tap(replay.routers, top_k)
@@ -487,7 +471,9 @@ def _train_forwards(
     return tally, rows_total, info, time.perf_counter() - t0
 
 
-def _train_batch(model, replay, tap: _Tap, group: list, packed, rollout: _Rollout, tally: dict[str, _Tally], device: str) -> None:
+def _train_batch(
+    model, replay, tap: _Tap, group: list, packed, rollout: _Rollout, tally: dict[str, RoutingTally], device: str
+) -> None:
     """One micro-batch's forwards, routing live and replayed, counted into ``tally``."""
     from r3rdma.integrations.megatron import MicroBatch
 
@@ -523,7 +509,7 @@ def _train_batch(model, replay, tap: _Tap, group: list, packed, rollout: _Rollou
 
 
 def _summary(
-    tally: dict[str, _Tally],
+    tally: dict[str, RoutingTally],
     rows_total: int,
     info,
     moe_layers: int,

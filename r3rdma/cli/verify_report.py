@@ -7,10 +7,31 @@ Shared by the Hugging Face path (:mod:`r3rdma.cli.verify`) and the Megatron path
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["VerifyResult", "report"]
+import numpy as np
+
+__all__ = ["RoutingTally", "VerifyResult", "report"]
+
+
+@dataclass(slots=True)
+class RoutingTally:
+    """What one mode of a verify run's training forwards (no replay, or replay) measured, summed
+    over micro-batches: routing vs recorded, and the sampled tokens' log-probabilities on both
+    sides. ``layers_per_token``: per micro-batch, how many MoE layers differ for each token
+    (the Hugging Face path's histogram; the Megatron path leaves it empty)."""
+
+    moe_layers: int
+    decisions_differ: int = 0
+    tokens_any: int = 0
+    layer: np.ndarray = field(init=False)  # differing decisions per MoE layer
+    layers_per_token: list[np.ndarray] = field(default_factory=list)
+    logp_train: list[float] = field(default_factory=list)
+    logp_rollout: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer = np.zeros(self.moe_layers, np.int64)
 
 
 @dataclass(frozen=True, slots=True)
