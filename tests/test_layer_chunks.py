@@ -16,6 +16,8 @@ from r3rdma.store import batch_array
 from r3rdma.store.batch_array import layers_per_chunk
 from r3rdma.store.shard_writer import encode_batch_array, write_batch_array
 
+from .shard_fetches import count_shard_fetches
+
 LAYER_MAP = (1, 2, 4, 5, 7, 8, 9)  # 7 MoE layers among 10 decoder layers (dense ones skipped)
 
 
@@ -96,16 +98,7 @@ def test_whole_and_layer_reads(grouped):
 
 def test_layer_read_fetches_only_its_chunks(grouped, monkeypatch):
     root, data = grouped
-    fetched = []
-    real_get = LocalStore.get
-
-    async def counting_get(self, key, prototype=None, byte_range=None):
-        buffer = await real_get(self, key, prototype, byte_range)
-        if key.endswith("/c/0/0/0") and buffer is not None:
-            fetched.append(len(buffer))
-        return buffer
-
-    monkeypatch.setattr(LocalStore, "get", counting_get)
+    fetched = count_shard_fetches(monkeypatch)
     ids = list(data)
     RoutingReader(root).get_numpy("roll", ids)
     whole = sum(fetched)

@@ -241,9 +241,9 @@ def test_pipeline_stages_take_their_layers(stored):
 def stored_by_layer(tmp_path, monkeypatch):
     """The same five requests in a store whose inner chunks hold one layer each, so a read of
     some layers fetches fewer chunks (the writer's own rule groups these tiny layers into one)."""
-    from zarr.storage import LocalStore
-
     from r3rdma.store import batch_array
+
+    from .shard_fetches import count_shard_fetches
 
     monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 1)
     rng = np.random.default_rng(7)
@@ -251,16 +251,7 @@ def stored_by_layer(tmp_path, monkeypatch):
     rows = {rid: np.stack([np.stack([rng.permutation(E)[:K] for _ in LAYER_MAP]) for _ in range(n - 1)]).astype(np.uint8) for rid, n in lens.items()}
     with LocalRoutingStore(tmp_path / "root", chunk_rows=8, min_chunk_rows=8) as store:
         store.commit([RequestRecord("roll", rid, ids, LAYER_MAP, E) for rid, ids in rows.items()])
-    fetched = []  # bytes of every shard read (chunks and their index ranges)
-    real_get = LocalStore.get
-
-    async def counting_get(self, key, prototype=None, byte_range=None):
-        buffer = await real_get(self, key, prototype, byte_range)
-        if key.endswith("/c/0/0/0") and buffer is not None:
-            fetched.append(len(buffer))
-        return buffer
-
-    monkeypatch.setattr(LocalStore, "get", counting_get)
+    fetched = count_shard_fetches(monkeypatch)  # bytes of every shard read
     reader = RoutingReader(tmp_path / "root")
     yield reader, lens, rows, fetched
     reader.close()
