@@ -1,10 +1,9 @@
 """`r3rdma bench all`: every bench in one run, BENCHMARKS.md-ready tables and PNG plots.
 
 Runs store ingest (and its overhead vs writer batch size), transport (throughput vs message
-size), the codec study (bytes per token) and, where a GPU is present, capture (overhead vs
-decode batch size). Each number is
-a ratio to its yardstick measured in the same run by the same program; the machine is named
-in every table and figure. A bench that fails is reported with its error and the others still
+size) and, where a GPU is present, capture (overhead vs decode batch size). Each number is a
+ratio to its yardstick measured in the same run by the same program; the machine is named in
+every table and figure. A bench that fails is reported with its error and the others still
 run. Writes ``OUT/results.json``, ``OUT/tables.md`` and ``OUT/*.png``; the last line is JSON.
 """
 
@@ -93,7 +92,6 @@ def run_all(
     """Run every bench not in ``skip`` (capture: ``None`` = when a GPU is present), write ``out``'s
     results.json, tables.md and PNGs; return the summary (ratios, errors per bench, seconds per bench)."""
     from r3rdma.bench import plots
-    from r3rdma.bench.codec_bench import run_codec_bench
     from r3rdma.bench.store_bench import run_store_bench
     from r3rdma.bench.transport_bench import run_transport_bench
 
@@ -140,7 +138,6 @@ def run_all(
             progress=False,
         ),
     )
-    step("codecs", lambda: run_codec_bench(quick=quick, repeats=1 if quick else 2, progress=progress))
     if capture:
         step("capture", lambda: _capture_runs([8] if quick else [16, 64, 256], quick))
 
@@ -150,8 +147,6 @@ def run_all(
         pngs["batch_overhead"] = plots.plot_batch_overhead(
             results["store_batch"], results.get("capture", []), out_dir / "overhead_vs_batch_size.png", label
         )
-    if "codecs" in results:
-        pngs["codecs"] = plots.plot_codecs(results["codecs"], out_dir / "bytes_per_token.png", label)
     results["errors"] = errors
     results["pngs"] = pngs
     results["seconds"] = timings
@@ -209,35 +204,6 @@ def markdown_tables(results: dict[str, Any]) -> str:
             for r in results["transport"]["by_size"]
         ]
         out += [""]
-    if "codecs" in results:
-        from r3rdma.bench.codec_bench import markdown_table
-
-        c = results["codecs"]
-        out += [
-            "## Bytes per token by codec",
-            "",
-            "Sources: "
-            + "; ".join(
-                f"{k} ({v['requests']} requests, {v['tokens']} tokens, {v['layers']} layers x top-{v['top_k']} of {v['num_experts']})"
-                for k, v in c["sources"].items()
-            )
-            + ".",
-            "",
-            markdown_table(c),
-            "",
-        ]
-        if c.get("chunking"):
-            out += [
-                "Inner chunk size (synthetic-skewed):",
-                "",
-                "| codec | chunk_rows | B/token | enc MB/s | dec MB/s |",
-                "|---|---|---|---|---|",
-            ]
-            out += [
-                f"| {r['codec']} | {r['chunk_rows']} | {r['bytes_per_token']} | {r['encode_mbps']} | {r['decode_mbps']} |"
-                for r in c["chunking"]
-            ]
-            out += [""]
     if "capture" in results:
         out += [
             "## Capture overhead vs decode batch size (GPU)",
@@ -261,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench all``."""
     parser.add_argument("--out", default="bench_results", help="directory for results.json, tables.md and PNGs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs, numbers mean nothing")
-    parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "codecs", "capture"])
+    parser.add_argument("--skip", nargs="+", default=[], choices=["store", "store_batch", "transport", "capture"])
     parser.add_argument(
         "--capture", choices=["auto", "on", "off"], default="auto", help="capture bench (default: when CUDA is available)"
     )

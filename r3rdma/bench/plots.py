@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_transport", "plot_batch_overhead", "plot_codecs", "plot_scale"]
+__all__ = ["plot_transport", "plot_batch_overhead", "plot_scale"]
 
 
 def _plt():
@@ -77,29 +77,6 @@ def plot_batch_overhead(store_rows: list[dict[str, Any]], capture_rows: list[dic
         ax.set_ylabel("speed ratio (capture on)")
         ax.set_title(f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}", fontsize=9)
         ax.legend()
-    return _save(fig, path)
-
-
-def plot_codecs(result: dict[str, Any], path: Path, machine: str) -> str:
-    """Stored bytes per token relative to raw uint8, per codec and routing source."""
-    plt = _plt()
-    import numpy as np
-
-    sources = list(result["sources"])
-    codecs = list(dict.fromkeys(r["codec"] for r in result["rows"]))
-    by = {(r["source"], r["codec"]): r["vs_uint8"] for r in result["rows"]}
-    fig, ax = plt.subplots(figsize=(max(8, len(codecs) * 0.6), 4.5))
-    width = 0.8 / max(1, len(sources))
-    x = np.arange(len(codecs))
-    for i, src in enumerate(sources):
-        ax.bar(x + i * width, [by.get((src, c), np.nan) for c in codecs], width, label=src)
-    ax.axhline(1.0, color="grey", lw=0.8, label="raw uint8")
-    ax.axhline(4.0, color="red", lw=0.8, ls="--", label="raw int32 (4.0); base64 int32 is 5.33")
-    ax.set_xticks(x + width * (len(sources) - 1) / 2, codecs, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("stored bytes / raw uint8 bytes")
-    ax.set_ylim(0, 1.5)
-    ax.set_title(f"bytes per token by codec (lower is better)\n{machine}", fontsize=9)
-    ax.legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -49,14 +49,7 @@ COMMANDS = [
         "r3rdma.bench.capture_bench",
         "MoE decode loop with routing capture off vs on (GPU; CUDA graphs where possible)",
     ),
-    (
-        "bench",
-        "capture-host",
-        "r3rdma.bench.capture_host_bench",
-        "capturer and vLLM plug-in host time per engine step at N running requests (CPU)",
-    ),
     ("bench", "kernels", "r3rdma.bench.kernel_bench", "custom (Triton) capture kernels vs the torch reference ops (GPU)"),
-    ("bench", "codecs", "r3rdma.bench.codec_bench", "stored bytes per token under standard codecs vs int32 / uint8 / base64"),
     (
         "bench",
         "vllm",
