@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from r3rdma.bench.rlstep_bench import ROLLOUT_ID, contiguous_runs, plan_rollout, run_rlstep_bench
-from r3rdma.bench.synthetic import TiledRollout
+from r3rdma.bench.synthetic import TiledRollout, routing_pool
 
 FIELDS = (
     "cpu_count", "rollout_seconds", "stall_seconds", "stall_vs_rollout", "stall_per_rank", "bytes_raw", "bytes_stored",
@@ -17,7 +17,21 @@ FIELDS = (
     "offered_gbps_per_node", "index_open_ms", "index_open_ms_first", "rank_read_gbps", "scattered_read_gbps",
     "contiguous_read_gbps", "scattered_vs_contiguous", "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick",
     "goals", "requests", "nodes", "replicas", "engines", "trainers", "rollout_seconds_planned", "phase_seconds",
+    "commits", "commit_ms_first", "commit_ms_last", "commit_growth",
 )
+
+
+def test_routing_pool_rows_are_distinct_and_in_range():
+    pool = routing_pool(500, num_layers=6, top_k=4, num_experts=16, base_rows=64, seed=3)
+    assert pool.shape == (500, 6, 4) and pool.dtype == np.uint8 and pool.max() < 16
+    assert all(len(set(row)) == 4 for row in pool.reshape(-1, 4).tolist())
+
+
+def test_tiled_rollout_requests_differ():
+    rollout = TiledRollout(300, min_rows=2, max_rows=5, num_layers=4, top_k=2, num_experts=8, seed=1)
+    records = [rollout.record(i) for i in range(len(rollout))]
+    assert len({r.crc32c for r in records}) == len(records)
+    assert rollout.total_bytes == sum(r.nbytes for r in records)
 
 
 def test_plan_rollout_is_long_tailed_and_long_requests_finish_late():
@@ -89,8 +103,13 @@ def test_rlstep_bench_tiny(tmp_path):
                for s in result["stall_per_rank"])
     assert all(g > 0 for g in result["rank_read_gbps"]) and len(result["rank_read_gbps"]) == trainers
     for name in ("ingest_gbps_per_node", "scattered_read_gbps", "contiguous_read_gbps", "disk_write_gbps",
-                 "zstd_gbps_all_cores", "index_open_ms", "store_commit_gbps"):
+                 "zstd_gbps_all_cores", "index_open_ms", "store_commit_gbps", "commit_ms_first", "commit_ms_last",
+                 "commit_growth"):
         assert 0 < result[name] < math.inf, name
+    # The commit-growth pass committed the whole rollout again, in batches of 0.2 MiB up to one request more.
+    batch, largest = int(0.2 * 2**20), max(rollout.nbytes(i) for i in range(requests))
+    assert rollout.total_bytes // (batch + largest) <= result["commits"] <= rollout.total_bytes // batch + 1
+    assert "commit_growth" in result["goals"]
 
 
 def test_cli_registers_rlstep():

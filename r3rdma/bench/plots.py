@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_transport", "plot_batch_overhead", "plot_scale"]
+__all__ = ["plot_transport", "plot_batch_overhead"]
 
 
 def _plt():
@@ -77,56 +77,4 @@ def plot_batch_overhead(store_rows: list[dict[str, Any]], capture_rows: list[dic
         ax.set_ylabel("speed ratio (capture on)")
         ax.set_title(f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}", fontsize=9)
         ax.legend()
-    return _save(fig, path)
-
-
-def plot_scale(result: dict[str, Any], path: Path, label: str) -> str:
-    """`r3rdma bench scale`: commit time against requests already in the rollout (left), and
-    scattered DP-share reads against contiguous reads and plain GETs of the same files (right)."""
-    plt = _plt()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    commit = result.get("commit_curve") or []
-    push = result.get("push_curve") or []
-    if commit:
-        ax.plot(
-            [p[0] for p in commit],
-            [p[1] for p in commit],
-            "o-",
-            ms=3,
-            label=f"LocalRoutingStore.commit (growth {result.get('commit_growth')})",
-        )
-    if push:
-        ax.plot(
-            [p[0] for p in push],
-            [p[1] for p in push],
-            "s--",
-            ms=3,
-            alpha=0.7,
-            label=f"push ack at the client, {result.get('nodes')} nodes (growth {result.get('push_growth')})",
-        )
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("requests already in the rollout")
-    ax.set_ylabel("ms per batch")
-    ax.set_title(f"commit cost vs rollout size ({result.get('batch_mb')} MB batches)\n{label}", fontsize=9)
-    ax.legend(fontsize=7)
-    names = ["dp_read_gbps", "contiguous_read_gbps", "single_scattered_gbps", "single_contiguous_gbps", "raw_get_gbps"]
-    labels = [
-        f"scattered\n{result.get('readers')} DP readers",
-        f"contiguous\n{result.get('readers')} readers",
-        "scattered\n1 reader",
-        "contiguous\n1 reader",
-        "plain GETs\n(file bytes)",
-    ]
-    values = [result.get(n) or 0.0 for n in names]
-    bars = ax2.bar(range(len(values)), values, color=["C0", "C1", "C0", "C1", "grey"])
-    for bar, v in zip(bars, values):
-        ax2.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
-    ax2.set_xticks(range(len(values)), labels, fontsize=8)
-    ax2.set_ylabel("GB/s (decoded routing; GETs: stored bytes)")
-    ax2.set_title(
-        f"read rates: dp_ratio {result.get('dp_ratio')}, single {result.get('single_ratio')}\n"
-        f"{result.get('requests')} requests, {result.get('bytes', 0) / 1e9:.2f} GB, reader: {result.get('reader_api')}",
-        fontsize=9,
-    )
     return _save(fig, path)

@@ -2,8 +2,8 @@
 
 Processes (progress on stderr, the last stdout line is JSON):
 
-- ``--nodes`` store-node processes (``--replicas`` copies of each request), started as
-  ``bench scale`` starts them.
+- ``--nodes`` store-node processes (``--replicas`` copies of each request), started as the
+  tests start them (:func:`r3rdma.testing.harness.spawn_nodes`).
 - ``--engines`` engine processes, each a TP-owner rank with its own ``RoutingWriter`` over its
   own ``StoreNodesClient`` (:mod:`r3rdma.bench.rlstep_workers`). Request lengths are a
   long-tailed mix: a lognormal of rows (median ``--median-rows``, ``--sigma``) clipped to
@@ -36,12 +36,14 @@ Measured (every ``time.time()`` on the one host's clock):
   (``offered_gbps_per_node``: the same bytes over ``--rollout-seconds``), not their capacity;
   ``--rollout-seconds 0`` pushes everything at once and measures what they take.
 - ``index_open_ms``: after the step, a fresh reader in a fresh process opening the rollout
-  (``info()``), median of 3 (``index_open_ms_first``: the first).
+  (``info()``), median of 3 (``index_open_ms_first``: the first). The rollout's index is as big
+  as its request count makes it: a 16k-request step is the "index at scale" case.
 - After the step, the same ranks read again, ``--rounds`` times alternating: **scattered**, each
   rank re-reading its own share, and **contiguous** (the yardstick), each rank reading a
   contiguous run of the commit order with the same bytes as its share; both the same way
-  (``bench scale``'s reader command: ``prefetch`` of ``--micro-batch`` requests per
-  ``get_packed``), so ``scattered_vs_contiguous`` compares like with like (the step's own
+  (``prefetch`` of ``--micro-batch`` requests per ``get_packed``,
+  :func:`~r3rdma.bench.rlstep_workers.worker_read`), so ``scattered_vs_contiguous`` compares
+  like with like (the step's own
   collect reads as requests commit, paced by the rollout: it has no rate of its own).
   ``rank_read_gbps``: each rank's share bytes over its scattered read time;
   ``scattered_read_gbps`` / ``contiguous_read_gbps``: all bytes over first start to last end.
@@ -57,9 +59,13 @@ Measured (every ``time.time()`` on the one host's clock):
   same min(disk, zstd): what a node could take on this host were the engines and TCP loopback
   not on its cores (on the H100 host the engine processes' UCX-over-TCP pushes used ~32 CPU
   seconds per GB, half the host).
+- ``commit_growth``: the whole rollout committed again to a fresh ``LocalRoutingStore`` in
+  ``--batch-mb`` batches, each ``commit`` timed: the mean of the last 10% of commits over the
+  first 10% (the rollout's first commit, which creates it, left out; ``commit_ms_first`` /
+  ``commit_ms_last``). 1.0: a commit costs the same however many requests the rollout holds.
 - ``goals``: stall <= max(1 s, 2% of the rollout); index_open_ms <= 100; scattered_vs_contiguous
   >= 0.8; ingest >= 1 GB/s per node or >= 0.5 of the yardstick; store_write: the same for
-  ``store_commit_gbps``.
+  ``store_commit_gbps``; commit_growth <= 1.2.
 
 ``--quick`` (4096 requests of 16-2000 rows, median 120, 2 nodes, 2 engines, 4 trainers, a
 20 s rollout, one read round) fits the 2-core CPU VM: 65-81 s wall there (2026-11-25, another
@@ -82,8 +88,20 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from r3rdma.bench.scale_readers import ReadPhases, open_index_ms, reader_worker
-from r3rdma.bench.support import Worker, bar, cpu_seconds, emit, log, node_samples, preset, stop_all, worker_context
+from r3rdma.bench.support import (
+    Worker,
+    bar,
+    commit_in_batches,
+    cpu_seconds,
+    emit,
+    log,
+    node_samples,
+    preset,
+    run_phase,
+    span_rate,
+    stop_all,
+    worker_context,
+)
 
 __all__ = [
     "run_rlstep_bench",
@@ -287,6 +305,7 @@ def run_rlstep_bench(
 
     from r3rdma.bench.rlstep_workers import WARM_ROLLOUT, engine_main, trainer_main
     from r3rdma.bench.synthetic import TiledRollout
+    from r3rdma.store.local_store import LocalRoutingStore
     from r3rdma.store.process import new_token
     from r3rdma.testing.harness import spawn_nodes
 
@@ -473,12 +492,15 @@ def run_rlstep_bench(
 
         # -- a fresh reader in a fresh process opens the rollout ---------------------------
         mark = time.perf_counter()
-        opener = reader_worker(ctx, D, urls, read_token)
+        opener = Worker(ctx, D, trainer_main, (D, urls, read_token), "r3rdma-rlstep-opener")
         try:
             assert opener.recv(timeout)["event"] == "ready"
-            result.update(open_index_ms(opener, ROLLOUT_ID, requests, timeout))
+            opener.send({"cmd": "open", "rollout": ROLLOUT_ID, "repeat": 3})
+            opened = opener.recv(timeout)
         finally:
             opener.stop()
+        assert opened["requests"] == requests, (opened["requests"], requests)
+        result.update(index_open_ms=round(statistics.median(opened["ms"]), 2), index_open_ms_first=round(opened["ms"][0], 2))
         phases["open"] = round(time.perf_counter() - mark, 1)
 
         # -- after the step: scattered shares vs contiguous runs, the same reads ------------
@@ -488,27 +510,26 @@ def run_rlstep_bench(
         contiguous = contiguous_runs(order, size, share_bytes)
 
         def read_cmd(ids: list[str]) -> dict[str, Any]:
-            return {
-                "cmd": "read",
-                "rollout": ROLLOUT_ID,
-                "seconds": 0,
-                "verify": False,
-                "batches": [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)],
-            }
+            batches = [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
+            return {"cmd": "read", "rollout": ROLLOUT_ID, "batches": batches}
 
-        reads = ReadPhases(node_procs, timeout)
+        reads: dict[str, dict[str, Any]] = {name: {"bytes": 0, "span": 0.0, "rates": []} for name in ("scattered", "contiguous")}
         rank_bytes, rank_seconds = [0] * D, [0.0] * D
         for _ in range(rounds):
             for name, assignment in (("scattered", shares), ("contiguous", contiguous)):
                 say(f"read phase {name}: {D} ranks")
-                got, (gbps, span, _) = reads.run(name, trainer_procs, [read_cmd(ids) for ids in assignment])
+                got = run_phase(trainer_procs, [read_cmd(ids) for ids in assignment], timeout)
+                gbps, span, moved = span_rate(got)
+                reads[name]["bytes"] += moved
+                reads[name]["span"] += span
+                reads[name]["rates"].append(gbps)
                 if name == "scattered":
                     for r, a in enumerate(got):
                         rank_bytes[r] += a["bytes"]
                         rank_seconds[r] += a["end"] - a["start"]
                 say(f"  {gbps:.3f} GB/s over {span:.2f} s")
-        scattered_gbps, contiguous_gbps = reads.gbps("scattered"), reads.gbps("contiguous")
-        rates = [reads.totals[n]["rates"] for n in ("scattered", "contiguous")]
+        scattered_gbps, contiguous_gbps = (reads[n]["bytes"] / max(reads[n]["span"], 1e-9) / 1e9 for n in reads)
+        rates = [reads[n]["rates"] for n in reads]
         result.update(
             rank_read_gbps=[round(b / max(s, 1e-9) / 1e9, 4) for b, s in zip(rank_bytes, rank_seconds)],
             scattered_read_gbps=round(scattered_gbps, 4),
@@ -539,6 +560,12 @@ def run_rlstep_bench(
         disk = disk_write_gbps(base / "yardstick.bin", per_node, rollout.pool)
         zstd, ratio = zstd_gbps_all_cores(rollout.pool, per_node, chunk_rows=chunk_rows, level=level)
         store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=int(batch_mb * 2**20))
+        say("commit growth: the rollout committed again in-process, each commit timed")
+        with LocalRoutingStore(base / "commit-growth") as store:
+            commit_ms = commit_in_batches(store, rollout, range(requests), int(batch_mb * 2**20))[1:] or [0.0]
+        shutil.rmtree(base / "commit-growth")
+        tenth = max(1, len(commit_ms) // 10)  # the first commit (it creates the rollout) left out above
+        first_ms, last_ms = statistics.fmean(commit_ms[:tenth]), statistics.fmean(commit_ms[-tenth:])
         result.update(
             disk_write_gbps=round(disk, 4),
             zstd_gbps_all_cores=round(zstd, 4),
@@ -549,6 +576,10 @@ def run_rlstep_bench(
             ingest_vs_yardstick=round(ingest / min(disk, zstd), 3),
             store_commit_gbps=round(store_gbps, 4),
             store_vs_yardstick=round(store_gbps / min(disk, zstd), 3),
+            commits=len(commit_ms) + 1,
+            commit_ms_first=round(first_ms, 3),
+            commit_ms_last=round(last_ms, 3),
+            commit_growth=round(last_ms / max(first_ms, 1e-9), 3),
         )
         phases["yardsticks"] = round(time.perf_counter() - mark, 1)
 
@@ -558,6 +589,7 @@ def run_rlstep_bench(
             "scattered_reads": result["scattered_vs_contiguous"] >= 0.8,
             "ingest": ingest >= 1.0 or result["ingest_vs_yardstick"] >= 0.5,
             "store_write": store_gbps >= 1.0 or result["store_vs_yardstick"] >= 0.5,
+            "commit_growth": result["commit_growth"] <= 1.2,
         }
         result["seconds"] = round(time.perf_counter() - began, 1)
         result["root"] = str(base) if root else None

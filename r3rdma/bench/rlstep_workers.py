@@ -6,8 +6,9 @@ An **engine** process is one TP-owner rank of an inference engine: its own
 the request finishes (a schedule relative to a common start time), and reports when each batch
 was acknowledged. A **trainer** process is one data-parallel rank: during the step it names its
 share up front with :meth:`RoutingReader.collect <r3rdma.read.reader.RoutingReader.collect>` and
-assembles its replay batch once the share is whole; after the step it serves
-:mod:`r3rdma.bench.scale_readers`' timed read command (the scattered / contiguous yardstick).
+assembles its replay batch once the share is whole; after the step it reads micro-batches on
+command, timed (:func:`worker_read`: the scattered / contiguous yardstick), and one fresh trainer
+process times a new reader opening the rollout's index.
 
 Both run as :class:`r3rdma.bench.support.Worker` processes and speak its pipe protocol.
 """
@@ -18,9 +19,9 @@ import os
 import time
 from typing import Any
 
-from r3rdma.bench.support import serve
+from r3rdma.bench.support import serve, wait_go
 
-__all__ = ["engine_main", "trainer_main", "WARM_ROLLOUT"]
+__all__ = ["engine_main", "trainer_main", "worker_read", "WARM_ROLLOUT"]
 
 #: Where engines push their warm-up records (connections up before the clock), apart from the step.
 WARM_ROLLOUT = "rlstep-warm"
@@ -99,9 +100,9 @@ def engine_main(
 def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
     """One trainer rank. Commands: ``warm`` (read a few records of the warm-up rollout:
     connections and buffers up), ``collect`` (the step: collect the share, pack it, report the
-    moment it was whole), ``read`` (scale_readers' timed micro-batch reads)."""
-    os.dup2(2, 1)
-    from r3rdma.bench.scale_readers import worker_read
+    moment it was whole), ``read`` (:func:`worker_read`), ``open`` (a new reader's ``info()`` of
+    the rollout, ``repeat`` times: milliseconds each)."""
+    os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
     from r3rdma.read.reader import RoutingReader
     from r3rdma.records import checksum
 
@@ -139,7 +140,46 @@ def trainer_main(conn, rank: int, urls: list[str], read_token: str) -> None:
         del packed, ids_TLK  # the share's memory back before the after-step reads
         conn.send(answer)
 
+    def open_fresh(cmd: dict[str, Any]) -> None:
+        times = []
+        for _ in range(cmd["repeat"]):
+            with RoutingReader(urls, token=read_token, progress=False) as fresh:
+                t0 = time.perf_counter()
+                info = fresh.info(cmd["rollout"])
+                times.append((time.perf_counter() - t0) * 1e3)
+        conn.send({"event": "done", "ms": times, "requests": len(info.request_ids)})
+
+    handlers = {"warm": warm, "collect": collect, "read": lambda cmd: worker_read(reader, cmd, conn), "open": open_fresh}
     try:
-        serve(conn, {"warm": warm, "collect": collect, "read": lambda cmd: worker_read(reader, cmd, conn)})
+        serve(conn, handlers)
     finally:
         reader.close()
+
+
+def worker_read(reader, cmd: dict[str, Any], conn) -> None:
+    """Arm (index read, one untimed micro-batch), wait for go, read every micro-batch in order
+    through ``prefetch``; report bytes, rows, CPU seconds and the clock's start and end."""
+    rollout, batches = cmd["rollout"], cmd["batches"]
+    reader.info(rollout)  # the index, as a trainer holds it before its step's reads
+    if batches:
+        reader.get_packed(rollout, batches[-1])  # connections and buffers warm
+    wait_go(conn)
+    requests = rows = nbytes = 0
+    cpu0 = time.process_time()  # every thread of this reader: decode pool and HTTP client included
+    start = time.time()
+    with reader.prefetch(rollout, batches, depth=2) as stream:
+        for packed in stream:
+            requests += len(packed.request_ids)
+            rows += int(packed.ids_TLK.shape[0])
+            nbytes += packed.ids_TLK.numel() * packed.ids_TLK.element_size()
+    conn.send(
+        {
+            "event": "done",
+            "start": start,
+            "end": time.time(),
+            "requests": requests,
+            "rows": rows,
+            "bytes": nbytes,
+            "cpu_s": time.process_time() - cpu0,
+        }
+    )

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ __all__ = [
     "cpu_seconds",
     "TimedCommits",
     "warm_connections",
+    "commit_in_batches",
     "preset",
     "emit",
 ]
@@ -75,9 +76,7 @@ def worker_context():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.scale_readers", "r3rdma.bench.rlstep_workers"]
-    )
+    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.rlstep_workers"])
     return ctx
 
 
@@ -159,12 +158,17 @@ def wait_go(conn) -> None:
         raise RuntimeError("expected go")
 
 
-def run_phase(workers: list[Worker], commands: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    """Arm each worker with its command, then release them together; their answers."""
+def run_phase(
+    workers: Sequence[Worker], commands: Sequence[dict[str, Any]], timeout: float, on_armed: Callable[[], object] | None = None
+) -> list[dict[str, Any]]:
+    """Arm each worker with its command, call ``on_armed`` (a count taken before the clock), then
+    release them together; their answers."""
     for worker, cmd in zip(workers, commands):
         worker.send(cmd)
     for worker in workers:
         assert worker.recv(timeout)["event"] == "armed"
+    if on_armed is not None:
+        on_armed()
     for worker in workers:
         worker.send({"cmd": "go"})
     return [worker.recv(timeout) for worker in workers]
@@ -275,6 +279,25 @@ def warm_connections(client, rollout, rollout_id: str, prefix: str) -> list[str]
             covered.update(client.replica_set(warm))
             warm_ids.append(warm.request_id)
     return warm_ids
+
+
+def commit_in_batches(store, rollout, order, batch_bytes: int) -> list[float]:
+    """Commit ``rollout``'s requests (a :class:`~r3rdma.bench.synthetic.TiledRollout`) to ``store``
+    in ``order`` (a sequence of indices), a batch ending at the request that reaches
+    ``batch_bytes``; the milliseconds of each ``store.commit`` (records made outside the clock)."""
+    times: list[float] = []
+    batch: list[int] = []
+    size = 0
+    for n, i in enumerate(order):
+        batch.append(i)
+        size += rollout.nbytes(i)
+        if size >= batch_bytes or n == len(order) - 1:
+            records = [rollout.record(j) for j in batch]
+            t0 = time.perf_counter()
+            store.commit(records)
+            times.append((time.perf_counter() - t0) * 1e3)
+            batch, size = [], 0
+    return times
 
 
 # -- command line -----------------------------------------------------------------------------

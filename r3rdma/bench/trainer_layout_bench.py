@@ -47,7 +47,19 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-from r3rdma.bench.support import Worker, emit, log, node_samples, preset, serve, stop_all, wait_go, worker_context
+from r3rdma.bench.support import (
+    Worker,
+    commit_in_batches,
+    emit,
+    log,
+    node_samples,
+    preset,
+    run_phase,
+    serve,
+    stop_all,
+    wait_go,
+    worker_context,
+)
 from r3rdma.read.rows import cp_row_spans
 
 __all__ = ["run_trainer_layout_bench", "add_arguments", "main", "QUICK", "FULL", "cp_spans", "stage_layers"]
@@ -172,18 +184,8 @@ def _commit_step(rollout, path: Path, batch_mb: float, seed: int, layers_per_chu
 
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
-    limit = batch_mb * (1 << 20)
     with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk) as store:
-        batch: list[int] = []
-        size = 0
-        for i in order:
-            batch.append(i)
-            size += rollout.nbytes(i)
-            if size >= limit:
-                store.commit([rollout.record(j) for j in batch])
-                batch, size = [], 0
-        if batch:
-            store.commit([rollout.record(j) for j in batch])
+        commit_in_batches(store, rollout, order, int(batch_mb * (1 << 20)))
 
 
 def _layers_per_chunk(root: Path, rollout_id: str) -> list[int]:
@@ -256,6 +258,10 @@ def run_trainer_layout_bench(
         urls = [node.http_url]
         with RoutingReader(urls, token=node.read_token, progress=False) as reader:
             stored = sum(reader.stored_bytes(rollout_id).values())
+
+        def served_bytes() -> float:
+            return node_samples(node).get("r3rdma_store_http_bytes_total", 0.0)
+
         ctx = worker_context()
         workers = [Worker(ctx, p, _rank_main, (urls, node.read_token), f"r3rdma-layout-{p}") for p in range(processes)]
         for worker in workers:
@@ -305,19 +311,14 @@ def run_trainer_layout_bench(
             "layers_per_chunk": _layers_per_chunk(base / "node0", rollout_id),
             "processes": processes,
         }
+        armed: list[float] = []  # what the node had served when a phase's ranks were all armed
         for name, tasks in phases.items():
             say(f"phase {name}: {len(tasks)} reading ranks in {processes} processes")
             parts = [tasks[p::processes] for p in range(processes)]
-            active = [(w, part) for w, part in zip(workers, parts) if part]
-            for worker, part in active:
-                worker.send({"cmd": "read", "rollout": rollout_id, "ranks": part})
-            for worker, _ in active:
-                assert worker.recv(timeout)["event"] == "armed"
-            served0 = node_samples(node).get("r3rdma_store_http_bytes_total", 0.0)
-            for worker, _ in active:
-                worker.send({"cmd": "go"})
-            answers = [worker.recv(timeout) for worker, _ in active]
-            served = node_samples(node).get("r3rdma_store_http_bytes_total", 0.0) - served0
+            active = [p for p in range(processes) if parts[p]]
+            commands = [{"cmd": "read", "rollout": rollout_id, "ranks": parts[p]} for p in active]
+            answers = run_phase([workers[p] for p in active], commands, timeout, on_armed=lambda: armed.append(served_bytes()))
+            served = served_bytes() - armed[-1]
             ranks = sorted((r for a in answers for r in a["ranks"]), key=lambda r: r["rank"])
             fetched = sum(r["fetched"] for r in ranks)
             returned = sum(r["returned"] for r in ranks)

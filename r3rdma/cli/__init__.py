@@ -58,12 +58,6 @@ COMMANDS = [
     ),
     (
         "bench",
-        "scale",
-        "r3rdma.bench.scale_bench",
-        "a whole RL step: commit cost vs rollout size, scattered DP-share reads vs contiguous",
-    ),
-    (
-        "bench",
         "rlstep",
         "r3rdma.bench.rlstep_bench",
         "one RL step as deployed: engines push as requests finish, trainer ranks collect their shares; the stall",
