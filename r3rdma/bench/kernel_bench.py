@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from r3rdma.bench.support import emit
+from r3rdma.bench.support import run_from_args
 
 __all__ = ["run_kernel_bench", "add_arguments", "main"]
 
@@ -184,7 +184,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``r3rdma bench kernels``: run, print the result as the last JSON line."""
-    result = run_kernel_bench(
-        layers=args.layers, top_k=args.top_k, num_slots=args.num_slots, calls=args.calls, repeats=args.repeats
-    )
-    return emit(result)
+    return run_from_args(run_kernel_bench, args)

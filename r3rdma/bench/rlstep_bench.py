@@ -84,19 +84,19 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
 from r3rdma.bench.support import (
     Worker,
+    add_preset_arguments,
     bar,
     commit_in_batches,
     cpu_seconds,
-    emit,
     log,
     node_samples,
-    preset,
+    run_from_args,
     run_phase,
     span_rate,
     stop_all,
@@ -116,28 +116,13 @@ __all__ = [
 ]
 
 
-class _Preset(TypedDict):
-    """The sizes ``--quick`` and the full run set (each overridden by its own option)."""
-
-    requests: int
-    min_rows: int
-    max_rows: int
-    median_rows: float
-    nodes: int
-    engines: int
-    trainers: int
-    rollout_seconds: float
-    batch_mb: float
-    rounds: int
-
-
-#: ``FULL``: a 16-core GPU host (~10 GB decoded, ~21 GB written with 2 replicas). ``QUICK``: the
-#: 2-core CPU machine (~0.3 GB decoded).
-FULL: _Preset = {
+#: The sizes of a full run, a 16-core GPU host (~10 GB decoded, ~21 GB written with 2 replicas),
+#: and of ``--quick``, the 2-core CPU machine (~0.3 GB decoded); each has its own option.
+FULL: dict[str, Any] = {
     "requests": 16384,
     "min_rows": 100,
     "max_rows": 16000,
-    "median_rows": 1000,
+    "median_rows": 1000.0,
     "nodes": 4,
     "engines": 4,
     "trainers": 8,
@@ -145,11 +130,11 @@ FULL: _Preset = {
     "batch_mb": 8.0,
     "rounds": 2,
 }
-QUICK: _Preset = {
+QUICK: dict[str, Any] = {
     "requests": 4096,
     "min_rows": 16,
     "max_rows": 2000,
-    "median_rows": 120,
+    "median_rows": 120.0,
     "nodes": 2,
     "engines": 2,
     "trainers": 4,
@@ -234,9 +219,7 @@ def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> 
     receives: compressed, written, fsynced, indexed) through a :class:`RoutingWriter` of
     ``batch_bytes`` batches, no transport; the root is removed. What a node could ingest on
     this host's cores were the engines and the network not on them."""
-
-    from r3rdma.store.local_store import LocalRoutingStore
-    from r3rdma.write.writer import RoutingWriter
+    from r3rdma.bench.store_bench import ingest_seconds
 
     records, total = [], 0
     for i in range(len(rollout)):
@@ -244,17 +227,7 @@ def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> 
             break
         records.append(rollout.record(i))
         total += records[-1].nbytes
-    try:
-        with LocalRoutingStore(path) as store:
-            t0 = time.perf_counter()
-            with RoutingWriter(store, flush_bytes=batch_bytes) as writer:
-                for record in records:
-                    writer.submit(record)
-                writer.flush()
-            seconds = time.perf_counter() - t0
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-    return total / seconds / 1e9
+    return total / ingest_seconds(path, records, batch_bytes) / 1e9
 
 
 def _bytes_ingested(node) -> float:
@@ -301,6 +274,7 @@ def run_rlstep_bench(
     result dict (the JSON line). ``root`` keeps the nodes' data there (``<root>/node<i>``); by
     default a temporary directory is removed at the end. ``timeout`` bounds every wait on a
     process."""
+    settings = dict(locals())  # the parameters, before anything else is bound here
     from multiprocessing.connection import wait as wait_any
 
     from r3rdma.bench.rlstep_workers import WARM_ROLLOUT, engine_main, trainer_main
@@ -316,27 +290,10 @@ def run_rlstep_bench(
             f"{requests}, {replicas}"
         )
     began = time.perf_counter()
-    params = dict(
-        requests=requests,
-        min_rows=min_rows,
-        max_rows=max_rows,
-        median_rows=median_rows,
-        sigma=sigma,
-        layers=layers,
-        top_k=top_k,
-        experts=experts,
-        nodes=nodes,
-        replicas=replicas,
-        engines=engines,
-        trainers=trainers,
-        rollout_seconds_planned=rollout_seconds,
-        batch_mb=batch_mb,
-        micro_batch=micro_batch,
-        poll_s=poll_s,
-        rounds=rounds,
-        seed=seed,
-    )
-    result: dict[str, Any] = {"bench": "rlstep", "quick": quick, "cpu_count": os.cpu_count(), **params}
+    # The settings, reported with the figures (all but where the data lives and how the run is driven).
+    result: dict[str, Any] = {"bench": "rlstep", "cpu_count": os.cpu_count()}
+    result.update((k, v) for k, v in settings.items() if k not in ("root", "verify", "progress", "timeout"))
+    result["rollout_seconds_planned"] = result.pop("rollout_seconds")
     lengths, finish_s = plan_rollout(
         requests,
         min_rows=min_rows,
@@ -609,71 +566,30 @@ def run_rlstep_bench(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench rlstep``: the preset, the rollout's shape and timing, processes, reads."""
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"2-core CPU machine, under 2 min: {QUICK['requests']} requests of {QUICK['min_rows']}-"
-        f"{QUICK['max_rows']} rows, {QUICK['nodes']} nodes, {QUICK['engines']} engines, "
-        f"{QUICK['trainers']} trainers, a {QUICK['rollout_seconds']:g} s rollout",
+    quick = (
+        f"2-core CPU machine, under 2 min: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} rows, "
+        f"{QUICK['nodes']} nodes, {QUICK['engines']} engines, {QUICK['trainers']} trainers, a {QUICK['rollout_seconds']:g} s rollout"
     )
-    parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
-    parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
-    parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']}")
-    parser.add_argument(
-        "--median-rows",
-        type=float,
-        default=None,
-        help=f"median of the lognormal of rows per request (default {FULL['median_rows']})",
-    )
-    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of that lognormal (log-rows)")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--nodes", type=int, default=None, help=f"store-node processes (default {FULL['nodes']})")
+    helps = {
+        "median_rows": "median of the lognormal of rows per request",
+        "nodes": "store-node processes",
+        "engines": "engine (TP-owner rank) processes",
+        "trainers": "trainer DP rank processes",
+        "rollout_seconds": "when the last request finishes (0: all at once)",
+        "batch_mb": "each engine writer's batch size",
+        "rounds": "after-step scattered / contiguous read rounds",
+    }
+    add_preset_arguments(parser, QUICK, FULL, quick, helps)
+    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of the lognormal of rows per request (log-rows)")
     parser.add_argument("--replicas", type=int, default=2, help="nodes holding each request")
-    parser.add_argument("--engines", type=int, default=None, help=f"engine (TP-owner rank) processes, default {FULL['engines']}")
-    parser.add_argument("--trainers", type=int, default=None, help=f"trainer DP rank processes, default {FULL['trainers']}")
-    parser.add_argument(
-        "--rollout-seconds",
-        type=float,
-        default=None,
-        help=f"when the last request finishes (default {FULL['rollout_seconds']:g}); 0: all at once",
-    )
-    parser.add_argument(
-        "--batch-mb", type=float, default=None, help=f"each engine writer's batch size, default {FULL['batch_mb']}"
-    )
     parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed in the after-step reads")
     parser.add_argument("--poll-s", type=float, default=0.1, help="how often each rank's collector polls the index")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help=f"after-step scattered / contiguous read rounds (default {FULL['rounds']}, --quick {QUICK['rounds']})",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-workers", default="auto", help="each node's --http-workers (auto: a quarter of the cores)")
     parser.add_argument(
         "--verify", action="store_true", help="ranks hash every request collected, checked against what was pushed"
     )
     parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
-    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
 def main(args: argparse.Namespace) -> int:
     """``r3rdma bench rlstep``: run the preset with the options given, print the JSON line (also to ``--json-out``)."""
-    result = run_rlstep_bench(
-        **preset(args, QUICK, FULL),
-        sigma=args.sigma,
-        layers=args.layers,
-        top_k=args.top_k,
-        experts=args.experts,
-        replicas=args.replicas,
-        micro_batch=args.micro_batch,
-        poll_s=args.poll_s,
-        root=args.root,
-        seed=args.seed,
-        verify=args.verify,
-        quick=args.quick,
-        http_workers=args.http_workers,
-    )
-    return emit(result, args.json_out)
+    return run_from_args(run_rlstep_bench, args, QUICK, FULL)

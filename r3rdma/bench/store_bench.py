@@ -26,15 +26,30 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from r3rdma.bench.support import emit
 from r3rdma.bench.support import rounds_bar as _rounds
+from r3rdma.bench.support import run_from_args
 from r3rdma.bench.synthetic import synthetic_records
 from r3rdma.records import batches_by_size
 from r3rdma.store.layout import fsync_paths, tree_paths
 from r3rdma.store.local_store import LocalRoutingStore, zarr_codecs
 from r3rdma.write.writer import RoutingWriter
 
-__all__ = ["run_store_bench"]
+__all__ = ["run_store_bench", "ingest_seconds"]
+
+
+def ingest_seconds(path: Path, records, flush_bytes: int, **store_options) -> float:
+    """Seconds to ingest ``records`` into a new :class:`LocalRoutingStore` at ``path`` (its
+    ``store_options``) through a :class:`RoutingWriter` of ``flush_bytes`` batches, until ``flush``
+    returns (every request compressed, written, fsynced, indexed); the root is removed."""
+    try:
+        t0 = time.perf_counter()
+        with LocalRoutingStore(path, **store_options) as store, RoutingWriter(store, flush_bytes=flush_bytes) as writer:
+            for record in records:
+                writer.submit(record)
+            writer.flush()
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_store_bench(
@@ -59,15 +74,9 @@ def run_store_bench(
     raw_sync_s: list[float] = []
     raw_no_scan_s: list[float] = []
     for rnd in _rounds(rounds, "store"):
-        d = base / f"ingest-{rnd}"
-        t0 = time.perf_counter()
-        with LocalRoutingStore(d, zstd_level=zstd_level, chunk_rows=chunk_rows) as store:
-            with RoutingWriter(store, flush_bytes=flush_bytes) as writer:
-                for r in records:
-                    writer.submit(r)
-                writer.flush()
-        ingest_s.append(time.perf_counter() - t0)
-        shutil.rmtree(d)
+        ingest_s.append(
+            ingest_seconds(base / f"ingest-{rnd}", records, flush_bytes, zstd_level=zstd_level, chunk_rows=chunk_rows)
+        )
 
         for durable, scan, times in ((False, True, raw_s), (True, True, raw_sync_s), (False, False, raw_no_scan_s)):
             d = base / f"raw-{rnd}"
@@ -129,5 +138,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``r3rdma bench store``: run, print the result as the last JSON line."""
-    result = run_store_bench(requests=args.requests, rounds=args.rounds, root=args.root)
-    return emit(result)
+    return run_from_args(run_store_bench, args)

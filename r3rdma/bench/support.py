@@ -1,12 +1,13 @@
 """What the bench programs share: progress on stderr, worker processes driven over a pipe, store
 nodes' /metrics and CPU time, a push client's timed commits and warm-up, and the command line's
-presets and JSON line.
+presets, options and JSON line.
 
 Store nodes are started with :func:`r3rdma.testing.harness.spawn_nodes`, as the tests start them."""
 
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import os
 import sys
@@ -33,7 +34,8 @@ __all__ = [
     "TimedCommits",
     "warm_connections",
     "commit_in_batches",
-    "preset",
+    "add_preset_arguments",
+    "run_from_args",
     "emit",
 ]
 
@@ -303,10 +305,37 @@ def commit_in_batches(store, rollout, order, batch_bytes: int) -> list[float]:
 # -- command line -----------------------------------------------------------------------------
 
 
-def preset(args, quick: Mapping[str, Any], full: Mapping[str, Any]) -> dict[str, Any]:
-    """The preset's values (``--quick`` or full size) under the options given on the command line."""
-    chosen = quick if args.quick else full
-    return {k: getattr(args, k) if getattr(args, k) is not None else chosen[k] for k in chosen}
+def add_preset_arguments(
+    parser, quick: Mapping[str, Any], full: Mapping[str, Any], quick_help: str, helps: Mapping[str, str]
+) -> None:
+    """``--quick`` (``quick_help``), an option per preset value (unset: the preset's; ``helps``
+    says what it is), the synthetic rollout's shape and seed, the nodes' ``--http-workers`` and
+    ``--json-out``: the options every multi-process bench takes."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    for key, value in full.items():
+        what = f"{helps[key]}, " if key in helps else ""
+        option = "--" + key.replace("_", "-")
+        parser.add_argument(option, type=type(value), default=None, help=f"{what}default {value:g}, --quick {quick[key]:g}")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--http-workers", default="auto", help="each node's --http-workers (auto: a quarter of the cores)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+
+
+def run_from_args(
+    run: Callable[..., dict[str, Any]], args, quick: Mapping[str, Any] | None = None, full: Mapping[str, Any] | None = None
+) -> int:
+    """``run`` called with every option of ``args`` it names as a parameter (``full``'s, or with
+    ``--quick`` ``quick``'s, where the option was not given), its result printed by :func:`emit`:
+    a bench's ``main``."""
+    wanted = inspect.signature(run).parameters
+    kwargs = {k: v for k, v in vars(args).items() if k in wanted}
+    if full is not None:  # the preset's values (``--quick`` or full size) where no option was given
+        chosen = quick if args.quick and quick is not None else full
+        kwargs.update({k: chosen[k] if kwargs[k] is None else kwargs[k] for k in chosen})
+    return emit(run(**kwargs), getattr(args, "json_out", None))
 
 
 def emit(result: dict[str, Any], json_out: str | None = None) -> int:

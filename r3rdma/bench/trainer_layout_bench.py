@@ -45,15 +45,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from r3rdma.bench.support import (
     Worker,
+    add_preset_arguments,
     commit_in_batches,
-    emit,
     log,
     node_samples,
-    preset,
+    run_from_args,
     run_phase,
     serve,
     stop_all,
@@ -69,20 +69,11 @@ _GOAL_TOTAL = 1.25
 _GOAL_CPU_S_PER_GB = 1.5
 
 
-class _Preset(TypedDict):
-    """The sizes ``--quick`` and the full run set (each overridden by its own option)."""
-
-    requests: int
-    min_rows: int
-    max_rows: int
-    batch_mb: float
-    processes: int
-
-
-#: ``--quick``: the 2-core CPU machine, < 60 s (~20 MB decoded; requests long enough for 1024-row
-#: chunks, so the store splits layers into groups as at full size). ``FULL``: a 16-core GPU host.
-QUICK: _Preset = {"requests": 48, "min_rows": 600, "max_rows": 1600, "batch_mb": 4.0, "processes": 2}
-FULL: _Preset = {"requests": 2048, "min_rows": 500, "max_rows": 8000, "batch_mb": 64.0, "processes": 8}
+#: The sizes of ``--quick``, the 2-core CPU machine, < 60 s (~20 MB decoded; requests long enough
+#: for 1024-row chunks, so the store splits layers into groups as at full size), and of a full run,
+#: a 16-core GPU host; each has its own option.
+QUICK: dict[str, Any] = {"requests": 48, "min_rows": 600, "max_rows": 1600, "batch_mb": 4.0, "processes": 2}
+FULL: dict[str, Any] = {"requests": 2048, "min_rows": 500, "max_rows": 8000, "batch_mb": 64.0, "processes": 8}
 
 
 def cp_spans(rows: int, cp_size: int, cp_rank: int, unrecorded_tail: int = 1) -> list[tuple[int, int]]:
@@ -362,52 +353,20 @@ def run_trainer_layout_bench(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench trainer-layout``: the preset, the trainer's layout, the rollout's shape."""
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"2-core CPU machine, < 60 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} rows",
-    )
-    parser.add_argument("--requests", type=int, default=None, help=f"default {FULL['requests']}")
-    parser.add_argument("--min-rows", type=int, default=None, help=f"default {FULL['min_rows']}")
-    parser.add_argument("--max-rows", type=int, default=None, help=f"default {FULL['max_rows']}")
-    parser.add_argument("--batch-mb", type=float, default=None, help=f"commit batch size, default {FULL['batch_mb']}")
-    parser.add_argument(
-        "--processes", type=int, default=None, help=f"reader processes the ranks share, default {FULL['processes']}"
-    )
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
+    quick = f"2-core CPU machine, < 60 s: {QUICK['requests']} requests of {QUICK['min_rows']}-{QUICK['max_rows']} rows"
+    helps = {"batch_mb": "commit batch size", "processes": "reader processes the ranks share"}
+    add_preset_arguments(parser, QUICK, FULL, quick, helps)
+    for name, default in (("dp", 2), ("tp", 2), ("pp", 4), ("cp", 2)):
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{name.upper()} size")
     parser.add_argument("--micro-batch", type=int, default=8, help="requests per micro-batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-workers", default="auto", help="the node's --http-workers")
     parser.add_argument(
         "--layers-per-chunk",
         type=int,
         default=None,
         help="the store's layer group (r3rdma-store --layers-per-chunk; default: its rule)",
     )
-    parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
 def main(args: argparse.Namespace) -> int:
     """``r3rdma bench trainer-layout``: run the preset with the options given, print the JSON line."""
-    result = run_trainer_layout_bench(
-        **preset(args, QUICK, FULL),
-        dp=args.dp,
-        tp=args.tp,
-        pp=args.pp,
-        cp=args.cp,
-        layers=args.layers,
-        top_k=args.top_k,
-        experts=args.experts,
-        micro_batch=args.micro_batch,
-        seed=args.seed,
-        quick=args.quick,
-        http_workers=args.http_workers,
-        layers_per_chunk=args.layers_per_chunk,
-    )
-    return emit(result, args.json_out)
+    return run_from_args(run_trainer_layout_bench, args, QUICK, FULL)

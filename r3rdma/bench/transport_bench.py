@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from r3rdma.bench.support import emit
+from r3rdma.bench.support import run_from_args
 
 __all__ = ["run_transport_bench", "add_arguments", "main"]
 
@@ -182,11 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``r3rdma bench transport``: run, print the result as the last JSON line."""
-    return emit(
-        run_transport_bench(
-            sizes_mb=args.sizes_mb, rounds=args.rounds, iterations=args.iterations, mb_per_round=args.mb_per_round
-        )
-    )
+    return run_from_args(run_transport_bench, args)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":
