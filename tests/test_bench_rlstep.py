@@ -17,7 +17,7 @@ FIELDS = (
     "offered_gbps_per_node", "index_open_ms", "index_open_ms_first", "rank_read_gbps", "scattered_read_gbps",
     "contiguous_read_gbps", "scattered_vs_contiguous", "disk_write_gbps", "zstd_gbps_all_cores", "ingest_vs_yardstick",
     "goals", "requests", "nodes", "replicas", "engines", "trainers", "rollout_seconds_planned", "phase_seconds",
-    "commits", "commit_ms_first", "commit_ms_last", "commit_growth",
+    "commits", "commit_ms_first", "commit_ms_last", "commit_growth", "commit_growth_median",
 )
 
 
@@ -104,7 +104,7 @@ def test_rlstep_bench_tiny(tmp_path):
     assert all(g > 0 for g in result["rank_read_gbps"]) and len(result["rank_read_gbps"]) == trainers
     for name in ("ingest_gbps_per_node", "scattered_read_gbps", "contiguous_read_gbps", "disk_write_gbps",
                  "zstd_gbps_all_cores", "index_open_ms", "store_commit_gbps", "commit_ms_first", "commit_ms_last",
-                 "commit_growth"):
+                 "commit_growth", "commit_growth_median"):
         assert 0 < result[name] < math.inf, name
     # The commit-growth pass committed the whole rollout again, in batches of 0.2 MiB up to one request more.
     batch, largest = int(0.2 * 2**20), max(rollout.nbytes(i) for i in range(requests))
