@@ -162,60 +162,41 @@ def run_all(
     return summary
 
 
+def _section(title: str, header: list[str], rows: list[list[Any]], note: str = "") -> list[str]:
+    """A markdown section: ``title``, ``note`` (if any), then ``rows`` as a table under ``header``."""
+    lines = [f"## {title}", ""] + ([note, ""] if note else []) + ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows] + [""]
+
+
 def markdown_tables(results: dict[str, Any]) -> str:
     """BENCHMARKS.md-ready sections from one `bench all` run."""
     m = results["machine"]
-    label = machine_label(m)
     when = results["date"]
-    out = [f"# r3rdma bench all, {when}", "", f"Machine: {label}.", ""]
+    out = [f"# r3rdma bench all, {when}", "", f"Machine: {machine_label(m)}.", ""]
     if "store" in results:
         s = results["store"]
-        out += [
-            "## Store ingest",
-            "",
-            "| machine | requests | MB | ingest GB/s | raw zarr GB/s | ratio |",
-            "|---|---|---|---|---|---|",
-            f"| {m['host']}, {when} | {s['requests']} | {s['bytes'] / 1e6:.0f} | {s['ingest_gbps']} | {s['raw_zarr_gbps']} | {s['ratio']} |",
-            "",
-        ]
+        row = [f"{m['host']}, {when}", s["requests"], f"{s['bytes'] / 1e6:.0f}", s["ingest_gbps"], s["raw_zarr_gbps"], s["ratio"]]
+        out += _section("Store ingest", ["machine", "requests", "MB", "ingest GB/s", "raw zarr GB/s", "ratio"], [row])
     if "store_batch" in results:
-        out += [
-            "## Store ingest overhead vs writer batch size",
-            "",
-            "| flush_bytes (MB) | ingest GB/s | raw zarr GB/s | ratio |",
-            "|---|---|---|---|",
-        ]
-        out += [
-            f"| {r['flush_bytes'] / (1 << 20):g} | {r['ingest_gbps']} | {r['raw_zarr_gbps']} | {r['ratio']} |"
+        rows = [
+            [f"{r['flush_bytes'] / (1 << 20):g}", r["ingest_gbps"], r["raw_zarr_gbps"], r["ratio"]]
             for r in results["store_batch"]
         ]
-        out += [""]
+        header = ["flush_bytes (MB)", "ingest GB/s", "raw zarr GB/s", "ratio"]
+        out += _section("Store ingest overhead vs writer batch size", header, rows)
     if "transport" in results:
-        out += [
-            "## Transport: push vs raw ucxx send, by message size",
-            "",
-            f"Path: {results['transport']['path']}.",
-            "",
-            "| message MB | requests | push GB/s | raw ucxx GB/s | ratio |",
-            "|---|---|---|---|---|",
+        t = results["transport"]
+        rows = [
+            [f"{r['bytes'] / (1 << 20):.3g}", r["requests"], r["push_gbps"], r["raw_ucxx_gbps"], r["ratio"]] for r in t["by_size"]
         ]
-        out += [
-            f"| {r['bytes'] / (1 << 20):.3g} | {r['requests']} | {r['push_gbps']} | {r['raw_ucxx_gbps']} | {r['ratio']} |"
-            for r in results["transport"]["by_size"]
-        ]
-        out += [""]
+        header = ["message MB", "requests", "push GB/s", "raw ucxx GB/s", "ratio"]
+        out += _section("Transport: push vs raw ucxx send, by message size", header, rows, f"Path: {t['path']}.")
     if "capture" in results:
-        out += [
-            "## Capture overhead vs decode batch size (GPU)",
-            "",
-            "| device | batch | step ms off | step ms on | overhead % | CUDA graphs |",
-            "|---|---|---|---|---|---|",
-        ]
-        out += [
-            f"| {r.get('device')} | {r['batch']} | {r['step_ms_off']} | {r['step_ms_on']} | {r['overhead_pct']} | {r.get('cuda_graphs')} |"
-            for r in results["capture"]
-        ]
-        out += [""]
+        keys = ["device", "batch", "step_ms_off", "step_ms_on", "overhead_pct", "cuda_graphs"]
+        header = ["device", "batch", "step ms off", "step ms on", "overhead %", "CUDA graphs"]
+        out += _section(
+            "Capture overhead vs decode batch size (GPU)", header, [[r.get(k) for k in keys] for r in results["capture"]]
+        )
     if results.get("errors"):
         out += ["## Benches that failed", ""] + [f"- {k}: {v}" for k, v in results["errors"].items()] + [""]
     if results.get("pngs"):

@@ -27,6 +27,22 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+def _ratio_panel(
+    ax, x: list[float], ratios: list[float], label: str | None, xlabel: str, ylabel: str, title: str, base: int = 10
+):
+    """A panel of r3rdma's figure over its yardstick's (1.0: as fast as the yardstick) against a
+    log-scaled ``x``."""
+    ax.plot(x, ratios, "o-", label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=base)
+    ax.set_ylim(0, max(1.1, max(ratios) * 1.1))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if label:
+        ax.legend()
+
+
 def plot_transport(result: dict[str, Any], path: Path, machine: str) -> str:
     """Push throughput vs message size, against raw ucxx sends of the same bytes."""
     plt = _plt()
@@ -40,13 +56,7 @@ def plot_transport(result: dict[str, Any], path: Path, machine: str) -> str:
     ax.set_ylabel("GB/s")
     ax.legend()
     ax.set_title("transport throughput vs message size")
-    ax2.plot(mb, [r["ratio"] for r in rows], "o-")
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    ax2.set_xscale("log")
-    ax2.set_ylim(0, max(1.1, max(r["ratio"] for r in rows) * 1.1))
-    ax2.set_xlabel("message size (MB)")
-    ax2.set_ylabel("push / raw")
-    ax2.set_title(machine, fontsize=8)
+    _ratio_panel(ax2, mb, [r["ratio"] for r in rows], None, "message size (MB)", "push / raw", machine)
     return _save(fig, path)
 
 
@@ -56,25 +66,15 @@ def plot_batch_overhead(store_rows: list[dict[str, Any]], capture_rows: list[dic
     plt = _plt()
     panels = 2 if capture_rows else 1
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4), squeeze=False)
-    ax = axes[0][0]
     mb = [r["flush_bytes"] / (1 << 20) for r in store_rows]
-    ax.plot(mb, [r["ratio"] for r in store_rows], "o-", label="ingest / raw zarr write")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_ylim(0, max(1.1, max(r["ratio"] for r in store_rows) * 1.1))
-    ax.set_xlabel("writer batch (flush_bytes, MB)")
-    ax.set_ylabel("throughput ratio")
-    ax.set_title(f"store ingest overhead vs batch size\n{machine}", fontsize=9)
-    ax.legend()
+    ratios = [r["ratio"] for r in store_rows]
+    title = f"store ingest overhead vs batch size\n{machine}"
+    _ratio_panel(axes[0][0], mb, ratios, "ingest / raw zarr write", "writer batch (flush_bytes, MB)", "throughput ratio", title)
     if capture_rows:
-        ax = axes[0][1]
         batch = [r["batch"] for r in capture_rows]
-        ax.plot(batch, [r["step_ms_off"] / r["step_ms_on"] for r in capture_rows], "o-", label="step time off / on")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 1.1)
-        ax.set_xlabel("decode batch (sequences)")
-        ax.set_ylabel("speed ratio (capture on)")
-        ax.set_title(f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}", fontsize=9)
-        ax.legend()
+        speed = [r["step_ms_off"] / r["step_ms_on"] for r in capture_rows]
+        title = f"capture overhead vs batch size\n{capture_rows[0].get('device', '')}"
+        _ratio_panel(
+            axes[0][1], batch, speed, "step time off / on", "decode batch (sequences)", "speed ratio (capture on)", title, 2
+        )
     return _save(fig, path)
