@@ -47,6 +47,7 @@ def run_vllm_bench(
     *,
     requests: int = 64,
     max_new: int = 128,
+    running: int = 32,
     rounds: int = 3,
     layers: int = 8,
     experts: int = 64,
@@ -80,7 +81,9 @@ def run_vllm_bench(
             )
         )
         prompts, new_lens = _workload(requests, max_new, seed)
-        per_mode = {mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed) for mode in modes}
+        per_mode = {
+            mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed, running) for mode in modes
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
@@ -88,6 +91,7 @@ def run_vllm_bench(
         "vllm": vllm.__version__,
         "geometry": {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden},
         "requests": requests,
+        "running": running,
         "output_tokens_per_round": sum(new_lens),
         "rounds": rounds,
         "goal_compiled_ratio": 0.97,
@@ -99,7 +103,14 @@ def run_vllm_bench(
 
 
 def _run_mode(
-    mode: str, model: str, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int, seed: int
+    mode: str,
+    model: str,
+    store: str,
+    prompts: list[TokensPrompt],
+    new_lens: list[int],
+    rounds: int,
+    seed: int,
+    running: int,
 ) -> dict:
     """Plug-in off and on for one compilation mode: two engines, rounds interleaved."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -114,7 +125,7 @@ def _run_mode(
         skip_tokenizer_init=True,
         seed=seed,
         max_model_len=512,
-        max_num_seqs=32,
+        max_num_seqs=running,  # requests the engine runs at once
         gpu_memory_utilization=0.15,
     )
     engines = {"off": LLM(**common), "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
@@ -172,6 +183,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests and a smaller model (CPU, ~1-2 min)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-new", type=int, default=None)
+    parser.add_argument("--running", type=int, default=None, help="requests the engine runs at once (max_num_seqs; default 32)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -184,7 +196,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
-    sizes.update({k: getattr(args, k) for k in ("requests", "max_new") if getattr(args, k) is not None})
+    sizes.update({k: getattr(args, k) for k in ("requests", "max_new", "running") if getattr(args, k) is not None})
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
     result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **sizes)
     for mode, m in result["modes"].items():
