@@ -15,6 +15,7 @@ __all__ = [
     "ShapeMismatchError",
     "OutOfRangeError",
     "MissingRowsError",
+    "SharedRowsMissingError",
     "StaleSlotError",
     "CaptureStateError",
     "UnknownRolloutError",
@@ -58,6 +59,14 @@ class OutOfRangeError(ShapeMismatchError):
 
 class MissingRowsError(R3Error, ValueError):
     """A finished request has positions whose routing row was never computed."""
+
+
+class SharedRowsMissingError(MissingRowsError):
+    """A record whose ``shared_prefix`` names rows the store does not hold: the source request
+    is not a complete request of the rollout on that store (not committed there, or committed
+    on other nodes only), or has fewer rows than shared. The record is refused (nothing of it
+    stored); a :class:`~r3rdma.write.writer.RoutingWriter` then stores it with the rows inline
+    when the record carries a copy of them (``SharedPrefix.ids_TLK``)."""
 
 
 class StaleSlotError(R3Error, ValueError):

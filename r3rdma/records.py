@@ -7,10 +7,10 @@ from dataclasses import InitVar, dataclass, field
 import crc32c
 import numpy as np
 
-from r3rdma.errors import ShapeMismatchError
+from r3rdma.errors import InvalidIdError, ShapeMismatchError
 from r3rdma.ids import validate_id
 
-__all__ = ["RequestRecord", "routing_dtype", "checksum", "buffer_checksum", "batches_by_size"]
+__all__ = ["RequestRecord", "SharedPrefix", "routing_dtype", "checksum", "buffer_checksum", "batches_by_size"]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -45,6 +45,42 @@ def buffer_checksum(buf) -> int:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class SharedPrefix:
+    """A request's first ``rows`` routing rows are rows ``0 .. rows - 1`` of request
+    ``request_id`` of the same rollout (GRPO: the engine computes a prompt's prefill once and
+    forks n samples from it; docs/ENGINE_SEMANTICS.md, "Shared prefixes").
+
+    The store resolves the reference into index segments pointing at the source's stored
+    bytes, so those rows are stored (and sent) once. ``ids_TLK`` is an optional copy of the
+    rows, kept on the client only: it is never sent while the reference resolves, and is used
+    only when a store refuses the reference (:class:`~r3rdma.errors.SharedRowsMissingError`),
+    to store the request with its rows inline instead (:meth:`RequestRecord.prefix_inlined`).
+    """
+
+    request_id: str
+    rows: int
+    ids_TLK: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        validate_id(self.request_id, "shared_prefix.request_id")
+        if isinstance(self.rows, bool) or not isinstance(self.rows, (int, np.integer)) or self.rows < 1:
+            raise ShapeMismatchError(
+                f"shared_prefix.rows must be an int >= 1 (rows shared with {self.request_id!r}), got {self.rows!r}"
+            )
+        object.__setattr__(self, "rows", int(self.rows))
+        ids = self.ids_TLK
+        if ids is None:
+            return
+        if not isinstance(ids, np.ndarray) or ids.ndim != 3 or ids.shape[0] != self.rows:
+            raise ShapeMismatchError(
+                f"shared_prefix.ids_TLK must be a 3-D numpy array of {self.rows} rows [rows, layers, top_k] (the rows "
+                f"shared with {self.request_id!r}), got {type(ids).__name__} with shape {getattr(ids, 'shape', None)}"
+            )
+        if not ids.flags.c_contiguous:
+            object.__setattr__(self, "ids_TLK", np.ascontiguousarray(ids))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class RequestRecord:
     """The routing of one finished request (or one segment of it).
 
@@ -62,6 +98,11 @@ class RequestRecord:
       sets it so the store waits for the prefill part even when the decode's record arrives
       first. None: the request spans this record plus, when ``start_row > 0``, the rows
       already stored for it (a later turn appending to a conversation) or its pending parts.
+
+    Shared prefixes: ``shared_prefix`` (:class:`SharedPrefix`) says rows ``0 .. P - 1`` of this
+    request are rows ``0 .. P - 1`` of another request of the same rollout, and ``ids_TLK``
+    holds only the rows from ``start_row == P`` on; the record is ``final`` and the request has
+    ``start_row + num_rows`` rows. ``nbytes`` and ``crc32c`` cover this record's own rows.
     """
 
     rollout_id: str
@@ -76,6 +117,8 @@ class RequestRecord:
     #: The caller already hashed exactly these bytes and ``crc32c`` is the result (a store node
     #: verifies batches frame by frame off its event loop); skips hashing them again here.
     checksum_verified: InitVar[bool] = False
+    #: Rows ``0 .. shared_prefix.rows - 1`` are another request's (see the class docstring).
+    shared_prefix: SharedPrefix | None = None
 
     def __post_init__(self, checksum_verified: bool = False) -> None:
         validate_id(self.rollout_id, "rollout_id")
@@ -112,6 +155,8 @@ class RequestRecord:
                     f"request {self.request_id}: total_rows must be in {ids.shape[0]}..{self.start_row + ids.shape[0]} "
                     f"(this record's rows .. every row up to its end), got {self.total_rows}"
                 )
+        if self.shared_prefix is not None:
+            self._check_shared_prefix()
         if not ids.flags.c_contiguous:
             object.__setattr__(self, "ids_TLK", np.ascontiguousarray(ids))
         object.__setattr__(self, "layer_map", tuple(int(x) for x in self.layer_map))
@@ -121,6 +166,67 @@ class RequestRecord:
         if self.crc32c not in (-1, crc):
             raise ShapeMismatchError(f"request {self.request_id}: checksum {self.crc32c:#010x} given, bytes hash to {crc:#010x}")
         object.__setattr__(self, "crc32c", crc)
+
+    def _check_shared_prefix(self) -> None:
+        shared = self.shared_prefix
+        where = f"request {self.request_id!r} of rollout {self.rollout_id!r}"
+        if not isinstance(shared, SharedPrefix):
+            raise ShapeMismatchError(f"{where}: shared_prefix must be a SharedPrefix, got {type(shared).__name__}")
+        if shared.request_id == self.request_id:
+            raise InvalidIdError(
+                f"{where}: shared_prefix names another request of the rollout, got its own id {shared.request_id!r}"
+            )
+        if self.start_row != shared.rows:
+            raise ShapeMismatchError(
+                f"{where}: with shared_prefix (rows 0..{shared.rows - 1} of {shared.request_id!r}) ids_TLK holds the rows "
+                f"from start_row {shared.rows} on; expected start_row {shared.rows}, got {self.start_row}"
+            )
+        if not self.final:
+            raise ShapeMismatchError(
+                f"{where}: a record with shared_prefix holds the request's last rows; expected final=True, got False"
+            )
+        if self.total_rows is not None and self.total_rows != self.end_row:
+            raise ShapeMismatchError(
+                f"{where}: with shared_prefix the request has start_row + rows = {self.end_row} rows; expected total_rows "
+                f"None or {self.end_row}, got {self.total_rows}"
+            )
+        copy = shared.ids_TLK
+        if copy is not None and (copy.shape[1:] != self.ids_TLK.shape[1:] or copy.dtype != self.ids_TLK.dtype):
+            raise ShapeMismatchError(
+                f"{where}: shared_prefix.ids_TLK must be [{shared.rows}, {self.ids_TLK.shape[1]}, {self.ids_TLK.shape[2]}] "
+                f"{self.ids_TLK.dtype} like ids_TLK, got {list(copy.shape)} {copy.dtype}"
+            )
+
+    def prefix_inlined(self) -> list[RequestRecord] | None:
+        """This request with its shared rows inline, from ``shared_prefix.ids_TLK`` (None when
+        the record has no shared prefix or no copy of its rows): what a writer stores when a
+        store refuses the reference (:class:`~r3rdma.errors.SharedRowsMissingError`).
+
+        Two records, committed together: the shared rows as a part (``final=False``, rows
+        ``0 .. P - 1``) and this record's own rows as the final segment (``total_rows`` the
+        whole request). The store makes them one request of two segments, the same rows and
+        CRC-32C list a resolved reference gives when the source's rows ``0 .. P - 1`` lie in one
+        segment (the usual case). Why not one record of every row: with replicas a request may
+        be stored by reference on one node and inline on another (failover), and readers
+        compare the copies' segment checksums; a node that already holds the request by
+        reference takes both records as duplicates instead of refusing a conflicting one.
+        """
+        shared = self.shared_prefix
+        if shared is None or shared.ids_TLK is None:
+            return None
+        prefix = RequestRecord(self.rollout_id, self.request_id, shared.ids_TLK, self.layer_map, self.num_experts, 0, final=False)
+        rest = RequestRecord(
+            self.rollout_id,
+            self.request_id,
+            self.ids_TLK,
+            self.layer_map,
+            self.num_experts,
+            self.start_row,
+            self.crc32c,
+            total_rows=self.end_row,
+            checksum_verified=True,
+        )
+        return [prefix, rest]
 
     @property
     def num_rows(self) -> int:

@@ -9,10 +9,10 @@ rules, :class:`Assembly` applies them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from r3rdma.errors import SegmentError, SegmentOverlapError
-from r3rdma.records import RequestRecord
+from r3rdma.errors import SegmentError, SegmentOverlapError, SharedRowsMissingError
+from r3rdma.records import RequestRecord, checksum
 from r3rdma.store.index_entries import PendingSegment, RequestEntry, Segment
 
 __all__ = ["Assembly"]
@@ -34,6 +34,15 @@ class Assembly:
     earlier turns instead of becoming visible with only its rows, which would then refuse
     them); a later turn that leaves a gap after the visible rows waits for the gap likewise.
     Two finals whose declared spans share rows conflict (:class:`SegmentOverlapError`).
+
+    Shared prefixes (a record with ``shared_prefix``): the source's visible segments covering
+    rows ``0 .. P - 1`` become the request's first segments, pointing at the source's bytes
+    (a segment cut at ``P`` gets the CRC-32C of its first rows), then the record's own segment;
+    the request is visible at once. The source must be visible here already (stored, or earlier
+    in the batch) with ``P`` rows or more, else :class:`SharedRowsMissingError`.
+
+    ``stored_checksum(array, offset, rows)``: the CRC-32C of ``rows`` stored rows of an array
+    of an earlier commit (a cut of a source segment stored there).
     """
 
     def __init__(
@@ -42,10 +51,15 @@ class Assembly:
         requests: Mapping[str, RequestEntry],
         pending: Mapping[str, tuple[PendingSegment, ...]],
         only_last_turn: bool,
+        stored_checksum: Callable[[str, int, int], int] | None = None,
     ) -> None:
         self.rollout_id = rollout_id
         self.only_last_turn = only_last_turn
+        self._stored_checksum = stored_checksum
         self._in_batch: set[str] = set()
+        # Records of this batch by (array, offset): a cut of a segment written by this batch
+        # is hashed from the record's rows, the very bytes the array holds.
+        self._placed: dict[tuple[str, int], RequestRecord] = {}
         # What this batch changes, over the stored maps (read, never written here): the new
         # whole entry of each request it makes visible or extends, and the new pending list
         # of each request whose pending parts change (() once none are left).
@@ -57,6 +71,8 @@ class Assembly:
     def add(self, record: RequestRecord, array: str, offset: int) -> bool:
         """Apply one record stored at ``array[offset:]``; False if it duplicates a stored
         segment. Raises on conflicts, having changed nothing."""
+        if record.shared_prefix is not None:
+            return self._add_shared(record, array, offset)
         rid = record.request_id
         entry = self.requests.get(rid) or self._stored_requests.get(rid)
         parts = list(self.pending[rid] if rid in self.pending else self._stored_pending.get(rid, ()))
@@ -75,7 +91,88 @@ class Assembly:
             self.pending[rid] = tuple(group)
         else:
             self.pending.pop(rid, None)
+        self._placed[(array, offset)] = record
         return True
+
+    # -- shared prefixes: rows another request of the rollout holds -------------------------
+
+    def _add_shared(self, record: RequestRecord, array: str, offset: int) -> bool:
+        """Apply a record whose rows ``0 .. P - 1`` are another request's (its ``shared_prefix``)."""
+        shared = record.shared_prefix
+        assert shared is not None
+        rid = record.request_id
+        segments = (*self._shared_segments(record), Segment(array, offset, record.num_rows, record.start_row, record.crc32c))
+        entry = self.requests.get(rid) or self._stored_requests.get(rid)
+        if entry is not None:
+            # The same rows again (a retry, or the request stored inline by a writer's
+            # fallback, which gives the same segments' rows and checksums): a duplicate.
+            if entry.start_row == 0 and _layout(entry.segments) == _layout(segments):
+                return False
+            raise SegmentOverlapError(
+                f"{self._where(rid)} is already stored (rows {entry.start_row}..{entry.end_row - 1}, segments "
+                f"{_layout(entry.segments)} as (start_row, rows, crc32c)); a record sharing rows 0..{shared.rows - 1} "
+                f"of {shared.request_id!r} gives other rows {_layout(segments)} ({_describe(record)})"
+            )
+        parts = self.pending[rid] if rid in self.pending else self._stored_pending.get(rid, ())
+        if parts:
+            raise SegmentOverlapError(
+                f"{self._where(rid)} has pending segments (rows "
+                + ", ".join(f"{x.start_row}..{x.end_row - 1}" for x in parts)
+                + f"); a record sharing rows 0..{shared.rows - 1} of {shared.request_id!r} is a whole request "
+                f"({_describe(record)})"
+            )
+        self._in_batch.add(rid)
+        self.requests[rid] = RequestEntry(record.end_row, 0, segments)
+        self._placed[(array, offset)] = record
+        return True
+
+    def _shared_segments(self, record: RequestRecord) -> tuple[Segment, ...]:
+        """The source's visible segments covering rows ``0 .. P - 1``, the last cut at ``P``."""
+        shared = record.shared_prefix
+        assert shared is not None
+        source, rows = shared.request_id, shared.rows
+        entry = self.requests.get(source) or self._stored_requests.get(source)
+        if entry is None or entry.start_row != 0 or entry.rows < rows:
+            pending = self.pending[source] if source in self.pending else self._stored_pending.get(source, ())
+            if entry is not None:
+                held = f"holds rows {entry.start_row}..{entry.end_row - 1}"
+            elif pending:
+                held = "is not complete yet (pending segments only)"
+            else:
+                held = "is not stored here"
+            raise SharedRowsMissingError(
+                f"{self._where(record.request_id)} shares rows 0..{rows - 1} of request {source!r}, which {held} "
+                f"on this store; nothing of the record was stored (rows 0..{rows - 1} must be sent inline)"
+            )
+        out = []
+        for seg in entry.segments:
+            if seg.start_row >= rows:
+                break
+            if seg.end_row <= rows:
+                out.append(Segment(seg.array, seg.offset, seg.rows, seg.start_row, seg.crc32c))
+            else:
+                cut = rows - seg.start_row
+                out.append(Segment(seg.array, seg.offset, cut, seg.start_row, self._cut_checksum(seg.array, seg.offset, cut)))
+        return tuple(out)
+
+    def _cut_checksum(self, array: str, offset: int, rows: int) -> int:
+        """The CRC-32C of the first ``rows`` rows of the segment at ``array[offset:]``.
+
+        Hashed from the bytes stored there (the batch's own record when this batch wrote the
+        array, else the store reads them back), never from the referencing record's copy
+        (``SharedPrefix.ids_TLK``): the index's checksum must describe the stored rows, and a
+        copy that differs from them (an engine bug) would make the request fail its checksum
+        on every read instead of at commit; a store node never receives the copy anyway.
+        """
+        placed = self._placed.get((array, offset))
+        if placed is not None:
+            return checksum(placed.ids_TLK[:rows])
+        if self._stored_checksum is None:
+            raise SharedRowsMissingError(
+                f"rollout {self.rollout_id!r}: rows {offset}..{offset + rows - 1} of array {array} cannot be read to "
+                "checksum a shared prefix cut inside a stored segment"
+            )
+        return self._stored_checksum(array, offset, rows)
 
     # -- the conflicts a record may raise ---------------------------------------------------
 
@@ -205,6 +302,12 @@ class Assembly:
 
 def _describe(record: RequestRecord) -> str:
     return f"start_row {record.start_row}, {record.num_rows} rows, crc32c {record.crc32c:#010x}"
+
+
+def _layout(segments: tuple[Segment, ...]) -> list[tuple[int, int, int]]:
+    """``(start_row, rows, crc32c)`` of each segment: what two stored copies of a request's rows
+    agree on (where the bytes lie may differ)."""
+    return [(s.start_row, s.rows, s.crc32c) for s in segments]
 
 
 def _tiles(turn: list[PendingSegment], first: int, last: int) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zarr
 
 from r3rdma.errors import (
     ConfigError,
@@ -39,7 +40,7 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
-from r3rdma.records import RequestRecord
+from r3rdma.records import RequestRecord, checksum
 from r3rdma.store.assembly import Assembly
 from r3rdma.store.batch_array import (
     batch_chunk_rows,
@@ -70,6 +71,10 @@ from r3rdma.store.rollout_index import (
 )
 from r3rdma.store.shard_writer import EncodedArray, zarr_codecs
 from r3rdma.store.snapshots import Snapshotter
+
+#: Cut checksums a store remembers (:meth:`LocalRoutingStore._stored_checksum`): a few per
+#: prompt of the rollouts being written.
+_CUT_CHECKSUMS = 4096
 
 __all__ = ["LocalRoutingStore", "PreparedBatch", "CommitResult", "zarr_codecs", "check_rollout_dir_name"]
 
@@ -147,6 +152,7 @@ class LocalRoutingStore:
         self.min_chunk_rows = min(min_chunk_rows, chunk_rows)
         self._lock = threading.Lock()
         self._indexes: dict[str, RolloutIndex] = {}
+        self._cut_checksums: dict[tuple[str, str, str, int, int], int] = {}  # see _stored_checksum
         # Commits written but not yet durable, published in order by one thread.
         self._publisher = Publisher()
         self._snapshots = Snapshotter(self.root, self._lock, self._indexes, self._publisher, snapshot_parts, self.snapshot_idle_s)
@@ -373,6 +379,28 @@ class LocalRoutingStore:
             self._indexes[rollout_id] = index
         return index
 
+    def _stored_checksum(self, rollout_id: str, uid: str, array: str, offset: int, rows: int) -> int:
+        """Under ``self._lock``: the CRC-32C of stored rows ``array[offset : offset + rows]`` of a
+        rollout (a shared prefix cut inside a segment of an earlier commit; :class:`Assembly`).
+
+        Read back with zarr (the array is written, if not yet durable: a commit is written
+        before the next one is planned). Remembered per (rollout uid, array, offset, rows):
+        the n samples of one prompt share the same cut, and batch arrays are never rewritten.
+        """
+        key = (rollout_id, uid, array, offset, rows)
+        crc = self._cut_checksums.get(key)
+        if crc is None:
+            path = self.root / rollout_id / array
+            try:
+                data = zarr.open_array(str(path), mode="r", zarr_format=3)[offset : offset + rows]
+            except Exception as e:  # zarr raises many types for a missing or damaged array
+                raise StoreError(f"reading rows {offset}..{offset + rows - 1} of {path} (a shared prefix) failed: {e!r}") from e
+            crc = checksum(np.asarray(data))
+            if len(self._cut_checksums) >= _CUT_CHECKSUMS:
+                del self._cut_checksums[next(iter(self._cut_checksums))]  # oldest first
+            self._cut_checksums[key] = crc
+        return crc
+
     def _write_part(
         self,
         rollout_id: str,
@@ -423,7 +451,13 @@ class LocalRoutingStore:
         # segments of one request: a prefill part and its decode, two turns); nothing is
         # written unless every record of the batch is accepted. The overlay holds only what
         # this batch changes, so a commit costs O(batch) however large the rollout.
-        state = Assembly(rollout_id, index.requests, index.pending, self.only_last_turn)
+        state = Assembly(
+            rollout_id,
+            index.requests,
+            index.pending,
+            self.only_last_turn,
+            lambda array, offset, rows: self._stored_checksum(rollout_id, index.uid, array, offset, rows),
+        )
         chunk = batch_chunk_rows(records, self.min_chunk_rows, self.chunk_rows)
         new, duplicates, end = place_records(records, state, name, chunk, geometry)
         if not new:

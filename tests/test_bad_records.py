@@ -57,7 +57,7 @@ def _unchecked_record(rollout_id: str, request_id: str, ids: np.ndarray) -> Requ
     """A RequestRecord built around its validation (what a buggy or foreign producer could hand over)."""
     record = object.__new__(RequestRecord)
     values = dict(rollout_id=rollout_id, request_id=request_id, ids_TLK=ids, layer_map=tuple(range(ids.shape[1])),
-                  num_experts=E, start_row=50, crc32c=0, final=True, total_rows=None)
+                  num_experts=E, start_row=50, crc32c=0, final=True, total_rows=None, shared_prefix=None)
     for f in fields(RequestRecord):
         object.__setattr__(record, f.name, values[f.name])
     return record

@@ -11,7 +11,11 @@ that failed since the previous one (``error.failed_request_ids``, ``error.errors
 :meth:`RoutingWriter.failures` lists every failed request with its reason
 (:class:`CommitFailure`), so an engine can report them or push them again. A batch that a
 store refuses for its data (a bad record, a segment conflict) is committed again record by
-record, so one bad record fails alone instead of taking its batch with it.
+record, so one bad record fails alone instead of taking its batch with it. A record whose
+shared prefix the store cannot resolve (:class:`~r3rdma.errors.SharedRowsMissingError`: the
+source request is not on that store) is, in that record-by-record pass, committed again with
+the shared rows inline when it carries a copy of them (``SharedPrefix.ids_TLK``), else it fails
+like any refused record.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, StoreError
+from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, SharedRowsMissingError, StoreError
 from r3rdma.records import RequestRecord
 from r3rdma.store.refusals import commit_each, retry_part_by_part
 
@@ -396,7 +400,7 @@ class RoutingWriter:
                 job.future = commit_async(job.encoding.result() if job.encoding is not None else host)
                 job.future.add_done_callback(self._wake)
             except BaseException as e:
-                if retry_part_by_part(e, len(host)):
+                if _retry_each(e, len(host)):
                     job.failures += self._commit_each(self.store.commit, host)
                 else:
                     job.failures.append((e, host))
@@ -454,14 +458,31 @@ class RoutingWriter:
             commit(items)
             return []
         except BaseException as e:
-            if not retry_part_by_part(e, len(items)):
+            if not _retry_each(e, len(items)):
                 return [(e, list(items))]
         return self._commit_each(commit, items)
 
     @staticmethod
     def _commit_each(commit, items: list) -> list[tuple[BaseException, list]]:
+        """Commit each of ``items`` on its own; a record refused for its shared prefix
+        (:class:`SharedRowsMissingError`) is committed again with the shared rows inline
+        (:meth:`RequestRecord.prefix_inlined`) when it carries them. Returns the failures."""
         parts = [[item] for item in items]
-        return [(outcome, part) for part, outcome in zip(parts, commit_each(commit, parts)) if isinstance(outcome, BaseException)]
+        failures = []
+        for part, outcome in zip(parts, commit_each(commit, parts)):
+            if isinstance(outcome, SharedRowsMissingError) and isinstance(part[0], RequestRecord):
+                inlined = part[0].prefix_inlined()
+                if inlined is not None:
+                    log.info(
+                        "r3rdma: %s/%s: %s; storing it with its shared rows inline",
+                        part[0].rollout_id,
+                        part[0].request_id,
+                        outcome,
+                    )
+                    outcome = commit_each(commit, [inlined])[0]
+            if isinstance(outcome, BaseException):
+                failures.append((outcome, part))
+        return failures
 
 
 @dataclass(eq=False)
@@ -478,6 +499,13 @@ class _Job:
     def settled(self) -> bool:
         """Whether the batch's commit has finished, durable or failed (never blocks)."""
         return self.future is None or self.future.done()
+
+
+def _retry_each(error: BaseException, records: int) -> bool:
+    """Whether a commit of ``records`` that raised ``error`` is tried again record by record: a
+    refusal of the data (:func:`retry_part_by_part`), or a shared prefix refused even for one
+    record (it may be stored with its rows inline, :meth:`RoutingWriter._commit_each`)."""
+    return retry_part_by_part(error, records) or isinstance(error, SharedRowsMissingError)
 
 
 def _ids_of(item: object) -> tuple[str | None, str | None]:

@@ -1,0 +1,284 @@
+"""Shared prefixes (issue #35): a sample's record says "my rows 0..P-1 are rows 0..P-1 of request X
+of the same rollout" and carries only its own rows; the store points the sample's index segments
+at X's stored bytes. Readers (RoutingReader, zarr-python per docs/FORMAT.md) see whole requests."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from r3rdma.errors import InvalidIdError, SegmentOverlapError, SharedRowsMissingError, ShapeMismatchError
+from r3rdma.read.reader import RoutingReader
+from r3rdma.records import RequestRecord, SharedPrefix, checksum
+from r3rdma.store.local_store import LocalRoutingStore
+from r3rdma.write.writer import RoutingWriter
+
+ROLLOUT = "grpo-0"
+LAYERS = (0, 1, 2)
+
+
+def _rows(rng, n):
+    return rng.integers(0, 16, size=(n, len(LAYERS), 2)).astype(np.uint8)
+
+
+def _plain(request_id, ids, start_row=0, **kw):
+    return RequestRecord(ROLLOUT, request_id, ids, LAYERS, 16, start_row=start_row, **kw)
+
+
+def _sample(request_id, source_ids, prefix_rows, own, *, source="src", with_copy=True):
+    """A sample sharing ``prefix_rows`` rows of ``source``; returns (record, its whole rows)."""
+    copy = source_ids[:prefix_rows].copy() if with_copy else None
+    record = _plain(request_id, own, start_row=prefix_rows, shared_prefix=SharedPrefix(source, prefix_rows, copy))
+    return record, np.concatenate([source_ids[:prefix_rows], own])
+
+
+def _part(root: Path, seq: int) -> dict:
+    return json.loads((root / ROLLOUT / f"i{seq:08d}" / "zarr.json").read_bytes())["attributes"]["r3rdma"]
+
+
+def _read_format_snippet(root, rollout_id, request_id):
+    """docs/FORMAT.md's zarr-python snippet, verbatim in substance (no r3rdma involved)."""
+    group = zarr.open_group(root, path=rollout_id, mode="r")
+    entry = None
+    for n in range(1, group.attrs["r3rdma"]["parts"] + 1):
+        entry = group[f"i{n:08d}"].attrs["r3rdma"]["requests"].get(request_id, entry)
+    parts = [group[s["array"]][s["offset"] : s["offset"] + s["rows"]] for s in entry["segments"]]
+    return np.concatenate(parts)
+
+
+# -- the record API -----------------------------------------------------------------------------
+
+
+def test_record_validation_says_what_was_expected():
+    rng = np.random.default_rng(0)
+    own = _rows(rng, 4)
+    with pytest.raises(ShapeMismatchError, match="expected start_row 5, got 0"):
+        _plain("s", own, shared_prefix=SharedPrefix("src", 5))
+    with pytest.raises(ShapeMismatchError, match="expected final=True"):
+        _plain("s", own, start_row=5, final=False, shared_prefix=SharedPrefix("src", 5))
+    with pytest.raises(InvalidIdError, match="its own id 's'"):
+        _plain("s", own, start_row=5, shared_prefix=SharedPrefix("s", 5))
+    with pytest.raises(ShapeMismatchError, match="total_rows None or 9, got 7"):
+        _plain("s", own, start_row=5, total_rows=7, shared_prefix=SharedPrefix("src", 5))
+    with pytest.raises(ShapeMismatchError, match="rows must be an int >= 1"):
+        SharedPrefix("src", 0)
+    with pytest.raises(InvalidIdError):
+        SharedPrefix("../x", 3)
+    with pytest.raises(ShapeMismatchError, match="3-D numpy array of 5 rows"):
+        SharedPrefix("src", 5, _rows(rng, 4))
+    with pytest.raises(ShapeMismatchError, match=r"shared_prefix.ids_TLK must be \[5, 3, 2\] uint8"):
+        _plain("s", own, start_row=5, shared_prefix=SharedPrefix("src", 5, np.zeros((5, 3, 2), np.uint16)))
+    record = _plain("s", own, start_row=5, total_rows=9, shared_prefix=SharedPrefix("src", 5))
+    assert record.num_rows == 4 and record.nbytes == own.nbytes and record.crc32c == checksum(own)
+
+
+def test_prefix_inlined_is_the_whole_request_in_two_segments():
+    rng = np.random.default_rng(1)
+    src, own = _rows(rng, 12), _rows(rng, 4)
+    record, whole = _sample("s", src, 7, own)
+    part, rest = record.prefix_inlined()
+    assert (part.start_row, part.num_rows, part.final) == (0, 7, False)
+    assert (rest.start_row, rest.num_rows, rest.final, rest.total_rows, rest.shared_prefix) == (7, 4, True, 11, None)
+    np.testing.assert_array_equal(np.concatenate([part.ids_TLK, rest.ids_TLK]), whole)
+    assert _sample("t", src, 7, own, with_copy=False)[0].prefix_inlined() is None
+
+
+# -- the local store ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("same_batch", [False, True])
+def test_samples_read_back_whole_and_point_at_the_source_bytes(tmp_path, same_batch):
+    rng = np.random.default_rng(2)
+    src_ids = _rows(rng, 50)
+    source = _plain("src", src_ids)
+    samples = [_sample(f"s{i}", src_ids, 30, _rows(rng, 5 + i)) for i in range(4)]
+    with LocalRoutingStore(tmp_path) as store:
+        if same_batch:
+            result = store.commit([source, *(r for r, _ in samples)])
+            own_part = 1
+        else:
+            store.commit([source])
+            result = store.commit([r for r, _ in samples])
+            own_part = 2
+        # Only the samples' own rows were written: the batch array holds no prefix row.
+        own_bytes = sum(r.nbytes for r, _ in samples)
+        assert result.bytes_written == own_bytes + (source.nbytes if same_batch else 0)
+        array = _part(tmp_path, own_part)["arrays"][0]
+        stored_rows = zarr.open_array(str(tmp_path / ROLLOUT / array), mode="r").shape[0]
+        own_rows = sum(r.num_rows for r, _ in samples) + (50 if same_batch else 0)
+        # (placement may leave a few fill rows before a request that does not fit a chunk's rest)
+        assert own_rows <= stored_rows < own_rows + 30
+    requests = _part(tmp_path, own_part)["requests"]
+    src_seg = (_part(tmp_path, 1)["requests"]["src"]["segments"])[0]
+    for record, whole in samples:
+        entry = requests[record.request_id]
+        first, own = entry["segments"]
+        assert (first["array"], first["offset"], first["rows"], first["start_row"]) == (src_seg["array"], src_seg["offset"], 30, 0)
+        assert first["crc32c"] == checksum(src_ids[:30])
+        assert (own["rows"], own["start_row"], own["crc32c"]) == (record.num_rows, 30, record.crc32c)
+        assert entry["rows"] == 30 + record.num_rows
+    with RoutingReader(tmp_path) as reader:  # verify=True: every segment's CRC-32C is checked
+        got = reader.get_numpy(ROLLOUT, ["src", *(r.request_id for r, _ in samples)])
+    np.testing.assert_array_equal(got["src"], src_ids)
+    for record, whole in samples:
+        np.testing.assert_array_equal(got[record.request_id], whole)
+        np.testing.assert_array_equal(_read_format_snippet(str(tmp_path), ROLLOUT, record.request_id), whole)
+
+
+def test_a_cut_inside_a_later_source_segment_gets_the_cut_rows_checksum(tmp_path):
+    """The source is stored in two segments (two turns); the prefix ends inside the second, in
+    an array of an earlier commit: the cut's CRC-32C is hashed from the stored rows."""
+    rng = np.random.default_rng(3)
+    src_ids = _rows(rng, 60)
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("src", src_ids[:20])])
+        store.commit([_plain("src", src_ids[20:], start_row=20)])
+        record, whole = _sample("s", src_ids, 35, _rows(rng, 6))
+        store.commit([record])
+    segments = _part(tmp_path, 3)["requests"]["s"]["segments"]
+    assert [(s["start_row"], s["rows"]) for s in segments] == [(0, 20), (20, 15), (35, 6)]
+    assert segments[1]["crc32c"] == checksum(src_ids[20:35])
+    assert segments[1]["array"] == _part(tmp_path, 2)["arrays"][0]
+    with RoutingReader(tmp_path) as reader:
+        np.testing.assert_array_equal(reader.get_numpy(ROLLOUT, ["s"])["s"], whole)
+
+
+def test_a_sample_may_share_rows_of_a_sample(tmp_path):
+    """A reference to a referencing request resolves to the first source's bytes."""
+    rng = np.random.default_rng(4)
+    src_ids = _rows(rng, 40)
+    a, a_whole = _sample("a", src_ids, 30, _rows(rng, 8))
+    b, b_whole = _sample("b", a_whole, 34, _rows(rng, 3), source="a")
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("src", src_ids), a, b])
+    first = _part(tmp_path, 1)["requests"]["b"]["segments"]
+    assert [(s["start_row"], s["rows"]) for s in first] == [(0, 30), (30, 4), (34, 3)]
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy(ROLLOUT, ["a", "b"])
+    np.testing.assert_array_equal(got["a"], a_whole)
+    np.testing.assert_array_equal(got["b"], b_whole)
+
+
+def test_a_missing_short_or_pending_source_is_refused_naming_it(tmp_path):
+    rng = np.random.default_rng(5)
+    src_ids = _rows(rng, 20)
+    with LocalRoutingStore(tmp_path) as store:
+        record, _ = _sample("s", src_ids, 10, _rows(rng, 3))
+        with pytest.raises(SharedRowsMissingError, match=r"'s' of rollout 'grpo-0' shares rows 0..9 of request 'src', which is not stored"):
+            store.commit([record])
+        store.commit([_plain("src", src_ids[:8])])
+        with pytest.raises(SharedRowsMissingError, match="which holds rows 0..7"):
+            store.commit([record])
+        store.commit([_plain("part", src_ids, final=False)])
+        pending, _ = _sample("t", src_ids, 10, _rows(rng, 3), source="part")
+        with pytest.raises(SharedRowsMissingError, match="'part', which is not complete yet"):
+            store.commit([pending])
+        with pytest.raises(SharedRowsMissingError):  # a source later in the batch is not there yet
+            store.commit([_sample("u", src_ids, 10, _rows(rng, 3), source="later")[0], _plain("later", src_ids)])
+        assert store.pending(ROLLOUT) == {"part": ((0, 20, False),)}
+    with RoutingReader(tmp_path) as reader:
+        assert sorted(reader.info(ROLLOUT).request_ids) == ["src"]
+    assert issubclass(SharedRowsMissingError, ValueError)
+
+
+def test_committing_again_is_a_no_op_and_other_rows_are_refused(tmp_path):
+    rng = np.random.default_rng(6)
+    src_ids = _rows(rng, 30)
+    own = _rows(rng, 5)
+    record, whole = _sample("s", src_ids, 20, own)
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("src", src_ids), _plain("other", _rows(rng, 30))])
+        assert store.commit([record]).committed == 1
+        again = store.commit([record])
+        assert (again.committed, again.duplicates) == (0, 1)
+        # The same request stored inline (a writer's fallback) is the same rows: a duplicate.
+        inline = store.commit(record.prefix_inlined())
+        assert (inline.committed, inline.duplicates) == (0, 2)
+        with pytest.raises(SegmentOverlapError, match="already stored"):
+            store.commit([_sample("s", src_ids, 20, own ^ 1)[0]])
+        with pytest.raises(SegmentOverlapError, match="already stored"):
+            store.commit([_sample("s", _rows(rng, 30), 20, own, source="other")[0]])
+    with RoutingReader(tmp_path) as reader:
+        np.testing.assert_array_equal(reader.get_numpy(ROLLOUT, ["s"])["s"], whole)
+
+
+def test_inline_first_then_a_reference_is_a_duplicate(tmp_path):
+    rng = np.random.default_rng(7)
+    src_ids = _rows(rng, 30)
+    record, whole = _sample("s", src_ids, 20, _rows(rng, 5))
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("src", src_ids)])
+        store.commit(record.prefix_inlined())
+        assert store.commit([record]).duplicates == 1
+
+
+def test_snapshots_and_reopening_keep_referencing_entries(tmp_path):
+    rng = np.random.default_rng(8)
+    src_ids = _rows(rng, 40)
+    samples = [_sample(f"s{i}", src_ids, 25, _rows(rng, 4)) for i in range(8)]
+    # Snapshots once the rollout is idle with 8 parts or more after the last: parts 1..8 or 1..9.
+    with LocalRoutingStore(tmp_path, snapshot_parts=64, snapshot_idle_s=0.2) as store:
+        store.commit([_plain("src", src_ids)])
+        for record, _ in samples:
+            store.commit([record])
+        entry = tmp_path / ROLLOUT / "zarr.json"
+        deadline = time.monotonic() + 60
+        while (snapshot := json.loads(entry.read_bytes())["attributes"]["r3rdma"].get("snapshot")) is None:
+            assert time.monotonic() < deadline, "no snapshot"
+            time.sleep(0.02)
+    assert snapshot >= 8
+    # A fresh reader opens the snapshot (the parts it merged removed here) and the parts after it.
+    for seq in range(1, snapshot + 1):
+        for f in (tmp_path / ROLLOUT / f"i{seq:08d}").iterdir():
+            f.unlink()
+        (tmp_path / ROLLOUT / f"i{seq:08d}").rmdir()
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy(ROLLOUT, [r.request_id for r, _ in samples])
+    for record, whole in samples:
+        np.testing.assert_array_equal(got[record.request_id], whole)
+    with LocalRoutingStore(tmp_path) as store:  # the writer reopens from the snapshot and resolves again
+        more, whole = _sample("s9", src_ids, 33, _rows(rng, 2))
+        store.commit([more])
+    with RoutingReader(tmp_path) as reader:
+        np.testing.assert_array_equal(reader.get_numpy(ROLLOUT, ["s9"])["s9"], whole)
+
+
+# -- the writer's fallback ----------------------------------------------------------------------
+
+
+def test_writer_stores_a_refused_reference_inline_or_counts_it(tmp_path):
+    rng = np.random.default_rng(9)
+    src_ids = _rows(rng, 30)
+    with_copy, whole = _sample("kept", src_ids, 20, _rows(rng, 5), source="absent")
+    without_copy, _ = _sample("lost", src_ids, 20, _rows(rng, 5), source="absent", with_copy=False)
+    resolved, resolved_whole = _sample("ref", src_ids, 20, _rows(rng, 5))
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("src", src_ids)])
+        writer = RoutingWriter(store, flush_bytes=1 << 20)
+        for record in (with_copy, resolved, without_copy):
+            writer.submit(record)
+        with pytest.raises(SharedRowsMissingError, match="'lost' of rollout 'grpo-0' shares rows 0..19 of request 'absent'"):
+            writer.flush(timeout=60)
+        assert writer.failed_requests() == [(ROLLOUT, "lost")]
+        assert writer.commit_failures == 1 and writer.requests_failed == 1
+        assert writer.requests_committed == 2
+        # A batch of one record takes the same path.
+        alone, alone_whole = _sample("alone", src_ids, 10, _rows(rng, 2), source="absent")
+        writer.submit(alone)
+        writer.flush(timeout=60)
+        writer.close()
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy(ROLLOUT, ["kept", "ref", "alone"])
+        assert "lost" not in reader.info(ROLLOUT).request_ids
+    np.testing.assert_array_equal(got["kept"], whole)
+    np.testing.assert_array_equal(got["ref"], resolved_whole)
+    np.testing.assert_array_equal(got["alone"], alone_whole)
+    # The resolved sample points at the source; the refused one holds its rows itself.
+    parts = [_part(tmp_path, n)["requests"] for n in range(1, 4)]
+    ref = next(p["ref"] for p in parts if "ref" in p)
+    assert ref["segments"][0]["array"] == parts[0]["src"]["segments"][0]["array"]
