@@ -139,7 +139,7 @@ class Assembly:
             elif pending:
                 held = "is not complete yet (pending segments only)"
             else:
-                held = "is not stored here"
+                held = "is not stored"
             raise SharedRowsMissingError(
                 f"{self._where(record.request_id)} shares rows 0..{rows - 1} of request {source!r}, which {held} "
                 f"on this store; nothing of the record was stored (rows 0..{rows - 1} must be sent inline)"

@@ -282,3 +282,175 @@ def test_writer_stores_a_refused_reference_inline_or_counts_it(tmp_path):
     parts = [_part(tmp_path, n)["requests"] for n in range(1, 4)]
     ref = next(p["ref"] for p in parts if "ref" in p)
     assert ref["segments"][0]["array"] == parts[0]["src"]["segments"][0]["array"]
+
+
+# -- the wire -----------------------------------------------------------------------------------
+
+
+def test_the_wire_carries_the_reference_without_the_prefix_rows():
+    from r3rdma.errors import ProtocolError
+    from r3rdma.transport import TransportLimits
+    from r3rdma.transport.batch import check_batch_header, decode_batch, encode_records
+
+    rng = np.random.default_rng(10)
+    src_ids = _rows(rng, 30)
+    plain = _plain("src", src_ids)
+    record, _ = _sample("s", src_ids, 20, _rows(rng, 5))
+    table, frames = encode_records([plain, record], max_frames=16)
+    payload = np.concatenate([f.reshape(-1) for f in frames])
+    assert payload.nbytes == plain.nbytes + record.nbytes  # no prefix row travels
+    assert "shared_prefix" not in table[0]  # optional key, absent on plain records
+    assert table[1]["shared_prefix"] == {"request_id": "src", "rows": 20}
+    limits = TransportLimits()
+    header = {"seq": 1, "frames": [payload.nbytes], "records": table}
+    metas = check_batch_header(header, payload.nbytes, limits)
+    decoded = decode_batch(metas, payload)
+    assert decoded[0].shared_prefix is None
+    shared = decoded[1].shared_prefix
+    assert (shared.request_id, shared.rows, shared.ids_TLK) == ("src", 20, None)
+    assert (decoded[1].start_row, decoded[1].crc32c) == (20, record.crc32c)
+    np.testing.assert_array_equal(decoded[1].ids_TLK, record.ids_TLK)
+    for bad, why in [
+        ({"request_id": "src"}, "must be a map with keys"),
+        ({"request_id": "a/b", "rows": 20}, "shared_prefix.request_id"),
+        ({"request_id": "src", "rows": 0}, "shared_prefix.rows must be an int >= 1"),
+        ({"request_id": "src", "rows": 19}, "must name another request and be final with start_row 19"),
+        ({"request_id": "s", "rows": 20}, "must name another request"),
+    ]:
+        entry = dict(table[1], shared_prefix=bad)
+        with pytest.raises(ProtocolError, match=why):
+            check_batch_header({"seq": 1, "frames": [payload.nbytes], "records": [table[0], entry]}, payload.nbytes, limits)
+    with pytest.raises(ProtocolError, match="optionally with"):
+        check_batch_header(
+            {"seq": 1, "frames": [payload.nbytes], "records": [table[0], dict(table[1], other=1)]}, payload.nbytes, limits
+        )
+
+
+def test_placement_follows_the_source():
+    from r3rdma.write.push_client import StoreNodesClient, placement_key, rendezvous_order
+
+    rng = np.random.default_rng(11)
+    src_ids = _rows(rng, 10)
+    urls = [f"127.0.0.1:{p}" for p in range(1001, 1007)]
+    with StoreNodesClient(urls, secret="x" * 32, replicas=2) as client:
+        for i in range(20):
+            record, _ = _sample(f"s{i}", src_ids, 5, _rows(rng, 2), source=f"src{i}")
+            assert placement_key(record) == f"{ROLLOUT}/src{i}"
+            assert client.replica_set(record) == client.replica_set(_plain(f"src{i}", src_ids))
+            assert client.replica_set(record) == rendezvous_order(client.nodes, f"{ROLLOUT}/src{i}")[:2]
+
+
+# -- store nodes over UCX (TCP loopback) ----------------------------------------------------------
+
+
+@pytest.fixture
+def three_nodes(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .store_nodes import new_token, start_node
+
+    token = new_token()
+    with ThreadPoolExecutor(3) as pool:
+        nodes = list(pool.map(lambda i: start_node(tmp_path / f"node{i}", token), range(3)))
+    yield nodes
+    for node in nodes:
+        node.kill()
+
+
+def _node_requests(node) -> dict:
+    """The node's own index, every part merged (read from its root on disk)."""
+    group = zarr.open_group(str(node.root), path=ROLLOUT, mode="r")
+    requests = {}
+    for n in range(1, group.attrs["r3rdma"]["parts"] + 1):
+        requests.update(group[f"i{n:08d}"].attrs["r3rdma"]["requests"])
+    return requests
+
+
+def test_nodes_with_replicas_resolve_on_each_replica(three_nodes):
+    from r3rdma.transport import TransportLimits
+    from r3rdma.write.push_client import StoreNodesClient
+
+    rng = np.random.default_rng(12)
+    src_ids = _rows(rng, 64)
+    samples = [_sample(f"s{i}", src_ids, 40, _rows(rng, 3 + i), with_copy=i % 2 == 0) for i in range(6)]
+    urls = [n.push_url for n in three_nodes]
+    by_url = {n.push_url: n for n in three_nodes}
+    with StoreNodesClient(urls, secret=three_nodes[0].token, replicas=2, limits=TransportLimits(timeout_s=5)) as client:
+        with RoutingWriter(client, flush_bytes=1 << 20) as writer:
+            writer.submit(_plain("src", src_ids))
+            writer.flush(timeout=60)  # an earlier batch
+            for record, _ in samples[:3]:
+                writer.submit(record)
+            writer.flush(timeout=60)
+            writer.submit(_plain("src2", src_ids))  # the same batch as its samples
+            for record, _ in samples[3:]:
+                writer.submit(_plain(record.request_id, record.ids_TLK, 40, shared_prefix=SharedPrefix("src2", 40)))
+            writer.flush(timeout=60)
+            assert writer.failed_requests() == []
+        replica_set = client.replica_set(_plain("src", src_ids))
+        replica_set2 = client.replica_set(_plain("src2", src_ids))
+        assert client.bytes_pushed == 2 * src_ids.nbytes + sum(r.nbytes for r, _ in samples)
+    for urls_of, source, group in ((replica_set, "src", samples[:3]), (replica_set2, "src2", samples[3:])):
+        for url in urls_of:
+            requests = _node_requests(by_url[url])
+            src_seg = requests[source]["segments"][0]
+            for record, _ in group:
+                first = requests[record.request_id]["segments"][0]
+                assert (first["array"], first["offset"], first["rows"]) == (src_seg["array"], src_seg["offset"], 40)
+        outside = set(urls) - set(urls_of)
+        for url in outside:
+            assert not {r.request_id for r, _ in group} & set(_node_requests(by_url[url]) if (by_url[url].root / ROLLOUT).exists() else {})
+    # Every replica answers, over HTTP, with the whole rows (reader checks CRC-32C and replicas).
+    http = [n.http_url for n in three_nodes]
+    with RoutingReader(http, token=three_nodes[0].read_token, timeout_s=10) as reader:
+        got = reader.get_numpy(ROLLOUT, [r.request_id for r, _ in samples])
+    for record, whole in samples:
+        np.testing.assert_array_equal(got[record.request_id], whole)
+    for url in replica_set:  # each node alone, and zarr-python per docs/FORMAT.md
+        node = by_url[url]
+        with RoutingReader(node.http_url, token=node.read_token, timeout_s=10) as reader:
+            got = reader.get_numpy(ROLLOUT, [r.request_id for r, _ in samples[:3]])
+        for record, whole in samples[:3]:
+            np.testing.assert_array_equal(got[record.request_id], whole)
+            np.testing.assert_array_equal(_read_format_snippet(str(node.root), ROLLOUT, record.request_id), whole)
+
+
+def test_failover_to_a_node_without_the_source_falls_back_inline(three_nodes):
+    """The source's replica set loses a node after the source was stored: a sample fails over to
+    the third node, which lacks the source and refuses the reference; the writer then stores it
+    inline (with a copy) or counts it failed (without). Replicas of one request agree."""
+    import signal
+
+    from r3rdma.transport import TransportLimits
+    from r3rdma.write.push_client import StoreNodesClient
+
+    rng = np.random.default_rng(13)
+    src_ids = _rows(rng, 50)
+    urls = [n.push_url for n in three_nodes]
+    by_url = {n.push_url: n for n in three_nodes}
+    kept, kept_whole = _sample("kept", src_ids, 30, _rows(rng, 6))
+    lost, _ = _sample("lost", src_ids, 30, _rows(rng, 6), with_copy=False)
+    with StoreNodesClient(urls, secret=three_nodes[0].token, replicas=2, limits=TransportLimits(timeout_s=3), down_cooldown_s=60) as client:
+        client.commit([_plain("src", src_ids)])
+        first, second = client.replica_set(kept)
+        by_url[second].stop(signal.SIGKILL)
+        with RoutingWriter(client, flush_bytes=1 << 20) as writer:
+            writer.submit(kept)
+            writer.submit(lost)
+            with pytest.raises(SharedRowsMissingError, match="'lost'"):
+                writer.flush(timeout=120)
+            assert writer.failed_requests() == [(ROLLOUT, "lost")]
+            assert writer.requests_committed == 1
+    live = [n for n in three_nodes if n.push_url != second]
+    with RoutingReader([n.http_url for n in live], token=live[0].read_token, timeout_s=10) as reader:
+        # "lost" failed (not durable on 2 nodes); the node holding the source may keep its copy,
+        # as with any record a replica refused.
+        np.testing.assert_array_equal(reader.get_numpy(ROLLOUT, ["kept"])["kept"], kept_whole)
+    # The node that held the source resolved the reference; the one that did not holds the
+    # rows inline, in segments of the same rows and checksums (readers compare replicas by them).
+    layouts = []
+    for node in live:
+        entry = _node_requests(node).get("kept") if (node.root / ROLLOUT).exists() else None
+        if entry is not None:
+            layouts.append([(s["start_row"], s["rows"], s["crc32c"]) for s in entry["segments"]])
+    assert len(layouts) == 2 and layouts[0] == layouts[1] == [(0, 30, checksum(src_ids[:30])), (30, 6, kept.crc32c)]

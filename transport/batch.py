@@ -16,7 +16,7 @@ import numpy as np
 
 from r3rdma.errors import CorruptDataError, InvalidIdError, ProtocolError, ShapeMismatchError
 from r3rdma.ids import validate_id
-from r3rdma.records import RequestRecord, routing_dtype
+from r3rdma.records import RequestRecord, SharedPrefix, routing_dtype
 
 from .device import PayloadBuffer, payload_nbytes
 from .limits import TransportLimits
@@ -47,6 +47,10 @@ _ENTRY_KEYS = frozenset(
         "total_rows",
     }
 )
+#: Keys a request entry may carry beyond _ENTRY_KEYS, written only when set (as
+#: _OPTIONAL_BATCH_KEYS): a receiver that predates one refuses the batch instead of storing a
+#: shared-prefix record as a request of only its own rows.
+_OPTIONAL_ENTRY_KEYS = frozenset({"shared_prefix"})
 _BATCH_KEYS = frozenset({"seq", "frames", "records"})
 #: Keys a batch header may carry beyond _BATCH_KEYS. A sender writes them only when they
 #: differ from their default, so a receiver that predates one refuses the batch (unknown
@@ -79,6 +83,9 @@ class RecordMeta:
     offset: int
     final: bool = True
     total_rows: int | None = None
+    #: ``(source request id, rows)`` of the record's ``shared_prefix`` (its rows are not in
+    #: the payload: the store resolves them), else None.
+    shared_prefix: tuple[str, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +94,7 @@ class RecordMeta:
 
     def to_wire(self) -> dict[str, Any]:
         """This meta as one row of a batch header's request table (msgpack-able; docs/PROTOCOL.md)."""
-        return {
+        entry = {
             "rollout_id": self.rollout_id,
             "request_id": self.request_id,
             "rows": self.rows,
@@ -102,11 +109,16 @@ class RecordMeta:
             "final": self.final,
             "total_rows": self.total_rows,
         }
+        if self.shared_prefix is not None:  # optional key: written only when set (_OPTIONAL_ENTRY_KEYS)
+            entry["shared_prefix"] = {"request_id": self.shared_prefix[0], "rows": self.shared_prefix[1]}
+        return entry
 
     @classmethod
     def of(cls, record: RequestRecord, offset: int) -> RecordMeta:
-        """The meta of ``record``, its bytes at ``offset`` in the payload."""
+        """The meta of ``record``, its bytes at ``offset`` in the payload (its own rows only: a
+        shared prefix travels as its reference, never its rows)."""
         ids = record.ids_TLK
+        shared = record.shared_prefix
         return cls(
             record.rollout_id,
             record.request_id,
@@ -121,6 +133,7 @@ class RecordMeta:
             offset,
             record.final,
             record.total_rows,
+            None if shared is None else (shared.request_id, shared.rows),
         )
 
 
@@ -278,6 +291,7 @@ def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray, hashed: Seque
                     final=meta.final,
                     total_rows=meta.total_rows,
                     checksum_verified=crc is not None,  # a copy for alignment has the same bytes
+                    shared_prefix=None if meta.shared_prefix is None else SharedPrefix(*meta.shared_prefix),
                 )
             )
         except ShapeMismatchError as e:
@@ -289,9 +303,12 @@ def decode_batch(metas: Sequence[RecordMeta], payload: np.ndarray, hashed: Seque
 
 
 def _check_entry(entry: object, i: int) -> RecordMeta:
-    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+    if not isinstance(entry, dict) or not _ENTRY_KEYS <= set(entry) <= _ENTRY_KEYS | _OPTIONAL_ENTRY_KEYS:
         got = sorted(map(str, entry)) if isinstance(entry, dict) else type(entry).__name__
-        raise ProtocolError(f"records[{i}] must be a map with keys {sorted(_ENTRY_KEYS)}, got {got}")
+        raise ProtocolError(
+            f"records[{i}] must be a map with keys {sorted(_ENTRY_KEYS)}, optionally with "
+            f"{sorted(_OPTIONAL_ENTRY_KEYS)}, got {got}"
+        )
     try:
         rollout_id = validate_id(entry["rollout_id"], f"records[{i}].rollout_id")
         request_id = validate_id(entry["request_id"], f"records[{i}].request_id")
@@ -344,7 +361,33 @@ def _check_entry(entry: object, i: int) -> RecordMeta:
         offset,
         final,
         total_rows,
+        _check_shared_prefix(entry, i, request_id, start_row, final, total_rows),
     )
+
+
+def _check_shared_prefix(
+    entry: dict, i: int, request_id: str, start_row: int, final: bool, total_rows: int | None
+) -> tuple[str, int] | None:
+    """The entry's ``shared_prefix`` as ``(source request id, rows)``, checked as
+    :class:`~r3rdma.records.RequestRecord` checks it (before any payload byte is received)."""
+    if "shared_prefix" not in entry:
+        return None
+    shared = entry["shared_prefix"]
+    if not isinstance(shared, dict) or set(shared) != {"request_id", "rows"}:
+        got = sorted(map(str, shared)) if isinstance(shared, dict) else type(shared).__name__
+        raise ProtocolError(f"records[{i}].shared_prefix must be a map with keys ['request_id', 'rows'], got {got}")
+    try:
+        source = validate_id(shared["request_id"], f"records[{i}].shared_prefix.request_id")
+    except InvalidIdError as e:
+        raise ProtocolError(str(e)) from e
+    rows = _int(shared["rows"], f"records[{i}].shared_prefix.rows", 1)
+    if source == request_id or start_row != rows or not final or total_rows not in (None, start_row + entry["rows"]):
+        raise ProtocolError(
+            f"records[{i}] ({request_id}) with shared_prefix (rows 0..{rows - 1} of {source!r}) must name another "
+            f"request and be final with start_row {rows} (total_rows null or start_row + rows), got start_row "
+            f"{start_row}, final={final}, total_rows={total_rows}"
+        )
+    return source, rows
 
 
 def _list(value: object, what: str, least: int, most: int) -> list:

@@ -1,7 +1,8 @@
 """Pushes finished requests to store nodes: placement, replicas, failover, parallel pushes.
 
 Placement is rendezvous (highest-random-weight) hashing of ``rollout_id/request_id`` over the
-configured nodes: every client computes the same order without coordination, and when a node
+configured nodes (a record with a shared prefix hashes its source's id, :func:`placement_key`,
+so it lands on the nodes that hold the rows it shares): every client computes the same order without coordination, and when a node
 is down only its requests move (to their next choice). With ``replicas`` R, a request goes to
 the first R nodes of its order and is durable only once all R acked it. A batch is split by
 node and pushed to all of them in parallel; a node that fails (transport error or timeout) is
@@ -33,7 +34,7 @@ from r3rdma.records import RequestRecord, batches_by_size
 if TYPE_CHECKING:
     from r3rdma.transport import UcxxClient
 
-__all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url"]
+__all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url", "placement_key"]
 
 
 def parse_node_url(url: str) -> tuple[str, int]:
@@ -51,6 +52,15 @@ def rendezvous_order(nodes: Sequence[str], key: str) -> list[str]:
         return int.from_bytes(hashlib.blake2b(f"{node}\0{key}".encode(), digest_size=8).digest(), "big")
 
     return sorted(nodes, key=weight, reverse=True)
+
+
+def placement_key(record) -> str:
+    """What places ``record`` (:func:`rendezvous_order`): ``rollout_id/request_id``, or, for a
+    record with a ``shared_prefix``, its source's ``rollout_id/source_id``: a sample goes to the
+    nodes (the replica set) that hold the rows it shares, where each replica resolves them
+    against its own copy of the source. Device rows and deferred records carry no prefix."""
+    shared = getattr(record, "shared_prefix", None)
+    return f"{record.rollout_id}/{record.request_id if shared is None else shared.request_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +225,7 @@ class StoreNodesClient:
 
     def replica_set(self, record: RequestRecord) -> list[str]:
         """The ``replicas`` nodes a record goes to while every node is up."""
-        return rendezvous_order(self.nodes, f"{record.rollout_id}/{record.request_id}")[: self.replicas]
+        return rendezvous_order(self.nodes, placement_key(record))[: self.replicas]
 
     # -- async core -------------------------------------------------------------------------
 
@@ -223,7 +233,7 @@ class StoreNodesClient:
         # Per record (by position): the nodes that acked it. A node that fails is out for the
         # rest of this commit (and cools down for later ones); each record's missing copies go
         # to the next nodes of its rendezvous order that do not hold it yet.
-        orders = [rendezvous_order(self.nodes, f"{r.rollout_id}/{r.request_id}") for r in records]
+        orders = [rendezvous_order(self.nodes, placement_key(r)) for r in records]
         holders: list[set[str]] = [set() for _ in records]
         failed: set[str] = set()
         failovers = 0
