@@ -222,7 +222,10 @@ class LocalRoutingStore:
         A request already committed with the same bytes is skipped (retries are idempotent);
         with different bytes it raises :class:`DuplicateRequestError`. A record whose
         ``start_row`` continues a committed request exactly where it ends is appended to it as a
-        new segment (a later turn of a multi-turn conversation).
+        new segment (a later turn of a multi-turn conversation). A record with a
+        ``shared_prefix`` gets the segments of its source's rows ``0 .. P - 1`` (its source
+        stored here, or earlier in the batch) before its own; without them it raises
+        :class:`~r3rdma.errors.SharedRowsMissingError` (:class:`Assembly`).
 
         ``records`` may be a :class:`PreparedBatch` (:meth:`prepare`): its arrays are already
         encoded, and only the index decisions and the writes run here, under the lock.

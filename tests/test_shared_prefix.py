@@ -454,3 +454,36 @@ def test_failover_to_a_node_without_the_source_falls_back_inline(three_nodes):
         if entry is not None:
             layouts.append([(s["start_row"], s["rows"], s["crc32c"]) for s in entry["segments"]])
     assert len(layouts) == 2 and layouts[0] == layouts[1] == [(0, 30, checksum(src_ids[:30])), (30, 6, kept.crc32c)]
+
+
+# -- property: any source segmentation, any prefix length, any batching ----------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cuts=st.lists(st.integers(1, 70), max_size=3, unique=True),
+    prefixes=st.lists(st.integers(1, 72), min_size=1, max_size=4),
+    same_batch=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_segmentation_and_prefix_reads_back_whole(tmp_path_factory, cuts, prefixes, same_batch, seed):
+    rng = np.random.default_rng(seed)
+    src_ids = _rows(rng, 72)
+    bounds = [0, *sorted(cuts), 72]
+    source_records = [_plain("src", src_ids[a:b], start_row=a) for a, b in zip(bounds, bounds[1:])]
+    samples = [_sample(f"s{i}", src_ids, p, _rows(rng, 1 + i)) for i, p in enumerate(prefixes)]
+    root = tmp_path_factory.mktemp("prop")
+    with LocalRoutingStore(root) as store:
+        if same_batch:
+            store.commit([*source_records, *(r for r, _ in samples)])
+        else:
+            for record in source_records:
+                store.commit([record])
+            store.commit([r for r, _ in samples])
+    with RoutingReader(root) as reader:  # verify=True checks every segment's CRC-32C
+        got = reader.get_numpy(ROLLOUT, [r.request_id for r, _ in samples])
+    for record, whole in samples:
+        np.testing.assert_array_equal(got[record.request_id], whole)
