@@ -73,3 +73,19 @@ def test_reliability_bench_tiny(tmp_path, capsys):
     assert result["stalled_typed_timeouts"] == 3 and result["stalled_announce_peak_rss_mb"] < 0.5 * result["stalled_announce_mb"]
     assert result["replicas1_ingest_mb_s"] > 0 and result["replicas2_ingest_mb_s"] > 0
     assert result["replicas2_ingest_ratio"] > 0
+
+
+def test_group_bench_tiny():
+    """GRPO groups through two store nodes (replicas 2): the shared layout writes exactly the rows
+    that exist (prompt once per group), the whole layout the prompt once per sample; the bench
+    itself refuses to report when a group reads back differently between the layouts."""
+    from r3rdma.bench.group_bench import plan_groups, run_group_bench
+
+    result = run_group_bench(groups=4, n=4, median_prompt=48, median_answer=12, layers=4, progress=False)
+    plan = plan_groups(4, n=4, median_prompt=48, median_answer=12, seed=0)
+    assert result["ideal_rows"] == sum(p + sum(own) for p, own in plan)
+    assert result["shared"]["rows_stored_per_replica"] == result["ideal_rows"]  # counted in the nodes' arrays
+    assert result["whole"]["rows_stored_per_replica"] == sum(len(own) * p + sum(own) for p, own in plan)
+    assert result["shared"]["failed"] == result["whole"]["failed"] == 0
+    assert result["shared"]["disk_bytes_per_replica"] < result["whole"]["disk_bytes_per_replica"]
+    _figures(result, ["stored_vs_ideal", "disk_whole_vs_shared", "ingest_whole_vs_shared", "read_per_row_shared_vs_whole"])

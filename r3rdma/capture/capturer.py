@@ -49,9 +49,10 @@ from contextlib import AbstractContextManager
 import numpy as np
 import torch
 
-from r3rdma.capture.finishing import DeviceRowsSink, Finishing, RoutingSink, takes_device_rows
+from r3rdma.capture.finishing import DeviceRowsSink, Finishing, RoutingSink, takes_deferred, takes_device_rows
 from r3rdma.capture.id_check import id_range_check
 from r3rdma.capture.ledger import RequestLedger, num_routing_rows
+from r3rdma.capture.shared_rows import StoredPrefixes
 from r3rdma.capture.slot_table import SlotTable, host_int64
 from r3rdma.capture.step import StepRecorder
 from r3rdma.capture.transfer import TRANSFER_MODES
@@ -124,6 +125,13 @@ class RoutingCapturer:
             begins with ``graphed=True`` (any token count up to ``max_tokens``) and ``record``
             is not called; ``end_step`` stores rows ``0 .. T - 1`` only, so padded rows a graph
             wrote for a larger size are never stored. Without TP only (``tp_group`` None).
+        share_prefixes: store rows a request shares with a request already stored once
+            (:mod:`r3rdma.capture.shared_rows`): a finished request whose first rows the engine
+            reused from another stored request's KV (prefix-cache hit, fork) goes to the sink
+            with its own rows and a :class:`~r3rdma.records.SharedPrefix`, which the store
+            resolves into segments over the rows it holds. None (default): on for a
+            :class:`~r3rdma.write.writer.RoutingWriter` sink (its stores resolve references),
+            off for other sinks and without one, which get every record whole.
         owns_sink: :meth:`close` also closes ``sink`` (which must then have ``close()``, taking
             the timeout when :meth:`close` is given one).
             :meth:`R3Config.build_capturer <r3rdma.config.R3Config.build_capturer>` sets it for
@@ -148,6 +156,7 @@ class RoutingCapturer:
         tp_group: torch.distributed.ProcessGroup | None = None,
         transfer_mode: str = "staged",
         owns_sink: bool = False,
+        share_prefixes: bool | None = None,
         check_ids: bool = False,
         step_buffer: torch.Tensor | None = None,
     ) -> None:
@@ -221,6 +230,8 @@ class RoutingCapturer:
             storage_dtype=self.storage_dtype,
             row_bytes=len(self.layer_map) * self.top_k * self.storage_dtype.itemsize,
         )
+        share = takes_deferred(sink) if share_prefixes is None else bool(share_prefixes)
+        self._prefixes = StoredPrefixes() if share else None
         self._suspended = 0
         if expert_map is not None:
             self.set_expert_map(expert_map)
@@ -414,7 +425,9 @@ class RoutingCapturer:
         The request's bookkeeping is released either way; the engine may then free its slots.
         """
         try:
-            slots = self._ledger.resolve(request_id, start_row=start_row, prompt_len=prompt_len, generated_len=generated_len)
+            slots, gens = self._ledger.resolve_with_generations(
+                request_id, start_row=start_row, prompt_len=prompt_len, generated_len=generated_len
+            )
         finally:
             self._steps.retire(request_id)
         self._ids.check(block=False)
@@ -432,6 +445,15 @@ class RoutingCapturer:
             final=final,
             total_rows=total_rows,
         )
+        prefixes = self._prefixes
+        if prefixes is not None and start_row == 0 and final and total_rows is None:
+            rollout, stored = str(meta["rollout_id"]), str(meta["request_id"])
+            shared = prefixes.match(rollout, slots, gens)
+            if shared is not None and shared[0] != stored:
+                meta["shared"] = shared
+            # Only prompt rows are ever reused from KV by another request (prefix hits, forks).
+            prompt_rows = min(prompt_len, slots.size)
+            prefixes.remember(rollout, stored, slots[:prompt_rows], gens[:prompt_rows])
         self.requests_finished += 1
         return self._finishing.finish(slots, meta)
 

@@ -28,7 +28,7 @@ import torch
 from r3rdma.capture.slot_table import SlotTable
 from r3rdma.capture.transfer import DeviceRows, StagedRows, stage_to_host
 from r3rdma.errors import ConfigError
-from r3rdma.records import RequestRecord
+from r3rdma.records import RequestRecord, SharedPrefix
 
 __all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finisher", "StagedRecord", "make_record"]
 
@@ -90,10 +90,20 @@ def takes_deferred(sink: object) -> TypeGuard[DeferredSink]:
 
 
 def make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:
-    """The :class:`RequestRecord` of rows ``ids`` (the slot table's dtype) and ``meta`` (its other fields)."""
+    """The :class:`RequestRecord` of rows ``ids`` (the slot table's dtype) and ``meta`` (its other fields).
+
+    ``meta["shared"] = (source id, rows)``: the first ``rows`` rows are a stored request's
+    (:mod:`r3rdma.capture.shared_rows`); the record carries the rest, and those rows only as
+    the client-side copy a store that cannot resolve the reference gets instead."""
     if storage_dtype == np.uint16:
         ids = ids.view(np.uint16)  # the table holds uint16 bit patterns as int16
-    return RequestRecord(ids_TLK=ids, **meta)
+    shared = meta.get("shared")
+    if shared is None:
+        return RequestRecord(ids_TLK=ids, **meta)
+    fields = {k: v for k, v in meta.items() if k != "shared"}
+    source, rows = shared
+    prefix = SharedPrefix(source, rows, ids_TLK=ids[:rows])
+    return RequestRecord(ids_TLK=ids[rows:], **{**fields, "start_row": rows}, shared_prefix=prefix)
 
 
 class StagedRecord:
@@ -208,7 +218,9 @@ class Finishing:
                 rows = self.table.gather(slots)
                 ready = torch.cuda.Event()
                 ready.record()
-                device_sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **meta))
+                # Device rows leave whole: the pusher sends one device buffer per request.
+                fields = {k: v for k, v in meta.items() if k != "shared"}
+                device_sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **fields))
                 return None
             # Gather on the GPU, copy to pinned host memory asynchronously, and let the
             # finisher thread wait for the copy and hand the record over: no sync here.

@@ -291,8 +291,11 @@ class RequestLedger:
         if num_positions:
             self._write(np.full(num_positions, child, np.int64), np.arange(num_positions, dtype=np.int64), dst, gens)
 
-    def resolve(self, request_id: str, *, start_row: int, prompt_len: int, generated_len: int) -> np.ndarray:
-        """Release ``request_id``'s state and return the slots of its rows ``start_row .. rows - 1``.
+    def resolve_with_generations(
+        self, request_id: str, *, start_row: int, prompt_len: int, generated_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Release ``request_id``'s state; return the slots of its rows ``start_row .. rows - 1``
+        and the generation of each slot the rows rely on.
 
         The state is released whether or not this raises: :class:`OutOfRangeError` for a
         ``start_row`` that leaves no row, :class:`MissingRowsError` for positions never
@@ -326,4 +329,12 @@ class RequestLedger:
                 f"request {request_id!r}: slots of positions {(stale[:8] + start_row).tolist()} were rewritten "
                 "by other tokens before the request finished (slot freed too early?)"
             )
-        return slots
+        return slots, gens
+
+    def resolve(self, request_id: str, *, start_row: int, prompt_len: int, generated_len: int) -> np.ndarray:
+        """Release ``request_id``'s state and return the slots of its rows ``start_row .. rows - 1``.
+
+        :meth:`resolve_with_generations`, without the generations."""
+        return self.resolve_with_generations(request_id, start_row=start_row, prompt_len=prompt_len, generated_len=generated_len)[
+            0
+        ]

@@ -68,6 +68,12 @@ COMMANDS = [
         "r3rdma.bench.trainer_layout_bench",
         "a stored step read by the ranks of a DP x TP x PP x CP trainer: bytes fetched vs replayed per rank",
     ),
+    (
+        "bench",
+        "groups",
+        "r3rdma.bench.group_bench",
+        "GRPO groups through store nodes: prompt rows stored once (shared prefixes) vs with every sample",
+    ),
     ("bench", "all", "r3rdma.bench.all_bench", "every bench; writes BENCHMARKS.md-ready tables and PNG plots"),
 ]
 
