@@ -10,6 +10,7 @@ to 200 tokens), prefix caching (on by default), and a KV cache small enough
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,6 +152,28 @@ def test_n_samples_each_stored(llm, store_dir, reference):
     assert sorted(routing_location(outs[0])) == [("fork", "p.0"), ("fork", "p.1"), ("fork", "p.2")]
     _, checked = _check(llm, store_dir, reference, outs)
     assert checked == 3
+
+
+def test_grpo_groups_with_a_shared_system_prompt_store_prompt_rows_once(llm, store_dir, reference):
+    """n = 4 samples of 2 prompts behind one 3-block system prompt: vLLM computes the system
+    prompt once and every other sample hits its blocks, in the same step as the computing
+    request or a later one (it caches a block when it allocates it). Every sample reads back
+    bit-exact; the store holds the shared rows once (#35)."""
+    from r3rdma.bench.group_bench import rows_stored
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(7)
+    system = rng.integers(32, 127, size=3 * BLOCK).tolist()
+    prompts = [{"prompt_token_ids": system + rng.integers(32, 127, size=n).tolist()} for n in (5, 20)]
+    outs = llm.generate(prompts, [SamplingParams(n=4, max_tokens=6, temperature=1.0, ignore_eos=True,
+                                                 extra_args={"r3_rollout_id": "grpo", "r3_request_id": f"q{i}"})
+                                  for i in range(2)], use_tqdm=False)
+    counters, checked = _check(llm, store_dir, reference, outs, rollout="grpo")
+    assert checked == 8
+    returned = sum(len(o.prompt_token_ids) + len(c.token_ids) - 1 for o in outs for c in o.outputs)
+    stored = rows_stored(Path(store_dir) / "grpo")
+    # Computed once: the system prompt, each prompt's tail once per sample at most, each sample's own rows.
+    assert stored <= 3 * BLOCK + 8 * (20 + 6), (stored, returned)
 
 
 def test_stop_strings_store_the_rows_the_client_received(llm, store_dir, reference):

@@ -94,6 +94,9 @@ class RunnerRecorder:
         self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots) from _prepare_inputs
         self._known: dict[str, int] = {}  # request -> positions the capturer holds (0 .. n-1)
+        # Prefix hits on KV the same forward computes (request, positions, slots), attached once
+        # the step wrote those slots (see begin).
+        self._attach_after_step: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._early: set[str] = set()  # finished by a flush before their scheduler output came
         self.requests_failed = 0
         self.requests_stored = 0
@@ -241,7 +244,15 @@ class RunnerRecorder:
             # Positions this request holds in KV but never computed here: a prefix-cache hit,
             # or blocks still cached when a preempted request resumed (rare: a loop over those).
             positions = np.arange(known[i], starts[i], dtype=np.int64)
-            cap.attach_cached(req_ids[i], positions, self._slots(np.full(positions.size, i), positions))
+            hit = self._slots(np.full(positions.size, i), positions)
+            if np.isin(hit, slots).any():
+                # vLLM caches a block when it allocates it, so a request scheduled in the same
+                # step as the one computing a prompt (n > 1 samples, a shared system prompt)
+                # hits blocks this very forward writes (each layer writes the whole batch's KV
+                # before any attention reads it). Their rows exist once the step has ended.
+                self._attach_after_step.append((req_ids[i], positions, hit))
+            else:
+                cap.attach_cached(req_ids[i], positions, hit)
             self.positions_attached += int(positions.size)
         self._known.update(zip(req_ids, (starts + counts).tolist()))
         cap.begin_step(req_ids, starts, counts, slots, graphed=True)
@@ -263,6 +274,7 @@ class RunnerRecorder:
         cap = self.capturer
         if cap is None:  # begin() opens a step only with a capturer, and the engine closes its workers after the last step
             raise ConfigError("r3rdma: a vLLM step ended after the recorder was closed")
+        attach, self._attach_after_step = self._attach_after_step, []
         if not ok:
             cap.cancel_step()
             return
@@ -270,6 +282,8 @@ class RunnerRecorder:
             self._check_next_step = False
             self._check_layers_wrote(cap, total)
         cap.end_step()
+        for rid, positions, slots in attach:
+            cap.attach_cached(rid, positions, slots)
         self.host_seconds += time.perf_counter() - t0
 
     def _check_layers_wrote(self, cap: RoutingCapturer, total: int) -> None:
