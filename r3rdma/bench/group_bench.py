@@ -1,18 +1,9 @@
-"""`r3rdma bench groups`: GRPO-shaped rollouts stored with shared prefixes vs every sample whole.
-
-A GRPO step samples ``n`` completions per prompt: the engine computes the prompt's rows once (one
-prefill, forked) and each sample's own rows after it. Today's layout stores the prompt rows with
-every sample (``n x P + sum(G)`` rows per group); the shared layout stores them with the group's
-first sample and has the other samples reference them (:class:`~r3rdma.records.SharedPrefix`),
-``P + sum(G)`` rows: the rows that exist. Both go through the real write path (a
-:class:`~r3rdma.write.writer.RoutingWriter` over a
-:class:`~r3rdma.write.push_client.StoreNodesClient`, store-node processes, ``--replicas``
-copies) on the same data in the same run. Reported: ``stored_vs_ideal`` (rows written to
-arrays over the rows that exist) and the disk bytes of each layout, ingest seconds of each, and
-reads of whole groups (every sample of a group in one ``get_packed``) in microseconds per
-returned row for each. Reads are checked equal between the layouts. Prompt and answer lengths
-are lognormal (long-tailed), clipped.
-"""
+"""`r3rdma bench groups`: GRPO groups stored with shared prefixes (the prompt rows once) vs
+every sample whole, the same rows through the real write path (a ``RoutingWriter`` over a
+``StoreNodesClient``, store-node processes, ``--replicas`` copies), same run. Reported per
+layout: ``stored_vs_ideal`` (distinct rows the index points at over the rows that exist, P +
+the samples' own rows per group), disk bytes, ingest seconds and reads of whole groups (one
+``get_packed`` each, us per returned row), checked equal between the layouts."""
 
 from __future__ import annotations
 
@@ -59,10 +50,6 @@ def _records(rollout: str, plan, pool: np.ndarray, shared: bool) -> list[Request
                 ref = SharedPrefix(first, p, ids_TLK=prompt)
                 out.append(RequestRecord(rollout, rid, rows, tuple(range(pool.shape[1])), 128, start_row=p, shared_prefix=ref))
     return out
-
-
-def _disk_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def rows_stored(path: Path) -> int:
@@ -123,7 +110,7 @@ def run_group_bench(
                     writer.flush()
                     failed = writer.requests_failed
             ingest = time.perf_counter() - t0
-            disk = sum(_disk_bytes(p.root / layout) for p in procs) / replicas
+            disk = sum(f.stat().st_size for p in procs for f in (p.root / layout).rglob("*") if f.is_file()) / replicas
             stored = sum(rows_stored(p.root / layout) for p in procs) / replicas
             with RoutingReader([p.http_url for p in procs], token=procs[0].read_token, progress=False) as reader:
                 us, got = [], []
