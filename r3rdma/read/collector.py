@@ -8,6 +8,11 @@ times. :class:`ShareCollector` (``RoutingReader.collect``) names the share up fr
 background thread polls the rollout's index (the entry point per node, and the parts it has
 not seen: a few small GETs) and reads each newly committed request of the share at once,
 so at rollout end only the last requests' rows are still to read.
+
+A rank that replays part of each request names that part up front too: ``layers`` (a pipeline
+stage's decoder layers) and ``rows`` (a context-parallel rank's row spans,
+:func:`r3rdma.read.rows.cp_row_spans`), in the forms ``RoutingReader.get_numpy`` takes; only the
+chunks holding them are fetched, and the results hold what ``get_numpy`` returns for them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError, TransportError, UnknownRolloutError
 from r3rdma.read.layers import layer_selection
 from r3rdma.read.packed import PackedRouting, pack
+from r3rdma.read.rows import Spans, check_rows
 
 __all__ = ["ShareCollector"]
 
@@ -31,12 +37,13 @@ _log = logging.getLogger(__name__)
 class ShareCollector:
     """Reads ``request_ids`` of a rollout as they are committed (see the module docstring).
 
-    :meth:`result` / :meth:`packed` wait for the whole share. ``ready`` / ``total`` say how
+    :meth:`result` / :meth:`packed` wait for the whole share: each request's routing as
+    ``get_numpy(request_ids, layers=layers, rows=rows)`` returns it. ``ready`` / ``total`` say how
     far it got. Unreachable store nodes (on the index or on a read) and a rollout not created
     yet are retried on every poll (a node restarting mid-rollout must not end the trainer's
     wait); any other error
-    (damaged data, a refused token, a deleted rollout) ends the collection and is raised by
-    :meth:`result`. Use as a context manager, or :meth:`close` it.
+    (damaged data, a refused token, a deleted rollout, a layer the rollout lacks, rows asked
+    past a committed request's end) ends the collection and is raised by :meth:`result`. Use as a context manager, or :meth:`close` it.
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class ShareCollector:
         poll_s: float,
         max_batch: int,
         layers: list[int] | None = None,
+        rows: Spans | None = None,
     ) -> None:
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
             raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
@@ -56,6 +64,9 @@ class ShareCollector:
         self._reader, self._rollout_id = reader, rollout_id
         self._order = request_ids
         self._layers = layers  # decoder layer ids wanted (None: all), checked once the geometry is known
+        # Row spans wanted of some requests (None: all rows), checked for shape and against the
+        # share by the caller; against each request's stored rows once it is committed.
+        self._rows = rows
         self._missing = dict.fromkeys(request_ids)  # insertion-ordered set
         self._got: dict[str, np.ndarray] = {}
         self._poll_s, self._max_batch = float(poll_s), max_batch
@@ -144,10 +155,19 @@ class ShareCollector:
                 if merged is not None:
                     with self._lock:
                         ready = [rid for rid in self._missing if rid in merged.owner]
+                    spans = None if self._rows is None else {rid: self._rows[rid] for rid in ready if rid in self._rows}
+                    # Rows past a committed request's end: a caller's bug, raised before its read.
+                    check_rows(self._rollout_id, spans, ready, merged.entry)
                     for start in range(0, len(ready), self._max_batch):
                         batch = ready[start : start + self._max_batch]
                         try:
-                            pieces = self._reader._read(self._rollout_id, merged, batch, positions)
+                            pieces = self._reader._read(
+                                self._rollout_id,
+                                merged,
+                                batch,
+                                positions,
+                                None if spans is None else {rid: spans[rid] for rid in batch if rid in spans},
+                            )
                         except (TransportError, R3TimeoutError, StoreError) as e:
                             self._last_retryable = e  # every holder failed this time: next poll
                             break

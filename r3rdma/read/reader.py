@@ -52,7 +52,7 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.read.layers import layer_list, layer_selection
 from r3rdma.read.packed import PackedRouting, pack, to_torch
-from r3rdma.read.rows import Spans, check_rows, row_spans, select_segments
+from r3rdma.read.rows import Spans, check_named, check_rows, row_spans, select_segments
 from r3rdma.read.sources import Source, source_items
 from r3rdma.records import checksum
 from r3rdma.store.index_entries import RequestEntry, Segment
@@ -334,18 +334,28 @@ class RoutingReader:
         poll_s: float = 0.1,
         max_batch: int = 256,
         layers: Iterable[int] | None = None,
+        rows: Mapping[str, Iterable[Any]] | None = None,
     ) -> ShareCollector:
         """Start reading ``request_ids`` as they are committed, while the rollout still runs (a
         trainer rank names its share up front); :class:`~r3rdma.read.collector.ShareCollector`
         says how. Ids need not be committed yet; bad or repeated ids fail here. ``poll_s``: how
-        often the index is polled; ``max_batch``: requests read per read call; ``layers``: as
-        in :meth:`get_numpy` (checked once the rollout's geometry is known: a layer it does not
-        have ends the collection, raised by ``result()``)."""
+        often the index is polled; ``max_batch``: requests read per read call.
+
+        ``layers`` and ``rows``: a rank's slice of each request (a pipeline stage's layers, a
+        context-parallel rank's row spans), as in :meth:`get_numpy`; only the chunks holding
+        them are fetched, and ``result()`` / ``packed()`` hold what ``get_numpy`` /
+        ``get_packed`` return with them. Checked here: malformed layers or spans, and spans of
+        requests not in the share (:class:`ConfigError`). Checked once the index shows them: a
+        layer the rollout does not have, and a span past a committed request's end
+        (:class:`ShapeMismatchError`); either ends the collection, raised by ``result()``."""
         from r3rdma.read.collector import ShareCollector
 
         validate_id(rollout_id, "rollout_id")
+        request_ids = _check_ids(request_ids)
+        spans = row_spans(rows)
+        check_named(spans, request_ids)
         return ShareCollector(
-            self, rollout_id, _check_ids(request_ids), poll_s=poll_s, max_batch=max_batch, layers=layer_list(layers)
+            self, rollout_id, request_ids, poll_s=poll_s, max_batch=max_batch, layers=layer_list(layers), rows=spans
         )
 
     # -- internals --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.store.index_entries import RequestEntry, Segment
 
-__all__ = ["row_spans", "check_rows", "select_segments", "cp_row_spans"]
+__all__ = ["row_spans", "check_named", "check_rows", "select_segments", "cp_row_spans"]
 
 Spans = dict[str, list[tuple[int, int]]]
 
@@ -46,15 +46,23 @@ def row_spans(rows: Mapping[str, Iterable[Any]] | None) -> Spans | None:
     return out
 
 
-def check_rows(rollout_id: str, spans: Spans | None, request_ids: list[str], entry_of: Any) -> None:
-    """Every request ``spans`` names is among ``request_ids`` and every span lies within its
-    stored rows, else :class:`ConfigError` / :class:`ShapeMismatchError` (nothing is read)."""
+def check_named(spans: Spans | None, request_ids: list[str]) -> None:
+    """Every request ``spans`` names is among ``request_ids``, else :class:`ConfigError` (the
+    part of :func:`check_rows` that needs no index: a collection checks it up front)."""
     if spans is None:
         return
     asked = set(request_ids)
     stray = [rid for rid in spans if rid not in asked]
     if stray:
         raise ConfigError(f"rows names requests not read: {stray[:5]!r}; nothing was read")
+
+
+def check_rows(rollout_id: str, spans: Spans | None, request_ids: list[str], entry_of: Any) -> None:
+    """Every request ``spans`` names is among ``request_ids`` (:func:`check_named`) and every
+    span lies within its stored rows, else :class:`ConfigError` / :class:`ShapeMismatchError` (nothing is read)."""
+    if spans is None:
+        return
+    check_named(spans, request_ids)
     for rid, items in spans.items():
         stored = entry_of(rid).rows
         past = [(lo, hi) for lo, hi in items if hi > stored]
