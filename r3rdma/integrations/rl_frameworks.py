@@ -35,6 +35,15 @@ within a row, spread over all experts, never all zero when ``K > 1`` (docs/REPLA
 computed": a zero fill sends every such token to expert 0).
 
 Each call reads only the requests it is given (one rank's share), never the whole rollout.
+A pipeline stage asks for its decoder layers with ``layers=``: the layer axis then holds those
+layers alone, in the order given, and only the inner chunks holding their MoE layers are read
+(``RoutingReader.get_packed(layers=...)``). No function here takes ``rows=`` (a
+context-parallel rank's row spans): each returns whole, token-aligned samples, as its trainer
+consumes them (verl's fixed ``[bs, prompt_length + response_length]`` window, ``as_dict``'s
+``prompt_len + response_len`` positions, slime's ``len(tokens) - 1`` rows, which
+``fill_routing_replay`` asserts), and the trainer splits them over its ranks itself; their
+length checks also need every row. A rank that replays its own rows reads them with
+``RoutingReader.get_numpy`` / ``collect(rows=cp_row_spans(...))``.
 Checks, each with a message that says what was expected and what arrived:
 
 - a request not committed: :class:`UnknownRequestError` (from the reader);
@@ -48,13 +57,14 @@ Checks, each with a message that says what was expected and what arrived:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from r3rdma.errors import MissingRowsError, ShapeMismatchError
+from r3rdma.read.layers import layer_list
 from r3rdma.read.reader import PackedRouting, RoutingReader
 
 __all__ = [
@@ -91,6 +101,7 @@ def slime_rollout_routed_experts(
     top_k: int | None = None,
     moe_layer_freq: int | Sequence[int] | None = None,
     dense_fill: int | None = None,
+    layers: Iterable[int] | None = None,
 ) -> list[np.ndarray]:
     """slime's ``Sample.rollout_routed_experts`` for each of ``request_ids``, in order.
 
@@ -106,23 +117,31 @@ def slime_rollout_routed_experts(
         dense_fill: the dense layers' columns (slime never replays them). None (default): the
             spread fill, which slime's replay validator accepts; an int: that value everywhere
             (0 fails the validator when ``moe_layer_freq`` is an int and top-k > 1).
+        layers: a pipeline stage's decoder layers (ids below ``num_layers``, a sequence or a
+            range, dense ones included), or None: every decoder layer. The layer axis then holds
+            these layers alone, in this order (column ``j``: decoder layer ``layers[j]``; dense
+            ones get ``dense_fill`` as above), and only the chunks holding their MoE layers are
+            read. The layer map is still checked whole against ``num_layers`` / ``moe_layer_freq``.
 
     Returns:
-        int32 numpy arrays ``[token_len - 1, num_layers, top_k]`` (slime keeps numpy on the sample
-        and calls ``torch.from_numpy`` in the actor).
+        int32 numpy arrays ``[token_len - 1, num_layers, top_k]`` (``len(layers)`` in place of
+        ``num_layers`` with ``layers``; slime keeps numpy on the sample and calls
+        ``torch.from_numpy`` in the actor). No ``rows=``: slime asserts ``len(tokens) - 1`` rows
+        per sample and splits them over context-parallel ranks itself (module docstring).
     """
     request_ids = list(request_ids)
     token_lens = _lengths("token_lens", token_lens, len(request_ids), minimum=2)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ShapeMismatchError(f"num_layers must be an int >= 1, got {num_layers!r}")
-    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
-    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
+    stage = _stage(reader, rollout_id, layers, num_layers)
+    packed = _read_share(reader, rollout_id, request_ids, stage)
+    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed, stage)
     _check_top_k(stored_k, top_k)
     _check_layer_map(layer_map, num_layers, moe_layer_freq)
     if num_experts > np.iinfo(np.int32).max:
         raise ShapeMismatchError(f"rollout {rollout_id!r} has {num_experts} experts; slime decodes int32 ids")
     out = []
-    columns = list(layer_map)
+    columns, width = (list(layer_map), num_layers) if stage is None else (stage.columns, len(stage.out_layers))
     for i, rid in enumerate(request_ids):
         rows = _rows(packed, i, rollout_id)
         want = token_lens[i] - 1
@@ -133,10 +152,12 @@ def slime_rollout_routed_experts(
                 f"last sampled one). Wrong token_lens, or the sample was truncated/extended after routing was stored"
             )
         if dense_fill is None:
-            full = np.repeat(_spread(0, want, stored_k, num_experts)[:, None, :], num_layers, axis=1).astype(np.int32)
+            full = np.repeat(_spread(0, want, stored_k, num_experts)[:, None, :], width, axis=1).astype(np.int32)
         else:
-            full = np.full((want, num_layers, stored_k), dense_fill, dtype=np.int32)
-        full[:, columns] = rows.numpy()  # widens uint8 (or the reader's int32) without wrapping
+            full = np.full((want, width, stored_k), dense_fill, dtype=np.int32)
+        # widens uint8 (or the reader's int32) without wrapping; a stage with no MoE layer
+        # read one layer only to check the row count, and keeps none of it
+        full[:, columns] = rows.numpy()[:, : len(columns)]
         out.append(full)
     return out
 
@@ -153,6 +174,7 @@ def verl_routed_experts(
     num_layers: int | None = None,
     top_k: int | None = None,
     allow_unrouted_tail: bool = False,
+    layers: Iterable[int] | None = None,
 ) -> torch.Tensor:
     """verl's batch field ``routed_experts`` for ``request_ids``: int16
     ``[len(request_ids), prompt_length + response_length, L, K]``.
@@ -177,6 +199,15 @@ def verl_routed_experts(
             replay has no mask: it replays every row but the last, so zeros there would send
             each of those tokens to expert 0 K times; their outputs reach no loss (tool
             output is masked out of it), the spread keeps them from skewing expert load.
+        layers: a pipeline stage's layers, as decoder layer ids (a sequence or a range), or
+            None: all. The layer axis ``L`` then holds these layers alone, in this order, and
+            only the chunks holding their MoE layers are read. With ``num_layers=None`` they
+            must be MoE layers of the rollout (else :class:`ShapeMismatchError` from the
+            reader); with ``num_layers`` any decoder layers below it, dense ones 0 as above.
+
+    No ``rows=`` (a context-parallel rank's rows): the output's positions are verl's fixed
+    ``prompt_length + response_length`` window, which verl's trainer splits over its ranks
+    itself (module docstring).
 
     A request with more rows than ``prompt_len + response_len - 1`` is refused, except when the
     response was cut at ``response_length``: verl then keeps the first
@@ -190,6 +221,7 @@ def verl_routed_experts(
         response_lens,
         num_layers,
         top_k,
+        layers,
         prompt_length=prompt_length,
         response_length=response_length,
     )
@@ -221,15 +253,19 @@ def verl_routed_experts_unpadded(
     num_layers: int | None = None,
     top_k: int | None = None,
     allow_unrouted_tail: bool = False,
+    layers: Iterable[int] | None = None,
 ) -> list[torch.Tensor]:
     """Per-sample int16 ``[prompt_len + response_len, L, K]``, as ``AgentLoopOutput.as_dict``
     aligns ``routed_experts`` (agent_loop.py 129-141): rows from position 0, the last token 0
     (an unrouted tail, with ``allow_unrouted_tail``: the spread fill).
 
-    Arguments and checks as in :func:`verl_routed_experts` (no prompt padding here).
+    Arguments (``layers`` included: the layer axis then holds those layers alone) and checks
+    as in :func:`verl_routed_experts` (no prompt padding here). No ``rows=``: these are
+    ``AgentLoopOutput`` samples, which verl pads into its batch window and splits over
+    context-parallel ranks itself (module docstring).
     """
     share = _verl_share(
-        reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, response_length=response_length
+        reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, layers, response_length=response_length
     )
     request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
     out = []
@@ -261,7 +297,9 @@ class _VerlShare(NamedTuple):
     num_experts: int
 
 
-def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, **sizes: int) -> _VerlShare:
+def _verl_share(
+    reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, layers, **sizes: int
+) -> _VerlShare:
     """Checked arguments and the caller's share of the rollout, read once (both verl layouts)."""
     request_ids = list(request_ids)
     prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
@@ -269,16 +307,64 @@ def _verl_share(reader, rollout_id, request_ids, prompt_lens, response_lens, num
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
-    packed = reader.get_packed(rollout_id, request_ids) if request_ids else None
-    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed)
+    stage = _stage(reader, rollout_id, layers, num_layers)
+    packed = _read_share(reader, rollout_id, request_ids, stage)
+    layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed, stage)
     _check_top_k(stored_k, top_k)
     columns = _verl_columns(layer_map, num_layers)
     width = len(layer_map) if num_layers is None else num_layers
+    if stage is not None:
+        # The stage's layers alone: MoE-only (num_layers None) reads exactly them, in order.
+        columns = None if num_layers is None else stage.columns
+        width = len(stage.out_layers)
     if num_experts > _INT16_IDS:
         raise ShapeMismatchError(
             f"rollout {rollout_id!r} has {num_experts} experts; verl's routed_experts is int16 (ids < {_INT16_IDS})"
         )
     return _VerlShare(request_ids, prompt_lens, response_lens, packed, columns, width, stored_k, num_experts)
+
+
+class _Stage(NamedTuple):
+    """A pipeline stage's slice of the layer axis (``layers=``)."""
+
+    out_layers: list[int]  # decoder layer of each output column, in the caller's order
+    read_layers: list[int]  # MoE layers read (decoder ids), in output order
+    columns: list[int]  # output column of each read layer
+    layer_map: tuple[int, ...]  # the rollout's whole layer map (checks see every stored layer)
+    top_k: int
+    num_experts: int
+
+
+def _stage(reader: RoutingReader, rollout_id: str, layers: Iterable[int] | None, num_layers: int | None) -> _Stage | None:
+    """``layers`` (checked as the reader checks them) as the output's columns and the MoE layers
+    to read, from the rollout's geometry; None: every layer, the read unchanged.
+    ``num_layers`` None: the output is MoE-only, so every layer must be stored (the reader
+    names one that is not); an int: decoder layers below it, dense ones filled."""
+    chosen = layer_list(layers)
+    if chosen is None:
+        return None
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise ShapeMismatchError(f"num_layers must be an int >= 1 or None, got {num_layers!r}")
+    info = reader.info(rollout_id)
+    if num_layers is None:
+        read = chosen  # a layer the rollout lacks: the reader's ShapeMismatchError
+    else:
+        outside = [layer for layer in chosen if not 0 <= layer < num_layers]
+        if outside:
+            raise ShapeMismatchError(f"layers {outside[:8]} are not decoder layers of a model of {num_layers} layers")
+        read = [layer for layer in chosen if layer in info.layer_map]
+    return _Stage(chosen, read, [chosen.index(layer) for layer in read], info.layer_map, info.top_k, info.num_experts)
+
+
+def _read_share(reader: RoutingReader, rollout_id: str, request_ids: list[str], stage: _Stage | None) -> PackedRouting | None:
+    """The share's rows (None for no request): every layer, or the stage's MoE layers. A stage
+    of dense layers alone still reads one layer, the least a read can fetch: the checks of each
+    sample's row count need its rows."""
+    if not request_ids:
+        return None
+    if stage is None:
+        return reader.get_packed(rollout_id, request_ids)
+    return reader.get_packed(rollout_id, request_ids, layers=stage.read_layers or stage.layer_map[:1])
 
 
 def _spread(first: int, count: int, top_k: int, num_experts: int) -> np.ndarray:
@@ -294,7 +380,8 @@ def _place(target: torch.Tensor, rows: torch.Tensor, columns: list[int] | None) 
     if columns is None:
         target.copy_(rows)
     else:
-        target[:, columns] = rows.to(torch.int16)
+        # a stage of dense layers alone read one layer only for the row checks: none placed
+        target[:, columns] = rows[:, : len(columns)].to(torch.int16)
 
 
 def _lengths(name: str, values: Sequence[int], count: int, *, minimum: int) -> list[int]:
@@ -307,9 +394,14 @@ def _lengths(name: str, values: Sequence[int], count: int, *, minimum: int) -> l
     return [int(v) for v in values]
 
 
-def _geometry(reader: RoutingReader, rollout_id: str, packed: PackedRouting | None) -> tuple[tuple[int, ...], int, int]:
-    """(layer_map, top_k, num_experts) of the rollout: from the read itself, or from the index
-    when there is nothing to read (an empty share still gets correctly shaped outputs)."""
+def _geometry(
+    reader: RoutingReader, rollout_id: str, packed: PackedRouting | None, stage: _Stage | None = None
+) -> tuple[tuple[int, ...], int, int]:
+    """(layer_map, top_k, num_experts) of the rollout: from the stage's look at the index, from
+    the read itself, or from the index when there is nothing to read (an empty share still gets
+    correctly shaped outputs)."""
+    if stage is not None:
+        return stage.layer_map, stage.top_k, stage.num_experts
     if packed is not None:
         return packed.layer_map, int(packed.ids_TLK.shape[2]), packed.num_experts
     info = reader.info(rollout_id)
