@@ -29,6 +29,13 @@ def test_crash_cycles_short(tmp_path):
     assert stats["acked_lost"] == 0 and stats["phantom"] == 0 and stats["corrupt"] == 0
     assert stats["idempotent_repushes"] == 3 and stats["different_bytes_refused"] == 3
     assert stats["acked_total"] > 0
+    assert stats["pending_visible"] == 0
+    # GRPO groups: samples sharing their source's first rows, acknowledged and none lost; each
+    # visible one reads back as the source's rows then its own (counted in "corrupt" otherwise).
+    assert stats["shared_acked"] > 0 and stats["shared_lost"] == 0
+    assert stats["shared_by_reference"] > 0  # stored once: pointing at the source's bytes
+    assert stats["shared_acked_inline"] <= stats["shared_acked"]
+    assert stats["shared_idempotent_repushes"] == stats["shared_different_bytes_refused"] >= 1
 
 
 @pytest.mark.slow
@@ -40,6 +47,10 @@ def test_crash_cycles_soak(tmp_path):
     assert stats["acked_lost"] == 0 and stats["phantom"] == 0 and stats["corrupt"] == 0
     assert stats["unacked_retried"] > 0  # kills did land mid-push
     assert stats["retried_same_node"] > 0 and stats["retried_other_node"] > 0
+    assert stats["pending_visible"] == 0 and stats["shared_lost"] == 0
+    assert stats["shared_acked"] > 0 and stats["shared_by_reference"] > 0
+    # Samples retried on the node without their source: refused, then stored inline.
+    assert stats["shared_refused_missing_source"] > 0 and stats["shared_acked_inline"] > 0
 
 
 def test_disk_full_clear_error_no_partial_data_and_recovery(tmp_path):

@@ -1,5 +1,6 @@
 """Reliability scenarios that kill or starve a node: :func:`crash_cycles` (SIGKILL while clients
-push: every acknowledged request survives, nothing partial is visible), :func:`disk_full`
+push, GRPO groups sharing a prompt's rows among them: every acknowledged request survives, nothing
+partial is visible), :func:`disk_full`
 (``RLIMIT_FSIZE``: a typed refusal, recovery after restart) and :func:`load` (N clients for T
 seconds: zero loss, ack latency, node RSS against its in-flight budget)."""
 
@@ -18,7 +19,18 @@ from typing import Any
 import numpy as np
 
 from r3rdma.store.process import NodeProcess, new_token, spawn_node
-from r3rdma.testing.harness import LAYERS, TOP_K, _orphans, _owner, _verify, _visible, make_record
+from r3rdma.testing.harness import (
+    LAYERS,
+    TOP_K,
+    _orphans,
+    _owner,
+    _shared_layout,
+    _verify,
+    _visible,
+    make_record,
+    make_sample,
+    parse_sample_id,
+)
 
 # -- crash cycles ------------------------------------------------------------------------------
 
@@ -38,32 +50,97 @@ class _CrashStats:
     acked_lost: int = 0
     phantom: int = 0
     corrupt: int = 0
+    pending_visible: int = 0  # requests stored in part, seen after a restart (a cut commit)
+    # GRPO groups: samples sharing rows 0..P-1 of a source request (SharedPrefix records).
+    shared_pushed: int = 0  # samples made (acknowledged or not)
+    shared_in_source_batch: int = 0  # ... pushed in the batch of their source
+    shared_acked: int = 0  # samples acknowledged (by reference or inline)
+    shared_refused_missing_source: int = 0  # pushes refused by a node without the source (a retry elsewhere)
+    shared_acked_inline: int = 0  # samples stored with their prefix rows inline after such a refusal
+    shared_idempotent_repushes: int = 0
+    shared_different_bytes_refused: int = 0
+    shared_lost: int = 0  # acknowledged samples missing after a restart (also counted in acked_lost)
+    shared_by_reference: int = 0  # at the end: visible samples whose prefix is the source's stored bytes
+    shared_inline: int = 0  # ... whose prefix rows are stored inline
     errors: list[str] = field(default_factory=list)
     acked_total: int = 0
 
 
 async def _crash_cycles(
-    work: Path, cycles: int, clients: int, seed: int, timeout_s: float, log: Callable[[str], None]
+    work: Path, cycles: int, clients: int, seed: int, timeout_s: float, shared_fraction: float, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    from r3rdma.errors import DuplicateRequestError, R3Error
+    from r3rdma.errors import DuplicateRequestError, R3Error, SharedRowsMissingError
     from r3rdma.transport import TransportLimits, UcxxClient
+    from r3rdma.write.push_client import placement_key
 
     rng = random.Random(seed)
     token = new_token()
     roots = [work / "crash-a", work / "crash-b"]
     nodes = [spawn_node(r, token) for r in roots]
     limits = TransportLimits(timeout_s=timeout_s, ack_timeout_s=4 * timeout_s)
-    acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c
+    acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c (a sample's: its own rows')
     where: dict[tuple[str, str], int] = {}  # node that acked it
+    inline: set[tuple[str, str]] = set()  # samples acked with their prefix rows inline
     pushed: set[tuple[str, str]] = set()
     stats = _CrashStats()
 
     def client(i: int) -> Any:
         return UcxxClient(nodes[i].host, nodes[i].ucx_port, secret=token, limits=limits)
 
+    def grpo_group(rollout: str, source: Any) -> list[Any]:
+        """1-3 samples sharing rows 0..P-1 of ``source`` (P random, a cut inside its segment or all of it)."""
+        return [make_sample(rollout, source.request_id, j, rng.randint(1, source.num_rows)) for j in range(rng.randint(1, 3))]
+
+    def samples_of(group: list[Any]) -> list[Any]:
+        return [r for r in group if r.shared_prefix is not None]
+
+    def note_acked(group: list[Any], node: int, *, inlined: bool = False) -> None:
+        for r in group:
+            if not r.final:
+                continue  # the prefix part of an inlined sample: its final record stands for it
+            key = (r.rollout_id, r.request_id)
+            if key not in acked and parse_sample_id(r.request_id) is not None:
+                stats.shared_acked += 1
+                if inlined:
+                    inline.add(key)
+            acked[key] = r.crc32c
+            where[key] = node
+
+    def legitimately_missing(group: list[Any], node: int) -> bool:
+        """A sample refused for a missing source is legitimate only if ``node`` never
+        acknowledged the source (the sample was retried on the other node); a source
+        acknowledged there must still be there."""
+        in_batch = {r.request_id for r in group}
+        return any(
+            where.get((r.rollout_id, r.shared_prefix.request_id)) != node
+            for r in samples_of(group)
+            if r.shared_prefix.request_id not in in_batch
+        )
+
+    async def push_with_fallback(conn: Any, group: list[Any], node: int) -> None:
+        """Push ``group``; a sample refused for its source missing on ``node`` is pushed again
+        with its prefix rows inline (what RoutingWriter does), the batch's other records with it."""
+        try:
+            await conn.push(group)
+        except SharedRowsMissingError as e:
+            if not legitimately_missing(group, node):
+                stats.errors.append(f"node {node} lost the acknowledged source of a sample: {e}")
+                raise
+            stats.shared_refused_missing_source += 1
+            fallback = [x for r in group for x in (r.prefix_inlined() if r.shared_prefix is not None else [r])]
+            await conn.push(fallback)
+            stats.shared_acked_inline += len(samples_of(group))
+            note_acked(fallback, node, inlined=True)
+            return
+        note_acked(group, node)
+
     async def push_until_killed(cycle: int, victim: int, kill_after: int, jitter: float) -> list[tuple[list[Any], int]]:
         """``clients`` pushers to both nodes until node ``victim`` is SIGKILLed, ``jitter`` seconds
-        after the ``kill_after``-th acknowledged batch; returns the (batch, owner) pairs not acknowledged."""
+        after the ``kill_after``-th acknowledged batch; returns the (batch, owner) pairs not acknowledged.
+
+        Some batches start a GRPO group: their first record is a source, and its samples go in
+        the same batch or, once a node acknowledged the source, to that node (placed by the
+        source's id, like StoreNodesClient)."""
         acks = 0
         killed = asyncio.Event()
         unacked: list[tuple[list[Any], int]] = []
@@ -77,38 +154,92 @@ async def _crash_cycles(
             nonlocal acks
             conns = {0: client(0), 1: client(1)}
             n = 0
+
+            async def send(group: list[Any], i: int) -> bool:
+                nonlocal acks
+                if killed.is_set() and i == victim:
+                    unacked.append((group, i))  # never sent: the node is gone
+                    return False
+                try:
+                    await push_with_fallback(conns[i], group, i)
+                except R3Error as e:
+                    if i != victim:
+                        stats.errors.append(f"survivor refused a push: {type(e).__name__}: {e}")
+                    unacked.append((group, i))
+                    return False
+                acks += 1
+                if acks == kill_after:
+                    loop.call_later(jitter, kill)
+                return True
+
             try:
                 while not killed.is_set():
                     rollout = f"crash-{p % 3}"
                     batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
                     n += len(batch)
+                    later: list[Any] = []
+                    if rng.random() < shared_fraction:
+                        samples = grpo_group(rollout, batch[0])
+                        stats.shared_pushed += len(samples)
+                        if rng.random() < 0.3:
+                            batch += samples
+                            stats.shared_in_source_batch += len(samples)
+                        else:
+                            later = samples
                     groups: dict[int, list[Any]] = {}
-                    for r in batch:
+                    for r in batch + later:
                         pushed.add((r.rollout_id, r.request_id))
-                        groups.setdefault(_owner(f"{r.rollout_id}/{r.request_id}", 2), []).append(r)
+                    for r in batch:
+                        groups.setdefault(_owner(placement_key(r), 2), []).append(r)
                     for i, group in groups.items():
-                        if killed.is_set() and i == victim:
-                            unacked.append((group, i))  # never sent: the node is gone
-                            continue
-                        try:
-                            await conns[i].push(group)
-                        except R3Error as e:
-                            if i != victim:
-                                stats.errors.append(f"survivor refused a push: {type(e).__name__}: {e}")
-                            unacked.append((group, i))
-                            continue
-                        for r in group:
-                            acked[(r.rollout_id, r.request_id)] = r.crc32c
-                            where[(r.rollout_id, r.request_id)] = i
-                        acks += 1
-                        if acks == kill_after:
-                            loop.call_later(jitter, kill)
+                        await send(group, i)
+                    if later:
+                        source = (batch[0].rollout_id, batch[0].request_id)
+                        if source in acked:
+                            await send(later, where[source])
+                        else:  # the source's node died before acknowledging it: the samples wait with it
+                            unacked.append((later, _owner(placement_key(later[0]), 2)))
             finally:
                 for c in conns.values():
                     await c.close()
 
         await asyncio.gather(*(pusher(p) for p in range(clients)))
         return unacked
+
+    async def repush_same_bytes(ro: str, rid: str, make: Callable[[int], list[Any]]) -> tuple[int, int]:
+        """Push an acknowledged request again (a no-op), then with other bytes (refused);
+        returns (accepted again, refused)."""
+        c = client(where[(ro, rid)])
+        try:
+            await c.push(make(0))
+            try:
+                await c.push(make(1))
+                stats.errors.append(f"different bytes for {ro}/{rid} were accepted")
+                return 1, 0
+            except DuplicateRequestError:
+                return 1, 1
+        except R3Error as e:
+            stats.errors.append(f"idempotent re-push of {ro}/{rid} failed: {type(e).__name__}: {e}")
+            return 0, 0
+        finally:
+            await c.close()
+
+    def plain_as_acked(ro: str, rid: str) -> Callable[[int], list[Any]]:
+        """Plain request ``rid`` of ``variant``."""
+        return lambda variant: [make_record(ro, rid, variant=variant)]
+
+    def sample_as_acked(ro: str, rid: str) -> Callable[[int], list[Any]]:
+        """The acknowledged form of sample ``rid`` (reference, or inline), of ``variant``."""
+        parsed = parse_sample_id(rid)
+        assert parsed is not None
+        source, prefix = parsed
+        index = int(rid.rsplit(":", 2)[1])
+
+        def make(variant: int) -> list[Any]:
+            record = make_sample(ro, source, index, prefix, variant=variant)
+            return (record.prefix_inlined() or []) if (ro, rid) in inline else [record]
+
+        return make
 
     try:
         for cycle in range(cycles):
@@ -121,17 +252,21 @@ async def _crash_cycles(
             stats.acked_before_kill = len(acked)
             stats.orphan_arrays_after_kill += _orphans(roots[victim])
             nodes[victim] = spawn_node(roots[victim], token)
-            # Every acknowledged request is there, bit-exact; nothing partial or foreign.
+            # Every acknowledged request is there, bit-exact (a sample: its source's rows 0..P-1,
+            # then its own); nothing partial or foreign.
             check = await asyncio.to_thread(_verify, roots, acked, pushed)
             stats.acked_lost += check["lost"]
             stats.phantom += check["phantom"]
             stats.corrupt += check["corrupt"]
-            # Retry what was not acknowledged: the restarted node or the other one.
+            stats.pending_visible += check["pending"]
+            stats.shared_lost += check["shared_lost"]
+            # Retry what was not acknowledged: the restarted node or the other one (which lacks
+            # the source of a sample pushed alone: refused, then pushed inline).
             for group, i in unacked:
                 target = i if rng.random() < 0.5 else 1 - i
                 c = client(target)
                 try:
-                    await c.push(group)
+                    await push_with_fallback(c, group, target)
                 except R3Error as e:
                     stats.errors.append(f"retry refused: {type(e).__name__}: {e}")
                     continue
@@ -142,28 +277,23 @@ async def _crash_cycles(
                     stats.retried_same_node += len(group)
                 else:
                     stats.retried_other_node += len(group)
-                for r in group:
-                    acked[(r.rollout_id, r.request_id)] = r.crc32c
-                    where[(r.rollout_id, r.request_id)] = target
             # Idempotence: same bytes accepted again; different bytes for the same id refused.
-            if acked:
-                ro, rid = rng.choice(sorted(acked))
-                c = client(where[(ro, rid)])
-                try:
-                    await c.push([make_record(ro, rid)])
-                    stats.idempotent_repushes += 1
-                    try:
-                        await c.push([make_record(ro, rid, variant=1)])
-                        stats.errors.append(f"different bytes for {ro}/{rid} were accepted")
-                    except DuplicateRequestError:
-                        stats.different_bytes_refused += 1
-                except R3Error as e:
-                    stats.errors.append(f"idempotent re-push failed: {type(e).__name__}: {e}")
-                finally:
-                    await c.close()
+            plain = sorted(k for k in acked if parse_sample_id(k[1]) is None)
+            if plain:
+                ro, rid = rng.choice(plain)
+                again, refused = await repush_same_bytes(ro, rid, plain_as_acked(ro, rid))
+                stats.idempotent_repushes += again
+                stats.different_bytes_refused += refused
+            shared = sorted(k for k in acked if parse_sample_id(k[1]) is not None)
+            if shared:
+                ro, rid = rng.choice(shared)
+                again, refused = await repush_same_bytes(ro, rid, sample_as_acked(ro, rid))
+                stats.shared_idempotent_repushes += again
+                stats.shared_different_bytes_refused += refused
             log(
                 f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
-                f"{len(acked)} acked so far, {len(unacked)} batches retried, check {check}"
+                f"{len(acked)} acked so far ({stats.shared_acked} shared samples), {len(unacked)} batches retried, "
+                f"check {check}"
             )
         for node in nodes:
             node.stop()
@@ -171,6 +301,10 @@ async def _crash_cycles(
         stats.acked_lost += final["lost"]
         stats.corrupt += final["corrupt"]
         stats.phantom += final["phantom"]
+        stats.pending_visible += final["pending"]
+        stats.shared_lost += final["shared_lost"]
+        layout = _shared_layout(roots)
+        stats.shared_by_reference, stats.shared_inline = layout["by_reference"], layout["inline"]
         stats.acked_total = len(acked)
         return asdict(stats)
     finally:
@@ -185,13 +319,18 @@ def crash_cycles(
     clients: int = 6,
     seed: int = 0,
     timeout_s: float = 3.0,
+    shared_fraction: float = 0.5,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
-    """SIGKILL a node ``cycles`` times under load; see the module docstring for the checks."""
+    """SIGKILL a node ``cycles`` times under load; see the module docstring for the checks.
+
+    ``shared_fraction``: the share of batches that start a GRPO group (a source and 1-3
+    samples sharing its first rows, :func:`~r3rdma.testing.harness.make_sample`).
+    """
     from r3rdma.transport import configure_ucx_env
 
     configure_ucx_env()
-    return asyncio.run(_crash_cycles(Path(work), cycles, clients, seed, timeout_s, log))
+    return asyncio.run(_crash_cycles(Path(work), cycles, clients, seed, timeout_s, shared_fraction, log))
 
 
 # -- disk full ---------------------------------------------------------------------------------

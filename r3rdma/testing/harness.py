@@ -31,6 +31,53 @@ def make_record(
     return RequestRecord(rollout_id, request_id, ids, tuple(range(layers)), EXPERTS)
 
 
+# A GRPO sample's id names its source and how many rows it shares with it, so its whole rows
+# can be rebuilt from the id alone after a crash: "<source>:<index>:<prefix_rows>". A sample's
+# source may be a sample itself (the id nests). Plain record ids of the scenarios hold no ':'.
+
+
+def sample_id(source_id: str, index: int, prefix_rows: int) -> str:
+    """The id of the ``index``-th sample sharing rows ``0 .. prefix_rows - 1`` of ``source_id``."""
+    return f"{source_id}:{index}:{prefix_rows}"
+
+
+def parse_sample_id(request_id: str) -> tuple[str, int] | None:
+    """(source id, shared rows) of a :func:`sample_id`, or None for a plain record's id."""
+    parts = request_id.rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[2])
+
+
+def make_sample(rollout_id: str, source_id: str, index: int, prefix_rows: int, *, variant: int = 0, copy: bool = True):
+    """A sample sharing rows ``0 .. prefix_rows - 1`` of ``source_id`` (a :class:`SharedPrefix`
+    record: only its own rows, from row ``prefix_rows`` on); ``copy``: with the client-side copy
+    of the shared rows a writer falls back on (:meth:`RequestRecord.prefix_inlined`).
+
+    Its own rows depend only on (rollout, sample id, variant), like :func:`make_record`'s.
+    """
+    from r3rdma.records import RequestRecord, SharedPrefix
+
+    rid = sample_id(source_id, index, prefix_rows)
+    own = make_record(rollout_id, rid, variant=variant).ids_TLK
+    shared = expected_rows(rollout_id, source_id)
+    if shared.shape[0] < prefix_rows:
+        raise ValueError(f"source {source_id!r} has {shared.shape[0]} rows, fewer than the {prefix_rows} shared")
+    prefix = SharedPrefix(source_id, prefix_rows, shared[:prefix_rows].copy() if copy else None)
+    return RequestRecord(rollout_id, rid, own, tuple(range(LAYERS)), EXPERTS, start_row=prefix_rows, shared_prefix=prefix)
+
+
+def expected_rows(rollout_id: str, request_id: str) -> np.ndarray:
+    """The whole rows a reader must see for a request of :func:`make_record` (default rows) or
+    :func:`make_sample`: a sample's are its source's rows ``0 .. P - 1``, then its own."""
+    own = make_record(rollout_id, request_id).ids_TLK
+    parsed = parse_sample_id(request_id)
+    if parsed is None:
+        return own
+    source_id, prefix_rows = parsed
+    return np.concatenate([expected_rows(rollout_id, source_id)[:prefix_rows], own])
+
+
 def _owner(key: str, n: int) -> int:
     from r3rdma.write.push_client import rendezvous_order
 
@@ -38,20 +85,54 @@ def _owner(key: str, n: int) -> int:
     return names.index(rendezvous_order(names, key)[0])
 
 
-def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
-    """rollout -> {request_id: crc32c} of every committed request under ``roots`` (merged)."""
+def _indexes(roots: Sequence[Path]) -> list[tuple[Path, str, Any]]:
+    """(root, rollout, RolloutIndex) of every rollout with an index under ``roots``."""
     from r3rdma.store.rollout_index import load_index, read_file
 
-    out: dict[str, dict[str, int]] = {}
+    out = []
     for root in roots:
         if not root.is_dir():
             continue
         for child in root.iterdir():
             index = load_index(child.name, read_file(child), str(root)) if child.is_dir() else None
             if index is not None:
-                mine = out.setdefault(child.name, {})
-                for rid, entry in index.requests.items():
-                    mine[rid] = entry.segments[0].crc32c
+                out.append((root, child.name, index))
+    return out
+
+
+def _visible(roots: Sequence[Path]) -> dict[str, dict[str, int]]:
+    """rollout -> {request_id: crc32c} of every committed request under ``roots`` (merged).
+
+    The CRC-32C is the request's last segment's: the rows its final record carried (a plain
+    record's all; a shared-prefix sample's own rows, however its prefix was stored).
+    """
+    out: dict[str, dict[str, int]] = {}
+    for _root, rollout, index in _indexes(roots):
+        mine = out.setdefault(rollout, {})
+        for rid, entry in index.requests.items():
+            mine[rid] = entry.segments[-1].crc32c
+    return out
+
+
+def _pending(roots: Sequence[Path]) -> int:
+    """Requests with stored parts that are not visible (a partial request) under ``roots``."""
+    return sum(len(index.pending) for _root, _rollout, index in _indexes(roots))
+
+
+def _shared_layout(roots: Sequence[Path]) -> dict[str, int]:
+    """How the visible :func:`make_sample` requests are stored, per root holding them:
+    ``by_reference`` (the first segment is the source's stored bytes: stored once) or
+    ``inline`` (the sample's own copy of the prefix rows, a refused reference's fallback)."""
+    out = {"by_reference": 0, "inline": 0}
+    for _root, _rollout, index in _indexes(roots):
+        for rid, entry in index.requests.items():
+            parsed = parse_sample_id(rid)
+            if parsed is None:
+                continue
+            source = index.requests.get(parsed[0])
+            first = entry.segments[0]
+            shared = source is not None and (first.array, first.offset) == (source.segments[0].array, source.segments[0].offset)
+            out["by_reference" if shared else "inline"] += 1
     return out
 
 
@@ -63,15 +144,20 @@ def _verify(
     read_bytes: bool = True,
     exact: bool = True,
 ) -> dict[str, int]:
-    """Check acknowledged requests against the roots; return loss / phantom / corrupt counts.
+    """Check acknowledged requests against the roots; return loss / phantom / corrupt counts,
+    ``pending`` (requests stored in part: a commit a crash cut would show here) and
+    ``shared_lost`` (acknowledged :func:`make_sample` requests missing).
 
     Reads every visible request back through :class:`RoutingReader` (checksums verified) and
-    compares its bytes with the deterministic record (``read_bytes``), else compares CRCs.
+    compares its bytes with the deterministic record (``read_bytes``; a sample's whole rows,
+    :func:`expected_rows`), else compares CRCs.
     """
     from r3rdma.read.reader import RoutingReader
 
     visible = _visible(roots)
-    lost = sum(1 for (ro, rid) in acked if rid not in visible.get(ro, {}))
+    missing = [(ro, rid) for (ro, rid) in acked if rid not in visible.get(ro, {})]
+    lost = len(missing)
+    shared_lost = sum(1 for _ro, rid in missing if parse_sample_id(rid) is not None)
     phantom = sum(1 for ro, reqs in visible.items() for rid in reqs if (ro, rid) not in pushed)
     corrupt = 0
     with RoutingReader([str(r) for r in roots if r.is_dir()]) as reader:
@@ -83,13 +169,20 @@ def _verify(
                     got = reader.get_numpy(ro, part)  # CRC-32C of every segment verified
                     for rid in part:
                         # Records made with default rows are reproducible: compare the bytes.
-                        if exact and not np.array_equal(got[rid], make_record(ro, rid).ids_TLK):
+                        if exact and not np.array_equal(got[rid], expected_rows(ro, rid)):
                             corrupt += 1
                 for rid in part:
                     want = acked.get((ro, rid))
                     if want is not None and reqs[rid] != want:
                         corrupt += 1
-    return {"lost": lost, "phantom": phantom, "corrupt": corrupt, "visible": sum(map(len, visible.values()))}
+    return {
+        "lost": lost,
+        "phantom": phantom,
+        "corrupt": corrupt,
+        "pending": _pending(roots),
+        "shared_lost": shared_lost,
+        "visible": sum(map(len, visible.values())),
+    }
 
 
 def _orphans(root: Path) -> int:
