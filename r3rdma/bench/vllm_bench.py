@@ -81,9 +81,8 @@ def run_vllm_bench(
             )
         )
         prompts, new_lens = _workload(requests, max_new, seed)
-        per_mode = {
-            mode: _run_mode(mode, model, f"{work}/store-{mode}", prompts, new_lens, rounds, seed, running) for mode in modes
-        }
+        engine = dict(model=model, seed=seed, max_num_seqs=running)  # max_num_seqs: requests the engine runs at once
+        per_mode = {mode: _run_mode(mode, engine, f"{work}/store-{mode}", prompts, new_lens, rounds) for mode in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
@@ -102,30 +101,20 @@ def run_vllm_bench(
     return result
 
 
-def _run_mode(
-    mode: str,
-    model: str,
-    store: str,
-    prompts: list[TokensPrompt],
-    new_lens: list[int],
-    rounds: int,
-    seed: int,
-    running: int,
-) -> dict:
-    """Plug-in off and on for one compilation mode: two engines, rounds interleaved."""
+def _run_mode(mode: str, engine: dict, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int) -> dict:
+    """Plug-in off and on for one compilation mode: two engines (``engine``: their model, seed
+    and ``max_num_seqs``), rounds interleaved."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
     from r3rdma.integrations.vllm import flush_routing
 
     common: dict[str, Any] = dict(  # LLM's arguments, the same for both engines
-        model=model,
+        **engine,
         dtype="bfloat16",
         enforce_eager=mode == "eager",
         skip_tokenizer_init=True,
-        seed=seed,
         max_model_len=512,
-        max_num_seqs=running,  # requests the engine runs at once
         gpu_memory_utilization=0.15,
     )
     engines = {"off": LLM(**common), "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
@@ -160,8 +149,8 @@ def _run_mode(
                 if side == "on":
                     host_s, steps = counters["host_seconds"], counters["steps"]
     finally:
-        for engine in engines.values():
-            engine.llm_engine.engine_core.shutdown()
+        for llm in engines.values():
+            llm.llm_engine.engine_core.shutdown()
     off, on = statistics.median(tok_s["off"]), statistics.median(tok_s["on"])
     tokens_per_round = sum(new_lens)
     step_s = tokens_per_round / off / max(steps / (rounds + 1), 1)  # mean step time with the plug-in off
