@@ -2,11 +2,10 @@
 
 import json
 
-from r3rdma.bench.trainer_layout_bench import cp_spans, run_trainer_layout_bench, stage_layers
+from r3rdma.bench.trainer_layout_bench import cp_spans, run_trainer_layout_bench
 
 
 def test_layout_helpers():
-    assert stage_layers(48, 4, 1) == list(range(12, 24))
     # 10 stored rows + the unrecorded tail = 11 tokens, padded to 12, chunks of 3
     assert cp_spans(10, 2, 0) == [(0, 3), (9, 10)] and cp_spans(10, 2, 1) == [(3, 6), (6, 9)]
     assert cp_spans(10, 1, 0) == [(0, 10)]

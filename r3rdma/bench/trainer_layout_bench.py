@@ -62,7 +62,7 @@ from r3rdma.bench.support import (
 )
 from r3rdma.read.rows import cp_row_spans
 
-__all__ = ["run_trainer_layout_bench", "add_arguments", "main", "QUICK", "FULL", "cp_spans", "stage_layers"]
+__all__ = ["run_trainer_layout_bench", "add_arguments", "main", "QUICK", "FULL", "cp_spans"]
 
 _GOAL_PER_RANK = 1.25
 _GOAL_TOTAL = 1.25
@@ -83,13 +83,6 @@ def cp_spans(rows: int, cp_size: int, cp_rank: int, unrecorded_tail: int = 1) ->
     :func:`~r3rdma.read.rows.cp_row_spans` says."""
     parts = 2 * cp_size
     return cp_row_spans(rows, -(-(rows + unrecorded_tail) // parts) * parts, cp_size, cp_rank)
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> list[int]:
-    """Decoder layers of pipeline stage ``stage`` of ``pp`` (equal contiguous stages, as Megatron
-    splits a model whose layer count ``pp`` divides)."""
-    per = num_layers // pp
-    return list(range(stage * per, (stage + 1) * per))
 
 
 # -- the reader processes -------------------------------------------------------------------------
@@ -262,20 +255,19 @@ def run_trainer_layout_bench(
         itemsize = rollout.pool.itemsize
         shares = [[rid for rid in sorted(rows) if int(rid[1:]) % dp == d] for d in range(dp)]
         batches = [[share[i : i + micro_batch] for i in range(0, len(share), micro_batch)] for share in shares]
+        per = layers // pp  # decoder layers of a pipeline stage (equal stages, as Megatron splits them)
 
         def rank_of(d: int, t: int, p: int, c: int) -> int:
             return ((d * pp + p) * cp + c) * tp + t
 
         def replayed(d: int, p: int, c: int) -> int:
-            per = layers // pp
-            held = sum(hi - lo for rid in shares[d] for lo, hi in cp_spans(rows[rid], cp, c))
-            return held * per * top_k * itemsize
+            return sum(hi - lo for rid in shares[d] for lo, hi in cp_spans(rows[rid], cp, c)) * per * top_k * itemsize
 
         def task(d: int, t: int, p: int, c: int, sliced: bool) -> dict[str, Any]:
             return {
                 "rank": rank_of(d, t, p, c),
                 "batches": batches[d],
-                "layers": stage_layers(layers, pp, p) if sliced else None,
+                "layers": list(range(p * per, (p + 1) * per)) if sliced else None,
                 "rows": {rid: cp_spans(rows[rid], cp, c) for rid in shares[d]} if sliced and cp > 1 else None,
             }
 
