@@ -11,6 +11,7 @@ the same for snapshots), or the parent kills it at a random moment ("random").""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -48,12 +49,17 @@ def _batch(k: int) -> list[RequestRecord]:
     ]
 
 
+# The child runs _batch's own source (importing this module would cost it ~2 s: pytest, readers).
 _CHILD = r"""
+from __future__ import annotations
 import os, signal, sys
 from pathlib import Path
 import r3rdma.store.layout as layout
 import r3rdma.store.local_store as ls
-from tests.test_shared_prefix_crash import ROLLOUT, _batch
+from r3rdma.records import RequestRecord
+from r3rdma.testing.harness import make_record, make_sample
+ROLLOUT = {rollout!r}
+{batch}
 root, first, kill_at, nth = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 calls = {}
 
@@ -105,8 +111,9 @@ def _run_child(root: Path, first: int, kill_at: str, nth: int, kill_after_acks: 
     """Acknowledged batches of one child run (killed at ``kill_at`` of its ``nth`` commit)."""
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = _CHILD.replace("{rollout!r}", repr(ROLLOUT)).replace("{batch}", inspect.getsource(_batch))
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(root), str(first), kill_at, str(nth)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", child, str(root), str(first), kill_at, str(nth)], stdout=subprocess.PIPE, text=True, env=env
     )
     acked: list[int] = []
     assert proc.stdout is not None
