@@ -367,6 +367,9 @@ class LocalRoutingStore:
         commit in flight (before a delete, or answering what is pending)."""
         if self._publisher.settle(drain):
             self._indexes.clear()
+            # The failed commits' arrays are removed and their names given to later batches
+            # with other rows: a checksum read from one of them would describe rows that are gone.
+            self._cut_checksums.clear()
 
     def _index(self, rollout_id: str) -> RolloutIndex:
         index = self._indexes.get(rollout_id)
@@ -388,7 +391,8 @@ class LocalRoutingStore:
 
         Read back with zarr (the array is written, if not yet durable: a commit is written
         before the next one is planned). Remembered per (rollout uid, array, offset, rows):
-        the n samples of one prompt share the same cut, and batch arrays are never rewritten.
+        the n samples of one prompt share the same cut, and batch arrays are never rewritten
+        (a failed publish removes the arrays it wrote: :meth:`_settle` forgets these then).
         """
         key = (rollout_id, uid, array, offset, rows)
         crc = self._cut_checksums.get(key)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 
-from r3rdma.errors import InvalidIdError, SegmentOverlapError, SharedRowsMissingError, ShapeMismatchError
+from r3rdma.errors import InvalidIdError, SegmentOverlapError, SharedRowsMissingError, ShapeMismatchError, StoreError
 from r3rdma.read.reader import RoutingReader
 from r3rdma.records import RequestRecord, SharedPrefix, checksum
 from r3rdma.store.local_store import LocalRoutingStore
@@ -215,6 +215,43 @@ def test_inline_first_then_a_reference_is_a_duplicate(tmp_path):
         store.commit([_plain("src", src_ids)])
         store.commit(record.prefix_inlined())
         assert store.commit([record]).duplicates == 1
+
+
+def test_a_failed_publish_forgets_the_cut_checksums_of_its_arrays(tmp_path, monkeypatch):
+    """A commit whose flush fails leaves its array name to the next batch, with other rows: a
+    cut's checksum read from the failed array must not describe the new one (it was cached)."""
+    import threading
+
+    import r3rdma.store.layout as layout
+
+    rng = np.random.default_rng(5)
+    real, gate = layout.fsync_paths, {"fail": False, "entered": threading.Event(), "release": threading.Event()}
+
+    def fsync_paths(paths):
+        if gate["fail"]:
+            gate["fail"] = False
+            gate["entered"].set()
+            gate["release"].wait(30)
+            raise OSError(28, "No space left on device")
+        real(paths)
+
+    monkeypatch.setattr(layout, "fsync_paths", fsync_paths)
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit([_plain("first", _rows(rng, 10))])
+        gate["fail"] = True
+        failed = store.commit_async([_plain("srcA", _rows(rng, 40))])  # b00000002: its flush fails
+        gate["entered"].wait(30)
+        src_a = _rows(rng, 40)
+        cut = store.commit_async([_sample("sa", src_a, 20, _rows(rng, 5), source="srcA", with_copy=False)[0]])
+        gate["release"].set()
+        for future in (failed, cut):
+            with pytest.raises(StoreError):
+                future.result()
+        src_b, own = _rows(rng, 40), _rows(rng, 5)
+        store.commit([_plain("srcB", src_b)])  # b00000002 again, other rows at offset 0
+        store.commit([_sample("sb", src_b, 20, own, source="srcB", with_copy=False)[0]])  # the same cut
+    got = RoutingReader(tmp_path).get_numpy(ROLLOUT, ["sb"])["sb"]
+    np.testing.assert_array_equal(got, np.concatenate([src_b[:20], own]))
 
 
 def test_snapshots_and_reopening_keep_referencing_entries(tmp_path):
