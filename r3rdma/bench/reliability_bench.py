@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         "acked_before_kills": crash["acked_total"],
         "unacked_retried": crash["unacked_retried"],
         "acknowledged_lost": crash["acked_lost"] + ld["acked_lost"],
-        "partial_or_corrupt_visible": crash["phantom"] + crash["corrupt"] + ld["corrupt"] + ld["phantom"],
+        "partial_or_corrupt_visible": sum(crash[k] + ld.get(k, 0) for k in ("phantom", "corrupt", "pending_visible")),
         "frames_fuzzed": fz.frames,
         "fuzz_untyped_replies": len(fz.untyped),
         "fuzz_hangs": fz.hangs,
