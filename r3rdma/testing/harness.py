@@ -238,6 +238,7 @@ def unchecked_record(
         "crc32c": crc32c,
         "final": True,
         "total_rows": None,
+        "shared_prefix": None,
     }
     for f in fields(RequestRecord):
         object.__setattr__(record, f.name, values[f.name])
