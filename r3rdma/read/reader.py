@@ -50,6 +50,7 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
+from r3rdma.read.checksums import crc32c_concat
 from r3rdma.read.layers import layer_list, layer_selection
 from r3rdma.read.packed import PackedRouting, pack, to_torch
 from r3rdma.read.rows import Spans, check_named, check_rows, row_spans, select_segments
@@ -767,6 +768,19 @@ def _checksums(pieces: list[np.ndarray]) -> list[int]:
     return [checksum(piece) for piece in pieces]
 
 
+def _whole_checksum(entry: RequestEntry, row_bytes: int) -> int:
+    """The CRC-32C of the request's rows, all of them in row order, from its segments'."""
+    return crc32c_concat((s.crc32c, s.rows * row_bytes) for s in entry.segments)
+
+
+def _copy_of(entry: RequestEntry) -> str:
+    """A copy of a request, as a message about copies that differ shows it."""
+    return (
+        f"rows {entry.start_row}..{entry.end_row - 1} in segments of {[s.rows for s in entry.segments]} rows, "
+        f"crc32c {[s.crc32c for s in entry.segments]}"
+    )
+
+
 @dataclass(slots=True)
 class _RowRange:
     """Rows ``lo .. hi - 1`` of one batch array, read in one ranged read, and the wanted
@@ -812,21 +826,42 @@ class _MergedIndex:
         return [(i, index.requests[rid]) for i, index in self.per_source.items() if rid in index.requests]
 
     def check_replicas(self, rollout_id: str, sources: list[Source], request_ids: list[str]) -> None:
-        """Every copy of each request must hold the same rows (checksums), else
-        :class:`CorruptDataError` naming both nodes."""
+        """Every copy of each request must hold the same rows, else :class:`CorruptDataError`
+        naming both nodes.
+
+        Copies cut into the same segments compare their segments' CRC-32Cs (a request's copies
+        with equal checksum lists are taken as equal, as before #35). Copies of the same rows
+        may be cut differently (issue #35: a shared prefix stored by reference on one node,
+        inline on another, or a request re-pushed whole after a failover): those compare one
+        CRC-32C of the whole request each, combined from their segments' (the rare case; it
+        hashes zeros as long as the request, :func:`~r3rdma.read.checksums.crc32c_concat`)."""
         if len(self.per_source) < 2:
             return
+        row_bytes = 0  # bytes of one row, known once a request needs it
         for rid in request_ids:
             copies = self.holders(rid)
             if len(copies) < 2:
                 continue
-            first = [s.crc32c for s in copies[0][1].segments]
+            first_src, first = copies[0]
+            first_crcs, first_span = [s.crc32c for s in first.segments], (first.start_row, first.rows)
+            first_whole: int | None = None  # first's whole CRC-32C, computed once if needed
             for src, entry in copies[1:]:
-                other = [s.crc32c for s in entry.segments]
-                if other != first:
+                span = (entry.start_row, entry.rows)
+                if span == first_span and [s.crc32c for s in entry.segments] == first_crcs:
+                    continue  # the usual case, as cheap as before #35: the same rows, the same cuts
+                if span != first_span or [s.rows for s in entry.segments] == [s.rows for s in first.segments]:
+                    same = False  # other rows, or the same cuts with other checksums
+                else:
+                    if not row_bytes:
+                        g = self.geometry
+                        row_bytes = g["num_layers"] * g["top_k"] * np.dtype(g["dtype"]).itemsize
+                    if first_whole is None:
+                        first_whole = _whole_checksum(first, row_bytes)
+                    same = _whole_checksum(entry, row_bytes) == first_whole
+                if not same:
                     raise CorruptDataError(
                         f"request {rid!r} of rollout {rollout_id!r} is stored with different rows on "
-                        f"{sources[copies[0][0]].name} (crc32c {first}) and {sources[src].name} (crc32c {other})"
+                        f"{sources[first_src].name} ({_copy_of(first)}) and {sources[src].name} ({_copy_of(entry)})"
                     )
 
     def same(self, indexes: list[RolloutIndex | None]) -> bool:
