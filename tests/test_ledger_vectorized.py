@@ -125,6 +125,7 @@ class Harness:
 
     def check(self) -> None:
         ledger = self.ledger
+        ledger._apply_log()  # decode steps logged and not yet in the pages (read directly below)
         assert ledger.active_requests == len(self.model)
         assert set(ledger._lanes) == set(self.model)
         for rid, entry in self.model.items():
@@ -203,7 +204,8 @@ def test_ledger_matches_dict_model(data, page_positions, lanes, pages, num_ops):
     h = Harness(page_positions=page_positions, lanes=lanes, pages=pages)
     for _ in range(num_ops):
         _run_op(h, data)
-        h.check()
+        if data.draw(st.booleans()):  # not after every op: decode steps stay logged across several
+            h.check()
     for rid in list(h.model):
         h.forget(rid)
     h.check()

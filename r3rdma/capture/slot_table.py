@@ -73,6 +73,7 @@ class SlotTable:
         self.gen = np.zeros(num_slots, dtype=np.int64)  # writes so far, per slot
         self.valid = np.zeros(num_slots, dtype=bool)  # written and not released since
         self._seen = np.zeros(num_slots, dtype=np.int32)  # scratch of check_distinct
+        self._stamps = np.arange(256, dtype=np.int32)  # check_distinct's stamps, sliced (one numpy call less per step)
 
     # -- indices ------------------------------------------------------------------------------
 
@@ -99,7 +100,9 @@ class SlotTable:
         n = slots.size
         if n < 2:
             return
-        stamp = np.arange(n, dtype=np.int32)
+        if self._stamps.size < n:
+            self._stamps = np.arange(max(n, 2 * self._stamps.size), dtype=np.int32)
+        stamp = self._stamps[:n]
         self._seen[slots] = stamp
         if (self._seen[slots] != stamp).any():
             raise ShapeMismatchError("a slot appears twice in one step: each token writes its own KV slot")

@@ -30,7 +30,9 @@ request stored once". The mapping onto the capturer's calls:
   model (the drafter's routers are never hooked).
 - Positions a request did not compute in this engine's steps but holds in KV (a prefix-cache
   hit, a request resumed after preemption whose blocks were still cached) are announced with
-  ``attach_cached`` from the same block table, the first time a step starts past them.
+  ``attach_cached`` from the same block table when the request enters the batch (the
+  scheduler output's new requests, and those resumed after preemption): a running request
+  always starts where its last step ended, so the step path looks at no other request.
 - Lifecycle, from the scheduler output at the start of the next ``execute_model``, before any
   slot is rewritten: finished requests (with the totals and stored id the scheduler side of the
   plug-in attached, :mod:`r3rdma.integrations.vllm.scheduler`) go to ``finish_request``;
@@ -44,7 +46,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,8 +93,8 @@ class RunnerRecorder:
         self._check_next_step = True  # the first real step proves every hooked layer writes
         self._sentinel: int | None = None  # the value that step's rows were filled with
         self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
-        self._pending: tuple | None = None  # (req_ids, starts, counts, slots) from _prepare_inputs
-        self._known: dict[str, int] = {}  # request -> positions the capturer holds (0 .. n-1)
+        self._pending: tuple | None = None  # (req_ids, starts, counts, slots, entering) from _prepare_inputs
+        self._ones = np.ones(256, dtype=np.int64)  # a decode step's token counts (a slice of it)
         # Prefix hits on KV the same forward computes (request, positions, slots), attached once
         # the step wrote those slots (see begin).
         self._attach_after_step: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -216,13 +217,24 @@ class RunnerRecorder:
         batch = self.runner.input_batch
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
-        counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
         starts = batch.num_computed_tokens_cpu[:n].astype(np.int64)
-        if int(counts.sum()) == n:  # decodes only (the common step): token i is request i's next position
+        if scheduler_output.total_num_scheduled_tokens == n:
+            # Decodes only (the common step): token i is request i's next position. No
+            # per-request lookup of the token counts (each numpy call or pass over the batch
+            # costs microseconds here, with the caches cold from the forward).
+            if self._ones.size < n:
+                self._ones = np.ones(max(n, 2 * self._ones.size), dtype=np.int64)
+            counts = self._ones[:n]
             slots = self._slots(np.arange(n), starts)
         else:
+            counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
             slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
-        self._pending = (req_ids, starts, counts, slots)
+        # Requests that may start past position 0 without having computed it here: new ones
+        # (a prefix-cache hit) and ones resumed after preemption (blocks still cached). A
+        # running request always starts where its last step ended.
+        entering = [d.req_id for d in scheduler_output.scheduled_new_reqs]
+        entering.extend(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        self._pending = (req_ids, starts, counts, slots, entering)
         self.host_seconds += time.perf_counter() - t0
 
     def _slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -237,24 +249,26 @@ class RunnerRecorder:
         if pending is None or self.capturer is None:
             return
         t0 = time.perf_counter()
-        req_ids, starts, counts, slots = pending
+        req_ids, starts, counts, slots, entering = pending
         cap = self.capturer
-        known = np.fromiter(map(self._known.get, req_ids, repeat(0)), dtype=np.int64, count=len(req_ids))
-        for i in np.flatnonzero(starts > known).tolist():
+        index = self.runner.input_batch.req_id_to_index
+        for rid in entering:
+            i = index.get(rid)
+            if i is None or i >= len(req_ids) or not starts[i]:
+                continue
             # Positions this request holds in KV but never computed here: a prefix-cache hit,
-            # or blocks still cached when a preempted request resumed (rare: a loop over those).
-            positions = np.arange(known[i], starts[i], dtype=np.int64)
+            # or blocks still cached when a preempted request resumed.
+            positions = np.arange(starts[i], dtype=np.int64)
             hit = self._slots(np.full(positions.size, i), positions)
             if np.isin(hit, slots).any():
                 # vLLM caches a block when it allocates it, so a request scheduled in the same
                 # step as the one computing a prompt (n > 1 samples, a shared system prompt)
                 # hits blocks this very forward writes (each layer writes the whole batch's KV
                 # before any attention reads it). Their rows exist once the step has ended.
-                self._attach_after_step.append((req_ids[i], positions, hit))
+                self._attach_after_step.append((rid, positions, hit))
             else:
-                cap.attach_cached(req_ids[i], positions, hit)
+                cap.attach_cached(rid, positions, hit)
             self.positions_attached += int(positions.size)
-        self._known.update(zip(req_ids, (starts + counts).tolist()))
         cap.begin_step(req_ids, starts, counts, slots, graphed=True)
         total = int(slots.size)
         self._step_tokens = total
@@ -320,7 +334,6 @@ class RunnerRecorder:
 
     def _lifecycle(self, cap: RoutingCapturer, scheduler_output: Any) -> None:
         for rid in scheduler_output.preempted_req_ids or ():
-            self._known.pop(rid, None)
             cap.preempt_request(rid)
         if not scheduler_output.finished_req_ids:
             return
@@ -342,7 +355,6 @@ class RunnerRecorder:
             self._finish(cap, rid, fin)
 
     def _finish(self, cap: RoutingCapturer, rid: str, fin: FinishedRequest | None) -> None:
-        self._known.pop(rid, None)
         if fin is None or fin.stored_id is None:
             cap.abort_request(rid)
             self.requests_aborted += 1
