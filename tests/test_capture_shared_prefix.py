@@ -15,7 +15,7 @@ from r3rdma.capture.shared_rows import StoredPrefixes
 from r3rdma.store.local_store import LocalRoutingStore
 from r3rdma.write.writer import RoutingWriter
 from tests.sinks import ListSink
-from tests.test_capture import expected, run_step
+from tests.test_capture import expected, fake_topk, run_step
 
 LAYERS, K, E = (0, 1, 3), 2, 16
 
@@ -117,3 +117,42 @@ def test_the_oldest_stored_request_is_forgotten_first(capacity):
     prefixes.remember("r", "b", np.arange(10, 14), np.zeros(4, np.int64))
     assert len(prefixes) == capacity
     assert (prefixes.match("r", np.arange(6), np.zeros(6, np.int64)) is None) == (capacity == 1)
+
+
+@pytest.mark.gpu
+def test_staged_finishes_on_the_gpu_store_shared_rows_once(tmp_path):
+    """On CUDA a finished request leaves through the staged path (gather on the device, copy to
+    pinned memory, record built on the writer's thread): the split record (own rows + the
+    reference) is built there by the same make_record, and reads back as on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def step(cap, ids, starts, counts, slots):
+        cap.begin_step(ids, starts, counts, slots)
+        for layer in cap.layer_map:
+            cap.record(layer, fake_topk(ids, starts, counts, layer, cap.top_k, E).cuda())
+        cap.end_step()
+
+    writer = RoutingWriter(LocalRoutingStore(tmp_path / "gpu"), owns_store=True, flush_interval_s=0.0)
+    cap = RoutingCapturer(layer_map=LAYERS, top_k=K, num_experts=E, num_slots=512, sink=writer, rollout_id="r",
+                          owns_sink=True, device="cuda")
+    with cap:
+        step(cap, ["a"], [0], [40], list(range(40)))
+        cap.fork_request("a", "c", 40)
+        step(cap, ["a"], [40], [1], [40])
+        cap.finish_request("a", prompt_len=40, generated_len=2)
+        cap.attach_cached("b", range(32), range(32))
+        step(cap, ["b", "c"], [32, 40], [8, 1], list(range(100, 108)) + [200])
+        cap.finish_request("b", prompt_len=40, generated_len=1)
+        cap.finish_request("c", prompt_len=40, generated_len=2)
+        cap.flush()
+        writer.flush()
+    rows = RoutingReader(tmp_path / "gpu").get("r", ["a", "b", "c"])
+    np.testing.assert_array_equal(rows["a"].numpy(), expected("a", 41, cap))
+    np.testing.assert_array_equal(rows["b"].numpy()[:32], expected("a", 32, cap))
+    np.testing.assert_array_equal(rows["b"].numpy()[32:], expected("b", 40, cap)[32:])
+    np.testing.assert_array_equal(rows["c"].numpy()[:40], expected("a", 40, cap))
+    np.testing.assert_array_equal(rows["c"].numpy()[40:], expected("c", 41, cap)[40:])
+    assert rows_stored(tmp_path / "gpu" / "r") == 41 + 8 + 1  # b's and c's prompt rows are a's
