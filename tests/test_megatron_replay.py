@@ -212,6 +212,35 @@ def test_thd_cp2_zigzag_per_sequence(stored):
         rank_targets(stored, ids, MicroBatch.thd(ids, [lens[i] for i in ids], pad_to_multiple_of=2), ParallelLayout(cp_size=2), dict(context_parallel_size=2))
 
 
+def test_cp_ranks_read_only_their_rows(stored):
+    """prefetch_routing(layout=) reads each CP rank's rows alone (cp_rows: fewer rows read);
+    its targets equal those of whole reads, padded and thd, every rank."""
+    from r3rdma.integrations.megatron import cp_rows
+
+    reader, lens, _ = stored
+    ids = ["r4", "r2", "r3"]
+    cases = [
+        MicroBatch.thd(ids, [lens[i] for i in ids], pad_to_multiple_of=4),
+        MicroBatch.padded(ids, [lens[i] for i in ids], seq_length=16),
+    ]
+    for batch in cases:
+        for rank in range(2):
+            layout = ParallelLayout(cp_size=2, cp_rank=rank)
+            replay = MegatronReplay(Stage(config(context_parallel_size=2), [0, 2, 3]), layout=layout)
+            (got_batch, sliced), = prefetch_routing(reader, "roll", [batch], layout=layout)
+            read = sliced.cu_seqlens.diff().tolist()
+            assert read == [sum(b - a for a, b in cp_rows([batch], layout)[rid]) for rid in ids]
+            assert sum(read) < sum(lens[i] - 1 for i in ids)  # the other rank's rows stayed on the node
+            with replay.step():
+                whole = replay.targets(reader.get_packed("roll", ids), batch)
+                assert torch.equal(replay.targets(sliced, got_batch), whole)
+            other = ParallelLayout(cp_size=2, cp_rank=1 - rank)
+            (_, wrong), = prefetch_routing(reader, "roll", [batch], layout=other)
+            if wrong.cu_seqlens.diff().tolist() != read:  # another rank's rows do not pass as this one's
+                with replay.step(), pytest.raises(ShapeMismatchError, match="context-parallel"):
+                    replay.targets(wrong, batch)
+
+
 def test_sp2_thd_slices_concatenate(stored):
     _, lens, rows = stored
     ids = ["r0", "r3"]

@@ -176,8 +176,8 @@ def cp_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str, 
     """Each request's rows this rank's context-parallel share holds, for the reader's ``rows=``
     (``prefetch``, ``get_numpy``): only the row chunks holding them are fetched. A thd batch
     splits each sequence over its padded span, a padded batch over ``seq_length``. Without
-    sequence parallel only; :meth:`MegatronReplay.load` takes whole micro-batches, so this is
-    for a rank that gathers its routing itself (or the bench of issue #34)."""
+    sequence parallel only. :func:`prefetch_routing` reads them with ``layout=``, and
+    :meth:`MegatronReplay.load` takes routing read either way (whole, or these rows)."""
     if layout.sequence_parallel and layout.tp_size > 1:
         raise ConfigError("cp_rows does not split sequence-parallel rows; read whole micro-batches with sequence parallel")
     out: dict[str, list[tuple[int, int]]] = {}
@@ -219,11 +219,30 @@ def _local_rows(
     cu = routing.cu_seqlens.tolist()
     stored = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     expected = [n - batch.unrecorded_tail for n in batch.seq_lens]
+    # A request read whole holds row p at p; one read with this rank's context-parallel rows
+    # (prefetch_routing(layout=), cp_rows) holds its spans back to back: row p of span (a, b)
+    # at (first span's length if p is in the second) + p - a. Per request, by its row count.
+    first_lo = [0] * len(stored)
+    first_hi = [max(expected, default=0)] * len(stored)
+    second_lo = [0] * len(stored)
     if stored != expected:
-        bad = [(rid, e, s) for rid, e, s in zip(batch.request_ids, expected, stored) if e != s]
-        raise ShapeMismatchError(
-            f"stored rows must be seq_len - unrecorded_tail ({batch.unrecorded_tail}); (request, expected, stored): {bad[:5]}"
-        )
+        bad = []
+        for i, (rid, want, got) in enumerate(zip(batch.request_ids, expected, stored)):
+            if got == want:
+                continue
+            cu_pad = batch.cu_seqlens_padded
+            padded = batch.seq_length if batch.fmt == "padded" or cu_pad is None else cu_pad[i + 1] - cu_pad[i]
+            spans = cp_row_spans(want, padded, layout.cp_size, layout.cp_rank) if layout.cp_size > 1 else []
+            if got != sum(hi - lo for lo, hi in spans):
+                bad.append((rid, want, got))
+                continue
+            first_lo[i], first_hi[i] = spans[0] if spans else (0, 0)
+            second_lo[i] = spans[1][0] if len(spans) > 1 else 0
+        if bad:
+            raise ShapeMismatchError(
+                f"stored rows must be seq_len - unrecorded_tail ({batch.unrecorded_tail}), or this context-parallel "
+                f"rank's rows of it (cp_rows); (request, expected, read): {bad[:5]}"
+            )
     seq_lens = torch.tensor(batch.seq_lens)
     starts = torch.tensor(cu[:-1])
     if batch.fmt == "padded":
@@ -244,7 +263,9 @@ def _local_rows(
         pos, seq = pos[keep], seq[keep]
         row = torch.tensor(cu_pad[:-1])[seq] + pos
     recorded = pos < seq_lens[seq] - batch.unrecorded_tail
-    src = torch.where(recorded, starts[seq] + pos, 0)
+    lo, hi, lo2 = torch.tensor(first_lo)[seq], torch.tensor(first_hi)[seq], torch.tensor(second_lo)[seq]
+    offset = torch.where(pos < hi, pos - lo, hi - lo + pos - lo2)
+    src = torch.where(recorded, starts[seq] + offset, 0)
     ids = ids_TLK
     n_layers, k = ids.shape[1], ids.shape[2]
     out = ids[src] if ids.shape[0] else torch.zeros((len(src), n_layers, k), dtype=ids.dtype)
@@ -544,6 +565,7 @@ def prefetch_routing(
     *,
     depth: int = 2,
     layers: Iterable[int] | None = None,
+    layout: ParallelLayout | None = None,
 ) -> Iterator[tuple[MicroBatch, Any]]:
     """Yield ``(batch, routing)`` in order, reading the next ``depth`` micro-batches in the
     background while one trains (:meth:`RoutingReader.prefetch`: every batch's ids are checked
@@ -551,9 +573,15 @@ def prefetch_routing(
 
     ``layers``: the decoder layers to read, ``replay.layers`` for a pipeline stage (its
     routers' layers, every virtual chunk's): only the store's chunks holding them are fetched,
-    and a layer the rollout lacks fails before the step starts. Default: every layer."""
+    and a layer the rollout lacks fails before the step starts. Default: every layer.
+
+    ``layout``: with context parallelism (and no sequence parallelism), only this rank's rows
+    of each sequence (:func:`cp_rows`): the row chunks holding the other CP ranks' rows are
+    not fetched. ``replay.layout``. Default: every row."""
     batches = list(batches)
-    # layers= only when given: a reader-like object without layer reads keeps working
-    kwargs = {} if layers is None else {"layers": layers}
+    # layers= / rows= only when given: a reader-like object without slice reads keeps working
+    kwargs: dict[str, Any] = {} if layers is None else {"layers": layers}
+    if layout is not None and layout.cp_size > 1 and not (layout.sequence_parallel and layout.tp_size > 1):
+        kwargs["rows"] = cp_rows(batches, layout)
     with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
         yield from zip(batches, routed)
