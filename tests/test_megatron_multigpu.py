@@ -142,7 +142,7 @@ def worker(work: Path) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from r3rdma import LocalRoutingStore, RoutingReader, RoutingWriter
-    from r3rdma.integrations.megatron import MegatronReplay, MicroBatch, ParallelLayout
+    from r3rdma.integrations.megatron import MegatronReplay, MicroBatch, ParallelLayout, prefetch_routing
     from r3rdma.records import RequestRecord
 
     start_nccl_worker()
@@ -213,9 +213,13 @@ def worker(work: Path) -> None:
         port[0], stop = _serve(root, TOKEN)
     dist.broadcast_object_list(port, src=0)
     url = f"http://127.0.0.1:{port[0]}"
-    reader = RoutingReader([url], token=TOKEN)
-    routing = reader.get_packed(ROLLOUT, ids)
-    reader.close()
+    # The TP group's first rank reads and broadcasts (NCCL) to the other: prefetch_routing's default.
+    reader = RoutingReader([url], token=TOKEN) if tp_rank == 0 else None
+    ((_, routing),) = prefetch_routing(
+        reader, ROLLOUT, [MicroBatch.padded(ids, [SEQ_LENS[i] for i in ids], seq_length=SEQ_LENGTH)], layout=layout
+    )
+    if reader is not None:
+        reader.close()
     try:
         RoutingReader([url], token="wrong").get_packed(ROLLOUT, ids[:1])
         bad_token_refused = False

@@ -241,6 +241,47 @@ def test_cp_ranks_read_only_their_rows(stored):
                     replay.targets(wrong, batch)
 
 
+def _tp_broadcast_worker(rank, root, out):
+    """One of two TP ranks (gloo): the group's first rank reads and broadcasts, the other gets
+    the same routing without a reader; a bad id fails on both."""
+    import json
+
+    from r3rdma.errors import UnknownRequestError
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2)
+    try:
+        reader = RoutingReader(root) if rank == 0 else None
+        batches = [MicroBatch.thd(["r4", "r2"], [16, 5]), MicroBatch.thd(["r0"], [7])]
+        got = [r.ids_TLK.numpy() for _, r in prefetch_routing(reader, "roll", batches, tp_group=torch.distributed.group.WORLD)]
+        np.save(f"{out}/rank{rank}.npy", np.concatenate([g.reshape(-1) for g in got]))
+        try:
+            list(prefetch_routing(reader, "roll", [MicroBatch.thd(["nope"], [3])], tp_group=torch.distributed.group.WORLD))
+            error = None
+        except UnknownRequestError as e:
+            error = type(e).__name__
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump({"error": error}, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_tp_group_reads_once_and_broadcasts(stored, tmp_path):
+    """prefetch_routing(tp_group=): the first rank of the group reads, the others receive the
+    same routing (no reader there); a failed read is raised on every rank, none hangs."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    _, _, rows = stored  # the fixture's store is tmp_path / "root"
+    out = tmp_path / "tp"
+    out.mkdir()
+    mp.start_processes(_tp_broadcast_worker, args=(str(tmp_path / "root"), str(out)), nprocs=2, start_method="spawn")
+    want = np.concatenate([rows[r].reshape(-1) for r in ("r4", "r2", "r0")])
+    for rank in range(2):
+        np.testing.assert_array_equal(np.load(out / f"rank{rank}.npy"), want)
+        assert json.loads((out / f"rank{rank}.json").read_text()) == {"error": "UnknownRequestError"}
+
+
 def test_sp2_thd_slices_concatenate(stored):
     _, lens, rows = stored
     ids = ["r0", "r3"]

@@ -29,6 +29,7 @@ forwards without routing. Install with ``pip install r3rdma[megatron]``.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -566,6 +567,7 @@ def prefetch_routing(
     depth: int = 2,
     layers: Iterable[int] | None = None,
     layout: ParallelLayout | None = None,
+    tp_group: Any = "auto",
 ) -> Iterator[tuple[MicroBatch, Any]]:
     """Yield ``(batch, routing)`` in order, reading the next ``depth`` micro-batches in the
     background while one trains (:meth:`RoutingReader.prefetch`: every batch's ids are checked
@@ -577,11 +579,70 @@ def prefetch_routing(
 
     ``layout``: with context parallelism (and no sequence parallelism), only this rank's rows
     of each sequence (:func:`cp_rows`): the row chunks holding the other CP ranks' rows are
-    not fetched. ``replay.layout``. Default: every row."""
+    not fetched. ``replay.layout``. Default: every row.
+
+    ``tp_group``: the ranks of a tensor-parallel group replay the same layers and rows, so one
+    of them reads and broadcasts each micro-batch's routing to the others (``torch.distributed``
+    ``broadcast_object_list``; a read that fails is raised on every rank of the group). Why the
+    default: read by every TP rank, a step's routing leaves the store nodes TP times, 2x
+    the bytes and 2.1x the wall time of one read per group at TP=2 in ``bench trainer-layout``
+    (2x H100 host, BENCHMARKS.md). ``"auto"`` (default): megatron-core's TP group when
+    ``layout.tp_size > 1`` and ``parallel_state`` is initialized, else every rank reads;
+    None: every rank reads; or a process group. Ranks other than the group's first may pass
+    ``reader=None``."""
     batches = list(batches)
     # layers= / rows= only when given: a reader-like object without slice reads keeps working
     kwargs: dict[str, Any] = {} if layers is None else {"layers": layers}
     if layout is not None and layout.cp_size > 1 and not (layout.sequence_parallel and layout.tp_size > 1):
         kwargs["rows"] = cp_rows(batches, layout)
-    with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
-        yield from zip(batches, routed)
+    group = _tp_group(layout) if isinstance(tp_group, str) and tp_group == "auto" else tp_group
+    if group is None:
+        with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
+            yield from zip(batches, routed)
+        return
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0)
+    if dist.get_rank() != src:
+        for batch in batches:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            if isinstance(box[0], BaseException):
+                raise box[0]
+            yield batch, box[0]
+        return
+    if reader is None:
+        raise ConfigError("prefetch_routing: the first rank of the tensor-parallel group reads, so it needs a reader")
+    try:
+        with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
+            for batch in batches:
+                routing = next(routed)
+                dist.broadcast_object_list([routing], src=src, group=group)
+                yield batch, routing
+    except GeneratorExit:
+        raise
+    except BaseException as e:
+        # The other ranks wait in the broadcast for this micro-batch: they get the error too
+        # (as a ReplayError naming it where the error itself does not pickle).
+        try:
+            pickle.loads(pickle.dumps(e))
+            sent: BaseException = e
+        except Exception:
+            sent = ReplayError(f"prefetch_routing on the tensor-parallel group's first rank: {type(e).__name__}: {e}")
+        dist.broadcast_object_list([sent], src=src, group=group)
+        raise
+
+
+def _tp_group(layout: ParallelLayout | None) -> Any:
+    """megatron-core's tensor-parallel group when there is one to share reads in, else None."""
+    if layout is None or layout.tp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_tensor_model_parallel_group()
