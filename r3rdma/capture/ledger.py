@@ -100,9 +100,11 @@ class RequestLedger:
         # Free pages, by offset into the pools (page * P): a stack, [:_num_free] are free.
         self._free_pages = np.arange(pages - 1, 0, -1, dtype=np.int64) * page_positions
         self._num_free = pages - 1
-        # Decode steps not yet in the pages: per step [lanes, positions, slots, gens] as one
-        # array of 4 x n (a copy: the engine may reuse its arrays once the step ended).
+        # Decode steps not yet in the pages: per step [lanes, positions, slots] as one array of
+        # 3 x n (a copy: the engine may reuse its arrays once the step ended) and the step's
+        # generation.
         self._log: list[np.ndarray] = []
+        self._log_gens: list[int] = []
         # The lanes of the last decode step's requests: a steady batch repeats its request ids
         # (the same string objects, compared by identity), so a step reuses them instead of
         # looking up every id again. Forgotten when any lane is released.
@@ -241,7 +243,9 @@ class RequestLedger:
         if not self._log:
             return
         log, self._log = self._log, []
-        lane_T, pos_T, slots_T, gens_T = np.concatenate([entry.reshape(4, -1) for entry in log], axis=1)
+        gens, self._log_gens = self._log_gens, []
+        lane_T, pos_T, slots_T = np.concatenate([entry.reshape(3, -1) for entry in log], axis=1)
+        gens_T = np.repeat(np.array(gens, dtype=np.int64), [entry.size // 3 for entry in log])
         self._write(lane_T, pos_T, slots_T, gens_T, last_wins=len(log) > 1)
 
     # -- the step -------------------------------------------------------------------------------
@@ -261,7 +265,8 @@ class RequestLedger:
             if ids != self._last_ids:
                 self._last_ids, self._last_lanes = ids, np.fromiter(map(self._lanes.__getitem__, ids), np.int64, n)
             lanes = self._last_lanes
-            self._log.append(np.concatenate((lanes, step.starts, step.slots, step.gens)))
+            self._log.append(np.concatenate((lanes, step.starts, step.slots)))
+            self._log_gens.append(step.gen)
             if len(self._log) >= _LOG_STEPS:
                 self._apply_log()
             return
@@ -280,10 +285,10 @@ class RequestLedger:
             pos_T = np.arange(step.total, dtype=np.int64) + np.repeat(step.starts - first, counts)
             if step.token_idx is not None:
                 lane_T, pos_T = lane_T[step.token_idx], pos_T[step.token_idx]
-        slots_T, gens_T = step.slots, step.gens
+        slots_T = step.slots
         if step.retired:
             kept = lane_T >= 0
-            lane_T, pos_T, slots_T, gens_T = lane_T[kept], pos_T[kept], slots_T[kept], gens_T[kept]
+            lane_T, pos_T, slots_T = lane_T[kept], pos_T[kept], slots_T[kept]
         if self._created and (step.token_idx is not None or step.fewest == 0):
             # A new request none of whose tokens was kept (all rejected drafts) or announced (0
             # tokens) computed nothing: it gets no state.
@@ -292,7 +297,7 @@ class RequestLedger:
             for rid in [r for r in self._created if not used[self._lanes[r]]]:
                 self._release_lane(self._lanes.pop(rid))
         if lane_T.size:
-            self._write(lane_T, pos_T, slots_T, gens_T)
+            self._write(lane_T, pos_T, slots_T, np.full(lane_T.size, step.gen, np.int64))
 
     # -- requests -------------------------------------------------------------------------------
 

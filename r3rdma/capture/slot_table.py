@@ -7,9 +7,13 @@ It owns every device tensor of capture and what the host knows about each slot:
 - the step buffer the routers write during a forward (:meth:`SlotTable.record`, one kernel per
   layer), and the fixed router-rows buffer a CUDA graph reads, with the addresses each graph
   was captured against (:meth:`SlotTable.graph_key`);
-- per slot, host-side: its write generation (writes so far) and whether it holds a valid row
-  (written and not released since); a slot rewritten after a request relied on it is then
-  detected, and a released slot is refused to a prefix hit;
+- per slot, host-side: its write generation, the number of the table operation (a step's
+  write, a fork's copy, a release) that last touched it, negative once released (0: never
+  written); a slot rewritten after a request relied on it is then detected, and a released
+  slot is refused to a prefix hit. Why operation numbers rather than a count of writes per
+  slot: a step writes its slots once each, so its number names every write of it, and the
+  step's update is one scatter of a scalar, not a gather, an add and two scatters (each numpy
+  call on the engine's step path costs microseconds with the caches cold from the forward);
 - the scatter of a step's rows into the table (:meth:`SlotTable.write_step`), the gather of a
   request's rows (:meth:`SlotTable.gather`), copy-on-write of forked slots
   (:meth:`SlotTable.copy_rows`), release, and the one slot-range check every call that takes
@@ -70,8 +74,9 @@ class SlotTable:
         self.rows_buf = torch.zeros(0, dtype=torch.int64, device=device)  # graphed router_rows
         self._graph_tokens: dict[int, tuple[int, int, bool]] = {}  # T -> (step buf ptr, rows buf ptr, router_rows)
         self.fixed_step_rows = 0  # > 0: the model writes a fixed step buffer of this many rows itself
-        self.gen = np.zeros(num_slots, dtype=np.int64)  # writes so far, per slot
-        self.valid = np.zeros(num_slots, dtype=bool)  # written and not released since
+        # Per slot: the operation that last wrote it (> 0), or released it (< 0); 0: never written.
+        self.gen = np.zeros(num_slots, dtype=np.int64)
+        self._op = 0  # operations so far (write_step, copy_rows, release)
         self._seen = np.zeros(num_slots, dtype=np.int32)  # scratch of check_distinct
         self._stamps = np.arange(256, dtype=np.int32)  # check_distinct's stamps, sliced (one numpy call less per step)
 
@@ -197,8 +202,14 @@ class SlotTable:
 
     # -- the table ------------------------------------------------------------------------------
 
-    def write_step(self, slots: np.ndarray, total: int, token_idx: np.ndarray | None = None) -> np.ndarray:
-        """Scatter step-buffer rows into ``slots`` and return each slot's new generation.
+    @property
+    def valid(self) -> np.ndarray:
+        """Per slot: whether it holds a row, written and not released since (a new array)."""
+        return self.gen > 0
+
+    def write_step(self, slots: np.ndarray, total: int, token_idx: np.ndarray | None = None) -> int:
+        """Scatter step-buffer rows into ``slots`` and return their new generation (one for
+        all: this write's operation number).
 
         Rows ``0 .. total - 1`` of the step buffer, or with ``token_idx`` only those tokens
         (speculative decoding: accepted tokens), one slot each.
@@ -212,12 +223,10 @@ class SlotTable:
         else:  # one transfer for both index arrays
             both = self.to_device(np.concatenate([slots, token_idx]))
             write_step_rows(self.table_SLK, both[: slots.size], self.step_buf[:total], both[slots.size :])
-        # Slots of one step are distinct (begin_step checks), so one gather and one scatter do.
-        gens = self.gen[slots]
-        gens += 1
-        self.gen[slots] = gens
-        self.valid[slots] = True
-        return gens
+        # Slots of one step are distinct (begin_step checks): each is written once, by this operation.
+        self._op += 1
+        self.gen[slots] = self._op
+        return self._op
 
     def gather(self, slots: np.ndarray) -> torch.Tensor:
         """The rows of ``slots``, packed ``[len(slots), L, K]`` on the device (one kernel).
@@ -239,22 +248,22 @@ class SlotTable:
             raise ShapeMismatchError("fork_request: a copy-on-write slot appears twice")
         rows = self.gather(src)
         write_step_rows(self.table_SLK, self.to_device(dst), rows)
-        self.gen[dst] += 1
-        self.valid[dst] = True
+        self._op += 1
+        self.gen[dst] = self._op
         return self.gen[dst]
 
     def release(self, slots: np.ndarray) -> None:
         """The slots' rows stop being valid (evicted or reassigned KV blocks)."""
         self.check_slots(slots)
-        self.gen[slots] += 1
-        self.valid[slots] = False
+        self._op += 1
+        self.gen[slots] = -self._op
 
     def check_attachable(self, request_id: str, slots: np.ndarray) -> None:
         """Raise :class:`StaleSlotError` unless every slot holds a valid row (a prefix-cache hit)."""
         never = slots[self.gen[slots] == 0]
         if never.size:
             raise StaleSlotError(f"request {request_id!r} attaches to slots never written: {never[:8].tolist()}")
-        released = slots[~self.valid[slots]]
+        released = slots[self.gen[slots] < 0]
         if released.size:
             raise StaleSlotError(
                 f"request {request_id!r} attaches to slots released (evicted) and not rewritten since: "

@@ -32,8 +32,8 @@ class EndedStep(NamedTuple):
     """What an ended step wrote: enough for the ledger to map each request's positions to slots.
 
     ``token_idx`` lists the kept tokens (speculative decoding), None when every token was kept;
-    ``slots`` and ``gens`` are the kept tokens' slots and those slots' generations after this
-    step's write; ``retired`` are requests that finished, aborted or were preempted while the
+    ``slots`` are the kept tokens' slots and ``gen`` the generation every one of them has after
+    this step's write (the slot table's number for the write); ``retired`` are requests that finished, aborted or were preempted while the
     step was open (their tokens keep no state); ``fewest`` is the least tokens any request
     announced (with ``total == len(request_ids)`` and 1, a decode step: token ``i`` is position
     ``starts[i]`` of request ``i``). A tuple: immutable, and cheap to make on the decode hot path.
@@ -46,7 +46,7 @@ class EndedStep(NamedTuple):
     fewest: int
     token_idx: np.ndarray | None
     slots: np.ndarray
-    gens: np.ndarray
+    gen: int
     retired: frozenset[str]
 
     @property
@@ -361,7 +361,7 @@ class StepRecorder:
                 slots = slots[token_idx]
         if slots.size == 0:
             return None
-        gens = self.table.write_step(slots, step.total, token_idx)
+        gen = self.table.write_step(slots, step.total, token_idx)
         return EndedStep(
             step.request_ids,
             step.starts,
@@ -370,7 +370,7 @@ class StepRecorder:
             step.fewest,
             token_idx,
             slots,
-            gens,
+            gen,
             frozenset(step.retired) if step.retired else _NONE_RETIRED,
         )
 
