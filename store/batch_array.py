@@ -12,7 +12,6 @@ from r3rdma.errors import ShapeMismatchError
 from r3rdma.records import RequestRecord
 from r3rdma.store.assembly import Assembly
 from r3rdma.store.index_entries import shard_entry
-from r3rdma.store.layout import tree_paths
 from r3rdma.store.rollout_index import GEOMETRY_KEYS
 from r3rdma.store.shard_writer import EncodedArray, encode_batch_array, write_encoded
 
@@ -159,11 +158,14 @@ def write_array(rollout_path: Path, name: str, encoded: EncodedArray, zstd_level
     rollout_path.mkdir(parents=True, exist_ok=True)
     # The array's own directory, not the rollout's group: a bare group zarr.json for the
     # parent, left by a crash before the index rename, would list a rollout without an index.
-    write_encoded(rollout_path / name, encoded)
+    # What it wrote is what the part makes durable (listed, not walked: a walk of the new
+    # tree cost a commit's writing thread a dozen more system calls, each a GIL hand-off
+    # beside the encoding threads; shard_writer's module docstring).
+    written = write_encoded(rollout_path / name, encoded)
     # The shard's chunk index, copied into the index part: a reader of a few requests from
     # every array (a data-parallel rank's share) then needs one ranged GET per request,
     # not two more per array (its zarr.json and shard index). zarr.json stays the truth.
     # Every chunk is written (placement, :func:`aligned`, leaves less than a chunk of
     # fill rows between requests, so no chunk is all fill value).
     shards = shard_entry(encoded.rows, encoded.chunk_rows, encoded.layers_per_chunk, zstd_level > 0, encoded.sizes)
-    return shards, tree_paths(rollout_path / name)
+    return shards, written

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import zarr
 from zarr.storage import LocalStore
 
+from r3rdma.store import shard_writer
 from r3rdma.store.shard_writer import SHARD_KEY, encode_batch_array, write_batch_array, write_encoded, zarr_codecs
 
 
@@ -49,3 +52,53 @@ def test_pieces_with_fill_rows_encode_as_the_dense_array(tmp_path, level):
         assert (tmp_path / "mine").joinpath(*key).read_bytes() == (tmp_path / "dense").joinpath(*key).read_bytes()
     assert encoded.places == places and (encoded.rows, encoded.chunk_rows) == (rows, 100)
     np.testing.assert_array_equal(zarr.open_array(LocalStore(tmp_path / "mine"), mode="r")[:], dense)
+
+
+@pytest.mark.parametrize("per", [1, 2, 4, 6])
+def test_layer_groups_same_chunks_as_zarr(tmp_path, per):
+    """Format 3's layer groups (4 of 6 layers: the last group padded with the fill value) from
+    pieces with fill rows between them: every inner chunk is zarr's, byte for byte, and so is
+    ``zarr.json``. Only the chunks' order differs where there are several groups (zarr lays
+    them out in Morton order, this writer in the index's C order; the index says where each is)."""
+    rng = np.random.default_rng(per)
+    pieces = [(0, 40), (64, 100), (170, 20), (200, 1)]
+    rows, chunk = 201, 64
+    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
+    arrays = []
+    for offset, n in pieces:
+        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
+        dense[offset : offset + n] = arrays[-1][1]
+    write_encoded(tmp_path / "mine", encode_batch_array(arrays, rows, chunk_rows=chunk, zstd_level=3, layers_per_chunk=per))
+    count, groups = -(-rows // chunk), -(-6 // per)
+    zarr.create_array(LocalStore(tmp_path / "zarr"), data=dense, chunks=(chunk, per, 4),
+                      shards={"shape": (count * chunk, groups * per, 4), "index_location": "start"},
+                      compressors=zarr_codecs(3), dimension_names=("token", "layer", "k"), fill_value=0,
+                      config={"write_empty_chunks": True})
+
+    def chunks(root):
+        shard = root.joinpath(*SHARD_KEY).read_bytes()
+        index = np.frombuffer(shard[: 16 * count * groups], dtype="<u8").reshape(count * groups, 2)
+        return len(shard), [shard[int(o) : int(o + n)] for o, n in index]
+
+    assert chunks(tmp_path / "mine") == chunks(tmp_path / "zarr")
+    assert (tmp_path / "mine" / "zarr.json").read_bytes() == (tmp_path / "zarr" / "zarr.json").read_bytes()
+    np.testing.assert_array_equal(zarr.open_array(LocalStore(tmp_path / "mine"), mode="r")[:], dense)
+
+
+def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
+    """A ``writev`` that writes less than it was given (the kernel may, e.g. on a signal) is
+    resumed from the byte where it stopped, inside a piece or between two."""
+    data = np.random.default_rng(3).integers(0, 64, size=(300, 6, 4), dtype=np.uint8)
+    encoded = encode_batch_array([(0, data)], 300, chunk_rows=64, zstd_level=3, layers_per_chunk=2)
+    write_encoded(tmp_path / "whole", encoded)
+    calls = []
+
+    def short_writev(fd, buffers):
+        calls.append(len(buffers))
+        return os.write(fd, b"".join(bytes(b) for b in buffers)[:777])  # at most 777 bytes a call
+
+    monkeypatch.setattr(shard_writer.os, "writev", short_writev)
+    write_encoded(tmp_path / "short", encoded)
+    whole = (tmp_path / "whole").joinpath(*SHARD_KEY).read_bytes()
+    assert (tmp_path / "short").joinpath(*SHARD_KEY).read_bytes() == whole
+    assert len(calls) == -(-len(whole) // 777)
