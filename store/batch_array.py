@@ -109,27 +109,32 @@ def record_geometry(record: RequestRecord) -> dict[str, Any]:
 
 
 # The least raw bytes of an inner chunk split by layers (format 3), see layers_per_chunk.
-MIN_LAYER_CHUNK_BYTES = 1 << 17
+MIN_LAYER_CHUNK_BYTES = 1 << 16
 
 
 def layers_per_chunk(chunk_rows: int, num_layers: int, top_k: int, itemsize: int) -> int:
-    """Layers per inner chunk of a batch array: ``num_layers`` split into as many equal groups
-    as keep an inner chunk at :data:`MIN_LAYER_CHUNK_BYTES` (128 KiB) raw or more; the group
-    count divides ``num_layers`` (no padded group).
+    """Layers per inner chunk of a batch array: ``num_layers`` split into a power-of-two count
+    of equal groups, the most that keep an inner chunk at :data:`MIN_LAYER_CHUNK_BYTES` (64 KiB)
+    raw or more (the count divides ``num_layers``: no padded group).
 
     Why layer groups: a pipeline stage replays its own layers; with every layer in one chunk
-    each stage fetched and decoded all of them (PP x its bytes). Why not smaller: every chunk
-    is a zstd call on write and read, an entry in the shard index and in the index part's copy
-    of it, and a GET of its own when a stage's groups are not next to each other. At 128 KiB a
-    1024-row chunk of top-8 uint8 ids holds 16 layers or more (48 layers: 3 groups of 16).
-    Why equal groups only: on the CPU VM a batch of 94 layers encoded at 0.33 GB/s per core in
-    groups of 19 or 32 (a padded last group) against 0.64-0.72 whole and 0.61-0.66 in 2 groups
-    of 47; 48 layers in groups of 16 encoded within ~11% of whole (2 threads; the VM is shared,
-    so this is noisy). Short requests (64-row chunks) keep every layer in one chunk.
+    each stage fetched and decoded all of them (PP x its bytes). Why a power of two: pipeline
+    stages are equal splits of the layers, mostly 2, 4 or 8 of them, and a stage reads its
+    layers alone only where its boundaries are group boundaries: with 48 layers and PP=4
+    (12-layer stages) the earlier rule's 3 groups of 16 made the middle stages fetch 3.1x what
+    they replay, 4 groups of 12 1.14x (2x H100 host, ``bench trainer-layout``, BENCHMARKS.md),
+    and stored 2% fewer bytes. Why not smaller: every chunk is a zstd call on write and read,
+    an entry in the shard index and in the index part's copy of it, and a GET of its own when
+    a stage's groups are not next to each other. At 64 KiB a 1024-row chunk of top-8 uint8
+    ids holds 8 layers or more (48 layers: 4 groups of 12). Why equal groups only: on the CPU
+    VM a batch of 94 layers encoded at 0.33 GB/s per core in groups of 19 or 32 (a padded last
+    group) against 0.64-0.72 whole and 0.61-0.66 in 2 groups of 47. Short requests (64-row
+    chunks) keep every layer in one chunk. A trainer whose stages do not fall on these groups
+    sets the store's ``layers_per_chunk`` to its stage size (or a divisor of it).
     """
     layer_bytes = chunk_rows * top_k * itemsize
     most = max(1, min(num_layers, num_layers * layer_bytes // MIN_LAYER_CHUNK_BYTES))
-    groups = max(g for g in range(1, most + 1) if num_layers % g == 0)
+    groups = max(g for g in (1 << i for i in range(most.bit_length())) if g <= most and num_layers % g == 0)
     return num_layers // groups
 
 

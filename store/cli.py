@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers-per-chunk",
         type=int,
         default=None,
-        help="MoE layers per inner chunk of the stored arrays (default: equal groups of >= 128 KiB); set it to the "
+        help="MoE layers per inner chunk of the stored arrays (default: a power-of-two count of equal groups of >= 64 KiB); set it to the "
         "trainers' pipeline stage size so each stage reads only its own layers",
     )
     p.add_argument(

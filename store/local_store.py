@@ -123,7 +123,7 @@ class LocalRoutingStore:
         (:func:`~r3rdma.store.batch_array.batch_chunk_rows`).
 
         ``layers_per_chunk``: MoE layers per inner chunk of a batch array (format 3). None (the
-        default): the store's rule, equal groups of at least 128 KiB
+        default): the store's rule, a power-of-two count of equal groups of at least 64 KiB
         (:func:`~r3rdma.store.batch_array.layers_per_chunk`). Set it to the trainers' pipeline
         stage size (or a divisor of it) so each stage fetches only its own layers' chunks;
         a value that does not divide the layer count pads the last group (readable, slower to

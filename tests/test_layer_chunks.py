@@ -45,10 +45,13 @@ def _part(root, seq):
 
 
 def test_rule_groups_layers_by_chunk_bytes():
-    # 1024-row chunks of top-8 uint8 ids: 8 KiB per layer, 16 layers per 128 KiB chunk.
-    assert layers_per_chunk(1024, 94, 8, 1) == 47  # up to 5 groups; equal ones: 2
-    assert layers_per_chunk(1024, 48, 8, 1) == 16
-    assert layers_per_chunk(1024, 58, 8, 2) == 29  # uint16 ids, 16 KiB per layer: up to 7 groups; equal: 2
+    # 1024-row chunks of top-8 uint8 ids: 8 KiB per layer, at least 8 layers per 64 KiB chunk,
+    # in a power-of-two count of equal groups (pipeline stages are equal splits).
+    assert layers_per_chunk(1024, 94, 8, 1) == 47  # up to 11 groups; power-of-two divisors of 94: 1, 2
+    assert layers_per_chunk(1024, 48, 8, 1) == 12  # up to 6 groups: 4 of 12 (PP=2 and PP=4 stages)
+    assert layers_per_chunk(2048, 48, 8, 1) == 6  # up to 12 groups: 8 of 6
+    assert layers_per_chunk(1024, 60, 8, 1) == 15  # up to 7 groups: 4 (6 divides 60 but is no power of two)
+    assert layers_per_chunk(1024, 58, 8, 2) == 29  # uint16 ids, 16 KiB per layer: up to 14 groups; 2
     assert layers_per_chunk(64, 48, 8, 1) == 48  # short requests: one chunk of every layer
     assert layers_per_chunk(1024, 3, 2, 1) == 3
 
