@@ -95,6 +95,7 @@ class RunnerRecorder:
         self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots, entering) from _prepare_inputs
         self._ones = np.ones(256, dtype=np.int64)  # a decode step's token counts (a slice of it)
+        self._rows = np.arange(256)  # and its batch rows
         # Prefix hits on KV the same forward computes (request, positions, slots), attached once
         # the step wrote those slots (see begin).
         self._attach_after_step: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -224,8 +225,9 @@ class RunnerRecorder:
             # costs microseconds here, with the caches cold from the forward).
             if self._ones.size < n:
                 self._ones = np.ones(max(n, 2 * self._ones.size), dtype=np.int64)
+                self._rows = np.arange(self._ones.size)
             counts = self._ones[:n]
-            slots = self._slots(np.arange(n), starts)
+            slots = self._slots(self._rows[:n], starts)
         else:
             counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
             slots = self._slots(np.repeat(np.arange(n), counts), np.repeat(starts, counts) + _ranges(counts))
