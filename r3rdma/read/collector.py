@@ -161,7 +161,7 @@ class ShareCollector:
                     for start in range(0, len(ready), self._max_batch):
                         batch = ready[start : start + self._max_batch]
                         try:
-                            pieces = self._reader._read(
+                            arrays = self._reader._read_arrays(
                                 self._rollout_id,
                                 merged,
                                 batch,
@@ -172,7 +172,6 @@ class ShareCollector:
                             self._last_retryable = e  # every holder failed this time: next poll
                             break
                         self.reads += 1
-                        arrays = {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
                         with self._lock:
                             self._got.update(arrays)
                             for rid in batch:

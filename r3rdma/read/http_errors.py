@@ -13,7 +13,17 @@ import re
 
 from r3rdma.errors import AuthenticationError, R3Error, R3TimeoutError, StoreError, TransportError
 
-__all__ = ["read_error", "status_error"]
+__all__ = ["HTTPStatusError", "read_error", "status_error"]
+
+
+class HTTPStatusError(Exception):
+    """A store node answered with a status its caller cannot use (not 2xx, not a 404 that
+    means absent); :func:`read_error` says what it means."""
+
+    def __init__(self, status: int, text: str = "") -> None:
+        super().__init__(f"HTTP {status}{' ' + text if text else ''}")
+        self.status = status
+        self.text = text
 
 
 def status_error(node: str, what: str, status: int, text: str = "", *, token_sent: bool = True) -> R3Error:
@@ -40,10 +50,12 @@ def status_error(node: str, what: str, status: int, text: str = "", *, token_sen
 
 def read_error(node: str, what: str, error: BaseException, *, token_sent: bool = True) -> R3Error | None:
     """The :class:`R3Error` for ``error``, raised while reading ``what`` from store node
-    ``node`` over HTTP (http.client, or aiohttp under zarr's fsspec store); None when it is
-    not a failure to talk to the node (the caller decides: absent, corrupt, a bug).
+    ``node`` over HTTP (r3rdma's client, obstore, http.client, or aiohttp under zarr's fsspec
+    store); None when it is not a failure to talk to the node (the caller decides: absent,
+    corrupt, a bug).
 
     - R3Error: itself;
+    - :class:`HTTPStatusError`: 404 None (absent), else see :func:`status_error`;
     - a refused token (401/403): AuthenticationError; 404: None (absent); another HTTP status:
       see :func:`status_error` (``token_sent``: whether the request carried a token);
     - a timeout: R3TimeoutError; a connection refused, reset or closed mid-body, a DNS failure,
@@ -55,6 +67,10 @@ def read_error(node: str, what: str, error: BaseException, *, token_sent: bool =
 
     if isinstance(error, R3Error):
         return error
+    if isinstance(error, HTTPStatusError):  # r3rdma's own client (r3rdma.read.node_http)
+        if error.status == 404:
+            return None
+        return status_error(node, what, error.status, error.text, token_sent=token_sent)
     obstore_error = _obstore_error(node, what, error, token_sent)
     if obstore_error is not None:
         return obstore_error

@@ -11,7 +11,7 @@ import torch
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["PackedRouting", "pack", "to_torch"]
+__all__ = ["PackedRouting", "pack", "packed_routing", "cu_seqlens_of", "to_torch"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -40,22 +40,21 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def pack(
-    request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int], geometry: dict[str, Any]
-) -> PackedRouting:
-    """Requests' segments (``pieces[i]``: request ``i``'s, in row order) packed along tokens."""
-    lengths = [sum(p.shape[0] for p in segs) for segs in pieces]
-    cu = np.zeros(len(request_ids) + 1, dtype=np.int64)
+def cu_seqlens_of(lengths: Sequence[int]) -> np.ndarray:
+    """``cu_seqlens`` (int64, ``[N + 1]``) of requests of ``lengths`` rows packed in order;
+    :class:`ConfigError` when the batch is past what int32 ``cu_seqlens`` can index."""
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     if cu[-1] >= 2**31:
         raise ConfigError(f"packed batch has {cu[-1]} rows; cu_seqlens is int32, split the batch")
-    # One copy of every row, into the packed buffer (no per-request concatenation first).
-    packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
-    row = 0
-    for segs in pieces:
-        for piece in segs:
-            packed[row : row + piece.shape[0]] = piece
-            row += piece.shape[0]
+    return cu
+
+
+def packed_routing(
+    request_ids: Sequence[str], packed: np.ndarray, cu: np.ndarray, start_rows: Sequence[int], geometry: dict[str, Any]
+) -> PackedRouting:
+    """:class:`PackedRouting` of ``packed`` (``[T, L, K]``, request ``i`` at rows
+    ``cu[i]:cu[i + 1]``), filled by the caller."""
     return PackedRouting(
         request_ids=tuple(request_ids),
         ids_TLK=to_torch(packed),
@@ -64,3 +63,18 @@ def pack(
         layer_map=tuple(geometry["layer_map"]),
         num_experts=geometry["num_experts"],
     )
+
+
+def pack(
+    request_ids: Sequence[str], pieces: Sequence[Sequence[np.ndarray]], start_rows: Sequence[int], geometry: dict[str, Any]
+) -> PackedRouting:
+    """Requests' segments (``pieces[i]``: request ``i``'s, in row order) packed along tokens."""
+    cu = cu_seqlens_of([sum(p.shape[0] for p in segs) for segs in pieces])
+    # One copy of every row, into the packed buffer (no per-request concatenation first).
+    packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+    row = 0
+    for segs in pieces:
+        for piece in segs:
+            packed[row : row + piece.shape[0]] = piece
+            row += piece.shape[0]
+    return packed_routing(request_ids, packed, cu, start_rows, geometry)

@@ -52,7 +52,7 @@ from r3rdma.errors import (
 from r3rdma.ids import validate_id
 from r3rdma.read.checksums import crc32c_concat
 from r3rdma.read.layers import layer_list, layer_selection
-from r3rdma.read.packed import PackedRouting, pack, to_torch
+from r3rdma.read.packed import PackedRouting, cu_seqlens_of, pack, packed_routing, to_torch
 from r3rdma.read.rows import Spans, check_named, check_rows, row_spans, select_segments
 from r3rdma.read.sources import Source, source_items
 from r3rdma.records import checksum
@@ -216,8 +216,7 @@ class RoutingReader:
         positions, _ = layer_selection(rollout_id, merged.geometry, layers)
         spans = row_spans(rows)
         check_rows(rollout_id, spans, request_ids, merged.entry)
-        pieces = self._read(rollout_id, merged, request_ids, positions, spans)
-        return {rid: p[0] if len(p) == 1 else np.concatenate(p) for rid, p in pieces.items()}
+        return self._read_arrays(rollout_id, merged, request_ids, positions, spans)
 
     def get(
         self,
@@ -248,13 +247,14 @@ class RoutingReader:
         positions, geometry = layer_selection(rollout_id, merged.geometry, layers)
         spans = row_spans(rows)
         check_rows(rollout_id, spans, request_ids, merged.entry)
-        pieces = self._read(rollout_id, merged, request_ids, positions, spans)
-        return pack(
-            request_ids,
-            [pieces[rid] for rid in request_ids],
-            [merged.entry(rid).start_row for rid in request_ids],
-            geometry,
-        )
+        entries = [merged.entry(rid) for rid in request_ids]
+        cu = cu_seqlens_of(_rows_wanted(entries, request_ids, spans))
+        # Rows are decoded straight into the packed buffer: no per-request array, no copy.
+        packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+        bounds = cu.tolist()
+        outs = {rid: packed[bounds[i] : bounds[i + 1]] for i, rid in enumerate(request_ids)}
+        self._read(rollout_id, merged, request_ids, outs, positions, spans)
+        return packed_routing(request_ids, packed, cu, [e.start_row for e in entries], geometry)
 
     def prefetch(
         self,
@@ -386,145 +386,167 @@ class RoutingReader:
             f"asked for are missing; {len(merged.owner)} requests committed){note}; nothing was read"
         )
 
-    def _read(
+    def _read_arrays(
         self,
         rollout_id: str,
         merged: _MergedIndex,
         request_ids: list[str],
         positions: np.ndarray | None = None,
         spans: Spans | None = None,
-    ) -> dict[str, list[np.ndarray]]:
-        """Each request's segments, read from one source holding it (the first that has not
-        failed in this call); ``positions``: the MoE layer positions wanted (None: all);
-        ``spans``: the rows wanted of some requests (checked by ``check_rows``). A
-        source whose read fails (unreachable, timed out, failed I/O) is dropped and its
-        requests are read again from their other replicas."""
+    ) -> dict[str, np.ndarray]:
+        """Each request's rows (all of them, or its ``spans``), in an array of its own
+        (``[rows, L, K]``, L: the layers of ``positions``); see :meth:`_read`."""
+        geometry = merged.geometry
+        width = geometry["num_layers"] if positions is None else len(positions)
+        lengths = _rows_wanted([merged.entry(rid) for rid in request_ids], request_ids, spans)
+        outs = {rid: np.empty((n, width, geometry["top_k"]), dtype=geometry["dtype"]) for rid, n in zip(request_ids, lengths)}
+        self._read(rollout_id, merged, request_ids, outs, positions, spans)
+        return outs
+
+    def _read(
+        self,
+        rollout_id: str,
+        merged: _MergedIndex,
+        request_ids: list[str],
+        outs: dict[str, np.ndarray],
+        positions: np.ndarray | None = None,
+        spans: Spans | None = None,
+    ) -> None:
+        """Each request's rows into ``outs[request id]`` (sized by :func:`_rows_wanted`), its
+        segments in row order, read from one source holding it (the first that has not failed
+        in this call); ``positions``: the MoE layer positions wanted (None: all); ``spans``: the
+        rows wanted of some requests (checked by ``check_rows``). A source whose read fails
+        (unreachable, timed out, failed I/O) is dropped and its requests are read again from
+        their other replicas, into the same arrays."""
         merged.check_replicas(rollout_id, self._sources, request_ids)
-        pieces: dict[str, list[np.ndarray]] = {}
         failed: dict[int, Exception] = {}
         todo = request_ids
-        show = self._progress if self._progress is not None else sys.stderr.isatty()
-        arrays = {(merged.owner[rid], seg.array) for rid in request_ids for seg in merged.entry(rid).segments}
+        bar = self._progress_bar(rollout_id, merged, request_ids)
+        whole = positions is None and not spans  # a segment's CRC-32C covers all its rows and layers
         try:
-            with tqdm(
-                desc=f"read {rollout_id}", unit="array", file=sys.stderr, disable=not show or len(arrays) < _PROGRESS_MIN_ARRAYS
-            ) as bar:
-                while todo:
-                    chosen: dict[str, tuple[int, RequestEntry]] = {}
-                    count: dict[str, int] = {}  # pieces read of each request
-                    wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]] = {}
-                    for rid in todo:
-                        holders = merged.holders(rid)
-                        alive = [h for h in holders if h[0] not in failed]
-                        if not alive:
-                            cause = failed[holders[0][0]]
-                            if len(holders) == 1 and not merged.skipped:
-                                raise cause  # no replica anywhere: its own error, as with one source
-                            raise TransportError(
-                                f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
-                                "(retryable): "
-                                + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in holders)
-                                + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
-                            ) from cause
-                        src, entry = chosen[rid] = alive[0]
-                        segments = entry.segments if spans is None or rid not in spans else select_segments(entry, spans[rid])
-                        count[rid] = len(segments)
-                        for seg_no, seg in enumerate(segments):
-                            wanted.setdefault((src, seg.array), []).append((rid, seg_no, seg))
+            while todo:
+                chosen: dict[str, int] = {}  # request -> the source it is read from
+                wanted: dict[tuple[int, str], list[tuple[str, Segment, np.ndarray]]] = {}
+                for rid in todo:
+                    holders = merged.holders(rid)
+                    alive = [h for h in holders if h[0] not in failed]
+                    if not alive:
+                        cause = failed[holders[0][0]]
+                        if len(holders) == 1 and not merged.skipped:
+                            raise cause  # no replica anywhere: its own error, as with one source
+                        raise TransportError(
+                            f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
+                            "(retryable): "
+                            + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in holders)
+                            + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
+                        ) from cause
+                    src, entry = alive[0]
+                    chosen[rid] = src
+                    segments = entry.segments if spans is None or rid not in spans else select_segments(entry, spans[rid])
+                    out = outs[rid]
+                    row = 0
+                    for seg in segments:  # each segment's rows land in their place in the request's array
+                        wanted.setdefault((src, seg.array), []).append((rid, seg, out[row : row + seg.rows]))
+                        row += seg.rows
+                    if row != len(out):
+                        raise CorruptDataError(
+                            f"request {rid!r} of rollout {rollout_id!r} on {self._sources[src].name}: its segments hold "
+                            f"{row} of the {len(out)} rows its index entry asks for"
+                        )
+                if bar is not None:
                     bar.total = (bar.total or 0) + len(wanted)
-                    whole = positions is None and not spans  # a segment's CRC-32C covers all its rows and layers
-                    results = sync(self._fetch(rollout_id, merged, wanted, bar, positions, whole))
-                    got: dict[tuple[str, int], np.ndarray] = {}
-                    first_error: Exception | None = None
-                    for (src, _name), result in zip(wanted, results):
-                        if not isinstance(result, BaseException):
-                            got.update(result)
-                        elif isinstance(result, (TransportError, R3TimeoutError, StoreError)) and not (
-                            isinstance(result, AuthenticationError) or len(self._sources) == 1
-                        ):
-                            if src not in failed:
-                                _log.warning(
-                                    "reading rollout %r from %s failed, trying other replicas: %s",
-                                    rollout_id,
-                                    self._sources[src].name,
-                                    result,
-                                )
-                                self.read_failovers += 1
-                            failed.setdefault(src, result)
-                        elif isinstance(result, Exception):
-                            first_error = first_error or result
-                        else:
-                            raise result
-                    if first_error is not None:
-                        raise first_error
-                    # Requests on a source that failed: read them whole from another replica.
-                    todo = [rid for rid in todo if chosen[rid][0] in failed]
-                    for rid, (src, _entry) in chosen.items():
+                results = sync(self._fetch(rollout_id, merged, wanted, bar, positions, whole))
+                first_error: Exception | None = None
+                for (src, _name), result in zip(wanted, results):
+                    if result is None:
+                        continue
+                    if isinstance(result, (TransportError, R3TimeoutError, StoreError)) and not (
+                        isinstance(result, AuthenticationError) or len(self._sources) == 1
+                    ):
                         if src not in failed:
-                            pieces[rid] = [got[(rid, k)] for k in range(count[rid])] or [_no_rows(merged.geometry, positions)]
+                            _log.warning(
+                                "reading rollout %r from %s failed, trying other replicas: %s",
+                                rollout_id,
+                                self._sources[src].name,
+                                result,
+                            )
+                            self.read_failovers += 1
+                        failed.setdefault(src, result)
+                    elif isinstance(result, Exception):
+                        first_error = first_error or result
+                    else:
+                        raise result
+                if first_error is not None:
+                    raise first_error
+                # Requests on a source that failed: read them whole from another replica.
+                todo = [rid for rid in todo if chosen[rid] in failed]
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
             self._raise_if_deleted(rollout_id, request_ids, e)
             raise
-        return pieces
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _progress_bar(self, rollout_id: str, merged: _MergedIndex, request_ids: list[str]) -> tqdm | None:
+        """A progress bar over the arrays a read touches, when shown (a bar not shown is not
+        made: a trainer's every micro-batch read would pay for one)."""
+        show = self._progress if self._progress is not None else sys.stderr.isatty()
+        if not show:
+            return None
+        arrays = {(merged.owner[rid], seg.array) for rid in request_ids for seg in merged.entry(rid).segments}
+        if len(arrays) < _PROGRESS_MIN_ARRAYS:
+            return None
+        return tqdm(desc=f"read {rollout_id}", unit="array", file=sys.stderr)
 
     async def _fetch(
         self,
         rollout_id: str,
         merged: _MergedIndex,
-        wanted: dict[tuple[int, str], list[tuple[str, int, Segment]]],
-        bar: tqdm,
+        wanted: dict[tuple[int, str], list[tuple[str, Segment, np.ndarray]]],
+        bar: tqdm | None,
         positions: np.ndarray | None = None,
         whole: bool = True,
-    ) -> list[Any]:
-        """Read every array's wanted segments at once; per array its segments' rows by
-        (request, segment number), or the exception that array's read raised."""
+    ) -> list[BaseException | None]:
+        """Read every array's wanted segments at once, each into its place; per array None, or
+        the exception its read raised."""
         limit = asyncio.Semaphore(self._concurrency)
         loop = asyncio.get_running_loop()
 
-        async def read_array(src: int, name: str, segs: list[tuple[str, int, Segment]]):
+        async def read_array(src: int, name: str, segs: list[tuple[str, Segment, np.ndarray]]) -> None:
             source = self._sources[src]
             index = merged.per_source[src]
-            rows, chunk = source.shape_of(rollout_id, index, name)
-            segs = sorted(segs, key=lambda s: s[2].offset)
-            if whole and 2 * sum(s[2].rows for s in segs) >= rows:
-                # Most of the array: all of it, in one ranged read. Not for a slice (some layers
-                # or rows): a trainer rank's slice is its share of every array, and the rows
-                # between its pieces are other ranks' (fetching them cost a DP=2 rank 2x).
-                ranges = [_RowRange(0, rows, segs)]
-            else:
-                ranges = []
-                for wanted_seg in segs:  # merge ranges that touch or share a chunk: each chunk read once
-                    lo, hi = wanted_seg[2].offset, wanted_seg[2].offset + wanted_seg[2].rows
-                    if ranges and lo // chunk <= (ranges[-1].hi - 1) // chunk:
-                        ranges[-1].hi = max(ranges[-1].hi, hi)
-                        ranges[-1].members.append(wanted_seg)
-                    else:
-                        ranges.append(_RowRange(lo, hi, [wanted_seg]))
+            rows = source.rows_of(rollout_id, index, name)
+            segs.sort(key=lambda s: s[1].offset)
+            # Most of the array: all of it, in one ranged read. Not for a slice (some layers or
+            # rows): a trainer rank's slice is its share of every array, and the rows between
+            # its pieces are other ranks' (fetching them cost a DP=2 rank 2x).
+            span = whole and 2 * sum(seg.rows for _, seg, _ in segs) >= rows
             async with limit:
-                blocks = await source.read_ranges(
-                    rollout_id, index, name, [(r.lo, r.hi) for r in ranges], positions, exact=not whole
+                await source.read_into(
+                    rollout_id,
+                    index,
+                    name,
+                    [(seg.offset, seg.offset + seg.rows, out) for _, seg, out in segs],
+                    positions,
+                    exact=not whole,
+                    span=span,
                 )
-            bar.update()
-            out = {}
-            for row_range, block in zip(ranges, blocks):
-                lo = row_range.lo
-                for rid, seg_no, seg in row_range.members:
-                    out[(rid, seg_no)] = block[seg.offset - lo : seg.offset - lo + seg.rows]
+            if bar is not None:
+                bar.update()
             if self._verify and whole:
                 # A segment's CRC-32C covers every layer and row: a read of some layers or rows
                 # relies on the chunks' own CRC-32C, checked as they are decoded.
                 # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
-                sums = await loop.run_in_executor(self._pool, _checksums, [out[(r, n)] for r, n, _ in segs])
-                for (rid, _seg_no, seg), got in zip(segs, sums):
+                sums = await loop.run_in_executor(self._pool, _checksums, [out for _, _, out in segs])
+                for (rid, seg, _out), got in zip(segs, sums):
                     if got != seg.crc32c:
                         raise CorruptDataError(
                             f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array {name} rows "
                             f"{seg.offset}..{seg.offset + seg.rows - 1}: crc32c {got:#010x}, "
                             f"index says {seg.crc32c:#010x}"
                         )
-            return out
 
         # Metadata and shard indexes of arrays not read before, all at once (small GETs, many
         # in flight), so no array's data GET waits behind its own index GET.
@@ -534,10 +556,15 @@ class RoutingReader:
             async with opening:
                 await self._sources[src].prepare(rollout_id, merged.per_source[src], name)
 
-        prepared = await asyncio.gather(*(prepare(src, name) for src, name in wanted), return_exceptions=True)
+        # Only arrays not read before need it (a task each costs more than the check).
+        unprepared = [key for key in wanted if not self._sources[key[0]].prepared(rollout_id, merged.per_source[key[0]], key[1])]
+        failures: dict[tuple[int, str], BaseException] = {}
+        if unprepared:
+            prepared = await asyncio.gather(*(prepare(src, name) for src, name in unprepared), return_exceptions=True)
+            failures = {key: e for key, e in zip(unprepared, prepared) if isinstance(e, BaseException)}
         reads = [
-            read_array(src, name, segs) if not isinstance(ready, BaseException) else _raise(ready)
-            for ((src, name), segs), ready in zip(wanted.items(), prepared)
+            read_array(src, name, segs) if (src, name) not in failures else _raise(failures[(src, name)])
+            for (src, name), segs in wanted.items()
         ]
         return await asyncio.gather(*reads, return_exceptions=True)
 
@@ -758,10 +785,11 @@ async def _raise(error: BaseException) -> None:
     raise error
 
 
-def _no_rows(geometry: dict[str, Any], positions: np.ndarray | None) -> np.ndarray:
-    """What a read of no row of a request returns: ``[0, L, K]`` (L: the layers read)."""
-    width = geometry["num_layers"] if positions is None else len(positions)
-    return np.empty((0, width, geometry["top_k"]), dtype=geometry["dtype"])
+def _rows_wanted(entries: list[RequestEntry], request_ids: list[str], spans: Spans | None) -> list[int]:
+    """Rows a read returns of each request: all its rows, or those of its spans."""
+    if spans is None:
+        return [entry.rows for entry in entries]
+    return [entry.rows if rid not in spans else sum(hi - lo for lo, hi in spans[rid]) for rid, entry in zip(request_ids, entries)]
 
 
 def _checksums(pieces: list[np.ndarray]) -> list[int]:
@@ -779,16 +807,6 @@ def _copy_of(entry: RequestEntry) -> str:
         f"rows {entry.start_row}..{entry.end_row - 1} in segments of {[s.rows for s in entry.segments]} rows, "
         f"crc32c {[s.crc32c for s in entry.segments]}"
     )
-
-
-@dataclass(slots=True)
-class _RowRange:
-    """Rows ``lo .. hi - 1`` of one batch array, read in one ranged read, and the wanted
-    segments ``(request id, segment number, segment)`` inside them."""
-
-    lo: int
-    hi: int
-    members: list[tuple[str, int, Segment]]
 
 
 @dataclass

@@ -23,11 +23,9 @@ group is wanted (a skipped group between them is not fetched). A chunk is number
 
 from __future__ import annotations
 
-import asyncio
-import os
+import functools
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,24 +36,20 @@ from zarr.core.buffer import default_buffer_prototype
 
 from r3rdma.errors import CorruptDataError
 from r3rdma.read.gather import gather
+from r3rdma.read.jobs import JobBatch
 from r3rdma.records import buffer_checksum
 from r3rdma.store.index_entries import chunk_sizes_of
 
-__all__ = ["ShardLayout", "read_ranges", "shard_indexes", "shard_index_of"]
+__all__ = ["ShardLayout", "Piece", "read_into", "shard_indexes", "shard_index_of"]
 
 _EMPTY = 2**64 - 1  # (offset, nbytes) of an inner chunk zarr left out: every value the fill value
 _CRC = struct.Struct("<I")
 _DTYPES = {"uint8": "<u1", "uint16": "<u2", "int32": "<i4"}
 _GAP = 1 << 20  # chunks closer than this in the file are fetched in one GET (fewer requests win)
+_SPAN = 1 << 62  # any gap: a shard's wanted chunks in one GET
+_JOB_BYTES = 1 << 19
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 _ZSTD = Zstd()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _decode_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="r3rdma-decode")
-    return _pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +152,10 @@ class ShardLayout:
         return self.chunk_rows * self.layers_per_chunk * self.row_shape[1] * self.dtype.itemsize
 
 
+Piece = tuple[int, int, np.ndarray]
+"""Rows ``lo:hi`` of an array and where they go: an array ``[hi - lo, layers read, K]``."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Pick:
     """Which layers of each layer group a read wants: ``groups[g] = (src, dst)``, the layers
@@ -170,6 +168,12 @@ class _Pick:
 
 
 def _pick(layout: ShardLayout, layers: np.ndarray | None) -> _Pick:
+    return _pick_of(layout, None if layers is None else tuple(layers.tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def _pick_of(layout: ShardLayout, layers: tuple[int, ...] | None) -> _Pick:
+    """The pick of ``layers`` (kept: a trainer rank reads the same layers of every array)."""
     per = layout.layers_per_chunk
     if layers is None:
         groups: dict[int, tuple[slice | np.ndarray, slice | np.ndarray]] = {
@@ -178,7 +182,7 @@ def _pick(layout: ShardLayout, layers: np.ndarray | None) -> _Pick:
         }
         return _Pick(layout.row_shape[0], groups, True)
     picked: dict[int, tuple[list[int], list[int]]] = {}
-    for dst, layer in enumerate(layers.tolist()):
+    for dst, layer in enumerate(layers):
         src, dsts = picked.setdefault(layer // per, ([], []))
         src.append(layer % per)
         dsts.append(dst)
@@ -194,79 +198,94 @@ def _as_slice(values: list[int]) -> slice | np.ndarray:
     return np.asarray(values, dtype=np.intp)
 
 
-async def read_ranges(
+async def read_into(
     store: Any,
     path: str,
     layout: ShardLayout,
-    ranges: Sequence[tuple[int, int]],
+    pieces: Sequence[Piece],
     indexes: dict[tuple[str, int], np.ndarray],
     where: str,
     layers: np.ndarray | None = None,
+    *,
     exact: bool = False,
-) -> list[np.ndarray]:
-    """Rows ``lo:hi`` of each of ``ranges`` of the array at ``path`` in ``store``; with
-    ``layers`` (MoE layer positions, in the order wanted) only those layers, read from the
-    inner chunks that hold them. ``exact``: fetch no chunk that is not wanted (a trainer
-    rank's slice: the chunks between its own are other ranks'). ``indexes`` caches shard indexes (by path and shard number)
-    across calls. Store errors propagate (the caller says what they mean); damage raises
-    :class:`CorruptDataError` naming ``where``."""
+    span: bool = False,
+) -> None:
+    """Rows ``lo:hi`` of the array at ``path`` in ``store`` into ``out``, for each ``(lo, hi,
+    out)`` of ``pieces``; with ``layers`` (MoE layer positions, in the order wanted) only
+    those layers, read from the inner chunks that hold them. Each chunk is fetched and decoded
+    once, whatever number of pieces share it, and its rows land in their outputs directly.
+
+    Which GETs: ``span``, the wanted chunks of a shard in one GET (most of the array is wanted:
+    the bytes between them cost less than more requests); ``exact``, no chunk that is not
+    wanted (a trainer rank's slice: the chunks between its own are other ranks'); else chunks
+    closer than 1 MiB in the file share a GET. ``indexes`` caches shard indexes (by path and
+    shard number) across calls. Store errors propagate (the caller says what they mean);
+    damage raises :class:`CorruptDataError` naming ``where``."""
     pick = _pick(layout, layers)
-    outs = [np.empty((hi - lo, pick.width, layout.row_shape[1]), dtype=layout.dtype) for lo, hi in ranges]
-    groups = layout.layer_chunks
-    wanted: dict[int, list[int]] = {}  # chunk number -> ranges that need rows of it
-    for i, (lo, hi) in enumerate(ranges):
-        for row_chunk in range(lo // layout.chunk_rows, -(-hi // layout.chunk_rows)):
-            for g in pick.groups:
-                wanted.setdefault(row_chunk * groups + g, []).append(i)
+    chunk_rows, groups, per_shard = layout.chunk_rows, layout.layer_chunks, layout.chunks_per_shard
+    picked = tuple(pick.groups)
+    wanted: dict[int, list[int]] = {}  # chunk number -> pieces that need rows of it
+    for i, (lo, hi, _) in enumerate(pieces):
+        for row_chunk in range(lo // chunk_rows, -(-hi // chunk_rows)):
+            base = row_chunk * groups
+            for g in picked:
+                users = wanted.get(base + g)
+                if users is None:
+                    wanted[base + g] = [i]
+                else:
+                    users.append(i)
     by_shard: dict[int, list[int]] = {}
     for chunk in sorted(wanted):
-        by_shard.setdefault(chunk // layout.chunks_per_shard, []).append(chunk)
-    # Chunks close together in the file are fetched in one GET; with layers skipped or an exact
-    # read, only chunks that touch (a skipped chunk between two wanted ones is not fetched).
-    gap = _GAP if pick.every and not exact else 0
-
-    async def shard(shard_no: int, chunks: list[int]) -> None:
+        by_shard.setdefault(chunk // per_shard, []).append(chunk)
+    # With layers skipped or an exact read, only chunks that touch share a GET (a skipped
+    # chunk between two wanted ones is not fetched).
+    gap = _SPAN if span else _GAP if pick.every and not exact else 0
+    runs: list[tuple[str, int, list[tuple[int, int, int]]]] = []  # (key, shard, [(offset, end, chunk)]): one GET
+    for shard_no, chunks in by_shard.items():
         key = f"{path}/c/{shard_no}/0/0"
-        index = await _index(store, key, layout, shard_no, indexes, where)
+        index = indexes.get((key, shard_no))
+        if index is None:
+            index = await _index(store, key, layout, shard_no, indexes, where)
         stored = []
         for chunk in chunks:
-            offset, nbytes = (int(v) for v in index[chunk % layout.chunks_per_shard])
+            offset, nbytes = index[chunk % per_shard].tolist()
             if offset == _EMPTY and nbytes == _EMPTY:
-                _place(layout, pick, chunk, None, ranges, wanted[chunk], outs)
+                _place(layout, pick, chunk, None, pieces, wanted[chunk])
             else:
                 stored.append((offset, offset + nbytes, chunk))
         stored.sort()
-        runs: list[list[tuple[int, int, int]]] = []
         for item in stored:  # chunks near each other in the file: one GET
-            if runs and item[0] - runs[-1][-1][1] <= gap:
-                runs[-1].append(item)
+            if runs and runs[-1][1] == shard_no and item[0] - runs[-1][2][-1][1] <= gap:
+                runs[-1][2].append(item)
             else:
-                runs.append([item])
-        loop = asyncio.get_running_loop()
+                runs.append((key, shard_no, [item]))
+    if not runs:
+        return
+    batch = JobBatch()
+    prototype = default_buffer_prototype()
+    # Decode jobs of about this many decoded bytes: a GET's chunks decode on all cores at once.
+    per_job = max(1, _JOB_BYTES // layout.chunk_bytes)
 
-        async def run(items: list[tuple[int, int, int]]) -> None:
-            start, end = items[0][0], max(e for _, e, _ in items)
-            buffer = await store.get(key, prototype=default_buffer_prototype(), byte_range=RangeByteRequest(start, end))
-            data = np.empty(0, dtype=np.uint8) if buffer is None else buffer.as_numpy_array()
-            if len(data) != end - start:
-                raise CorruptDataError(
-                    f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
-                )
-            # A task per ~2 whole-layer chunks' bytes: the chunks of one GET decode on all cores at once.
-            step = 2 * groups
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(
-                        _decode_pool(), _decode_group, layout, pick, data, start, items[i : i + step], ranges, wanted, outs, where
-                    )
-                    for i in range(0, len(items), step)
-                )
+    async def fetch(key: str, shard_no: int, items: list[tuple[int, int, int]]) -> None:
+        start, end = items[0][0], items[-1][1]  # sorted by offset; chunks do not overlap (else: a CRC fails)
+        buffer = await store.get(key, prototype=prototype, byte_range=RangeByteRequest(start, end))
+        data = _NO_BYTES if buffer is None else buffer.as_numpy_array()
+        if len(data) != end - start:
+            raise CorruptDataError(
+                f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
             )
+        for i in range(0, len(items), per_job):
+            batch.put(_decode, layout, pick, data, start, items[i : i + per_job], pieces, wanted, where)
 
-        await gather(run(r) for r in runs)
-
-    await gather(shard(s, chunks) for s, chunks in by_shard.items())
-    return outs
+    try:
+        if len(runs) == 1:
+            await fetch(*runs[0])
+        else:
+            await gather(fetch(*run) for run in runs)
+    except BaseException:
+        await batch.wait(stop=True)  # no job in flight writes into ``pieces`` once this returns
+        raise
+    await batch.wait()
 
 
 def shard_index_of(shard: dict[str, Any]) -> np.ndarray:
@@ -313,41 +332,33 @@ async def _index(
     return index
 
 
-def _decode_group(
+def _decode(
     layout: ShardLayout,
     pick: _Pick,
     data: np.ndarray,
     start: int,
     items: list[tuple[int, int, int]],
-    ranges: Sequence[tuple[int, int]],
+    pieces: Sequence[Piece],
     wanted: dict[int, list[int]],
-    outs: list[np.ndarray],
     where: str,
 ) -> None:
-    """Check and decode each chunk of one fetched byte span, copying its rows where they go."""
+    """Check and decode each chunk of one fetched byte span (a worker's job), its rows copied
+    into the pieces that want them."""
+    shape = (layout.chunk_rows, layout.layers_per_chunk, layout.row_shape[1])
     for offset, end, chunk in items:
-        body = data[offset - start : end - start - 4]
-        what = f"{where}: chunk {chunk}"
-        if end - offset < 4 or buffer_checksum(body) != _CRC.unpack(data[end - start - 4 : end - start].tobytes())[0]:
-            raise CorruptDataError(f"{what} fails its crc32c")
+        a, b = offset - start, end - start - 4
+        if b < a or buffer_checksum(data[a:b]) != int.from_bytes(data[b : b + 4], "little"):
+            raise CorruptDataError(f"{where}: chunk {chunk} fails its crc32c")
         if layout.zstd:
             try:
-                raw = _ZSTD.decode(body)
+                raw = _ZSTD.decode(data[a:b])
             except (RuntimeError, ValueError) as e:  # numcodecs: "Zstd decompression error: ..."
-                raise CorruptDataError(f"{what} is not a valid zstd frame: {e}") from e
+                raise CorruptDataError(f"{where}: chunk {chunk} is not a valid zstd frame: {e}") from e
         else:
-            raw = body
+            raw = data[a:b]
         if len(raw) != layout.chunk_bytes:  # edge chunks are stored padded to full size
-            raise CorruptDataError(f"{what} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
-        _place(
-            layout,
-            pick,
-            chunk,
-            np.frombuffer(raw, dtype=layout.dtype).reshape(layout.chunk_rows, layout.layers_per_chunk, layout.row_shape[1]),
-            ranges,
-            wanted[chunk],
-            outs,
-        )
+            raise CorruptDataError(f"{where}: chunk {chunk} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
+        _place(layout, pick, chunk, np.frombuffer(raw, dtype=layout.dtype).reshape(shape), pieces, wanted[chunk])
 
 
 def _place(
@@ -355,17 +366,20 @@ def _place(
     pick: _Pick,
     chunk: int,
     rows: np.ndarray | None,
-    ranges: Sequence[tuple[int, int]],
+    pieces: Sequence[Piece],
     which: list[int],
-    outs: list[np.ndarray],
 ) -> None:
+    """Chunk ``chunk``'s rows (None: a chunk left out, every value the fill value) into the
+    pieces ``which`` that want some of them."""
     row_chunk, group = divmod(chunk, layout.layer_chunks)
     src, dst = pick.groups[group]
     first = row_chunk * layout.chunk_rows
+    last = first + layout.chunk_rows
     for i in which:
-        lo, hi = ranges[i]
-        a, b = max(lo, first), min(hi, first + layout.chunk_rows)
+        lo, hi, out = pieces[i]
+        a = lo if lo > first else first
+        b = hi if hi < last else last
         if rows is None:
-            outs[i][a - lo : b - lo, dst] = layout.fill
+            out[a - lo : b - lo, dst] = layout.fill
         else:
-            outs[i][a - lo : b - lo, dst] = rows[a - first : b - first, src]
+            out[a - lo : b - lo, dst] = rows[a - first : b - first, src]

@@ -1,11 +1,12 @@
 """One store root a reader reads: a zarr store, its rollout indexes, its batch arrays (async).
 
 Stores and metadata go through zarr-python's async API: a local root through ``LocalStore``, a store
-node's ``/zarr/`` tree through ``ObjectStore`` over obstore's ``HTTPStore`` (the bearer token
-as a header; :func:`http_store`), or any zarr ``StoreLike`` a caller passes. Batch arrays are opened once per reader (their metadata is
-immutable) and read by row ranges: r3rdma's own layout through :mod:`r3rdma.read.shard_ranges`
-(shard indexes kept, chunks fetched in few ranged GETs, decoded in a pool), any other layout
-through zarr's ``getitem``.
+node's ``/zarr/`` tree through :class:`~r3rdma.read.node_http.NodeHTTPStore` (``https://``:
+obstore's ``HTTPStore``; the bearer token as a header; :func:`http_store`), or any zarr
+``StoreLike`` a caller passes. Batch arrays are opened once per reader (their metadata is
+immutable) and read by row ranges straight into the caller's arrays: r3rdma's own layout through
+:mod:`r3rdma.read.shard_ranges` (shard indexes kept, chunks fetched in few ranged GETs, decoded
+by worker threads), any other layout through zarr's ``getitem``.
 
 Errors say what happened (:meth:`Source.failure`): a refused token is
 :class:`AuthenticationError`; a connection refused, reset or dropped is :class:`TransportError`
@@ -32,7 +33,7 @@ from zarr.storage import LocalStore
 from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
 from r3rdma.read.gather import gather
 from r3rdma.read.http_errors import read_error
-from r3rdma.read.shard_ranges import ShardLayout, read_ranges, shard_index_of, shard_indexes
+from r3rdma.read.shard_ranges import Piece, ShardLayout, read_into, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
     GEOMETRY_KEYS,
     IndexPart,
@@ -246,6 +247,10 @@ class Source:
             self._arrays[key] = array
         return array
 
+    def prepared(self, rollout_id: str, index: RolloutIndex, name: str) -> bool:
+        """Whether :meth:`prepare` of the array is done (its layout is known)."""
+        return (rollout_id, index.uid, name) in self._layouts
+
     async def prepare(self, rollout_id: str, index: RolloutIndex, name: str) -> None:
         """Know the array's layout and shard index (kept) before :meth:`read_ranges`: from the
         index part that added it when it says (no GET), else from its ``zarr.json`` and shard."""
@@ -275,46 +280,46 @@ class Source:
                 shard_indexes(self.store, f"{rollout_id}/{name}", found, self._shard_indexes, self._where(rollout_id, name)),
             )
 
-    async def read_ranges(
+    async def read_into(
         self,
         rollout_id: str,
         index: RolloutIndex,
         name: str,
-        ranges: list[tuple[int, int]],
+        pieces: list[Piece],
         layers: np.ndarray | None = None,
+        *,
         exact: bool = False,
-    ) -> list[np.ndarray]:
-        """Rows ``lo:hi`` of a batch array for each of ``ranges``, with ``layers`` (MoE layer
-        positions) only those; ``exact``: no chunk fetched that is not wanted; zarr's or r3rdma's own chunk CRC-32C is checked on the way
-        (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
+        span: bool = False,
+    ) -> None:
+        """Rows ``lo:hi`` of a batch array into ``out`` for each ``(lo, hi, out)`` of
+        ``pieces`` (sorted by ``lo``), with ``layers`` (MoE layer positions) only those;
+        ``exact``: no chunk fetched that is not wanted; ``span``: most of the array is wanted,
+        fetch it in one ranged read. Zarr's or r3rdma's own chunk CRC-32C is checked on the
+        way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
         await self.prepare(rollout_id, index, name)
         layout = self._layouts[(rollout_id, index.uid, name)]
         where = self._where(rollout_id, name)
-        read: Coroutine[Any, Any, list[np.ndarray]]
+        read: Coroutine[Any, Any, None]
         if layout is not None:
             rows = layout.rows
-            read = read_ranges(self.store, f"{rollout_id}/{name}", layout, ranges, self._shard_indexes, where, layers, exact)
+            read = read_into(
+                self.store, f"{rollout_id}/{name}", layout, pieces, self._shard_indexes, where, layers, exact=exact, span=span
+            )
         else:
             array = await self.array(rollout_id, index.uid, name)
             rows = array.shape[0]
-
-            async def read_through_zarr() -> list[np.ndarray]:
-                blocks = [np.asarray(await array.getitem((slice(lo, hi),))) for lo, hi in ranges]
-                return blocks if layers is None else [np.ascontiguousarray(b[:, layers]) for b in blocks]
-
-            read = read_through_zarr()
-        if any(hi > rows for _, hi in ranges):
+            read = _read_through_zarr(array, pieces, layers, span)
+        if any(hi > rows for _, hi, _ in pieces):
             read.close()
-            raise CorruptDataError(f"{where} has {rows} rows; the index lists rows up to {max(hi for _, hi in ranges)}")
-        return await self._guard(rollout_id, name, read)
+            raise CorruptDataError(f"{where} has {rows} rows; the index lists rows up to {max(hi for _, hi, _ in pieces)}")
+        await self._guard(rollout_id, name, read)
 
-    def shape_of(self, rollout_id: str, index: RolloutIndex, name: str) -> tuple[int, int]:
-        """Rows and inner-chunk rows of a prepared array (:meth:`prepare`)."""
+    def rows_of(self, rollout_id: str, index: RolloutIndex, name: str) -> int:
+        """Rows of a prepared array (:meth:`prepare`)."""
         layout = self._layouts[(rollout_id, index.uid, name)]
         if layout is not None:
-            return layout.rows, layout.chunk_rows
-        array = self._arrays[(rollout_id, index.uid, name)]
-        return array.shape[0], array.chunks[0]
+            return layout.rows
+        return int(self._arrays[(rollout_id, index.uid, name)].shape[0])
 
     def _where(self, rollout_id: str, name: str) -> str:
         return f"{self.name}: rollout {rollout_id!r} array {name}"
@@ -364,6 +369,28 @@ class Source:
             raise CorruptDataError(f"{self.name}: the size of {key} of rollout {rollout_id!r} cannot be read: {e}") from e
 
 
+async def _read_through_zarr(array: zarr.AsyncArray, pieces: list[Piece], layers: np.ndarray | None, span: bool) -> None:
+    """:meth:`Source.read_into` of an array that is not r3rdma's layout, through zarr: pieces
+    that touch or share a chunk read as one range (each chunk read once), or with ``span``
+    the whole array at once."""
+    chunk = array.chunks[0]
+    ranges: list[tuple[int, int, list[Piece]]] = []
+    if span:
+        ranges.append((0, array.shape[0], list(pieces)))
+    else:
+        for piece in pieces:
+            lo, hi, _ = piece
+            if ranges and lo // chunk <= (ranges[-1][1] - 1) // chunk:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], hi), [*ranges[-1][2], piece])
+            else:
+                ranges.append((lo, hi, [piece]))
+    for first, last, members in ranges:
+        block = np.asarray(await array.getitem((slice(first, last),)))
+        for lo, hi, out in members:
+            rows = block[lo - first : hi - first]
+            out[...] = rows if layers is None else rows[:, layers]
+
+
 def _check_local_root(path: str) -> None:
     """A local source must be an existing directory; else :class:`ConfigError` saying what it is."""
     if os.path.isdir(path):
@@ -386,12 +413,14 @@ def _check_local_root(path: str) -> None:
 
 
 def http_store(url: str, token: str | None, timeout_s: float) -> Any:
-    """A read-only zarr store of a store node's ``/zarr/`` tree: ``ObjectStore`` over obstore's
-    ``HTTPStore`` (Rust HTTP client; bodies land in one buffer, no per-read Python objects).
+    """A read-only zarr store of a store node's ``/zarr/`` tree.
 
-    It moved whole shards at 2-2.5x the rate of zarr's ``FsspecStore`` (aiohttp) on the same
-    reads (BENCHMARKS.md "Read at scale"). obstore retries failed requests for up to minutes by
-    default; here at most twice within ``timeout_s``, so a dead node fails over in time.
+    ``http://``: :class:`~r3rdma.read.node_http.NodeHTTPStore`, r3rdma's own client (a ranged
+    GET of an inner chunk cost ~2.5x less CPU than through obstore; its module says why).
+    ``https://``: ``ObjectStore`` over obstore's ``HTTPStore`` (Rust HTTP client and TLS; it
+    moved whole shards at 2-2.5x the rate of zarr's ``FsspecStore``, BENCHMARKS.md "Read at
+    scale"). Both try a failed request at most twice more within ``timeout_s``, so a dead node
+    fails over in time (obstore's default retries for minutes).
     """
     from datetime import timedelta
 
@@ -399,6 +428,10 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
 
     if token:  # e.g. open(path).read(): stripped, its trailing newline is no header value
         token = coerce_token(token, "the read token (token=)")
+    if url.startswith("http://"):
+        from r3rdma.read.node_http import NodeHTTPStore
+
+        return NodeHTTPStore(url, token, timeout_s)
     try:
         from obstore.store import HTTPStore
     except ImportError:  # a declared dependency; without it (no wheel for the platform): fsspec
