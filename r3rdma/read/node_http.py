@@ -361,9 +361,20 @@ class NodeHTTPStore(Store):
         self.__init__(state["url"], state["token"], state["timeout_s"])  # type: ignore[misc]
 
     def close(self) -> None:
-        """Close the kept-alive connections (of every event loop)."""
-        for pool in list(self._pools.values()):
-            pool.close()
+        """Close the kept-alive connections (of every event loop; from any thread: each loop
+        closes its own)."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for loop, pool in list(self._pools.items()):
+            if loop is running:
+                pool.close()
+            elif not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(pool.close)
+                except RuntimeError:  # closed meanwhile: its connections went with it
+                    pass
         super().close()
 
     # -- reads ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from r3rdma.errors import (
@@ -51,9 +52,11 @@ from r3rdma.errors import (
 )
 from r3rdma.ids import validate_id
 from r3rdma.read.checksums import crc32c_concat
+from r3rdma.read.jobs import JobBatch
 from r3rdma.read.layers import layer_list, layer_selection
 from r3rdma.read.packed import PackedRouting, cu_seqlens_of, pack, packed_routing, to_torch
 from r3rdma.read.rows import Spans, check_named, check_rows, row_spans, select_segments
+from r3rdma.read.shard_ranges import ArrayRead, Piece, fetch_run
 from r3rdma.read.sources import Source, source_items
 from r3rdma.records import checksum
 from r3rdma.store.index_entries import RequestEntry, Segment
@@ -103,7 +106,8 @@ class RoutingReader:
     nodes (replicas, or re-pushed after a failover) must have the same checksum on each
     (checked when it is read: else :class:`CorruptDataError` naming both) and is read from any
     of them. ``max_workers``
-    bounds the row ranges read at once and the threads verifying checksums. Each returned
+    bounds the GETs a read has in flight at once (r3rdma's HTTP client also keeps at most 8
+    connections to a node per reader). Each returned
     segment is verified against the CRC-32C in the index unless ``verify=False``. ``timeout_s``
     bounds every wait on a store node (connect, each read of the answer): past it,
     :class:`R3TimeoutError`.
@@ -139,7 +143,6 @@ class RoutingReader:
         self.source_names: tuple[str, ...] = tuple(source.name for source in self._sources)
         self._verify = verify
         self._concurrency = max_workers
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="r3rdma-read")
         self._merged: dict[str, _MergedIndex] = {}
         self._progress = progress
         #: Sources skipped by the last index fetch (name -> why): unreachable nodes whose
@@ -149,8 +152,10 @@ class RoutingReader:
         self.read_failovers = 0
 
     def close(self) -> None:
-        """Release the checksum thread pool (without waiting for hashes in flight)."""
-        self._pool.shutdown(wait=False)
+        """Close the connections to store nodes that this reader opened and kept alive (of
+        sources given as URLs; a store object passed in is the caller's)."""
+        for source in self._sources:
+            source.close()
 
     def __enter__(self) -> RoutingReader:
         return self
@@ -247,14 +252,9 @@ class RoutingReader:
         positions, geometry = layer_selection(rollout_id, merged.geometry, layers)
         spans = row_spans(rows)
         check_rows(rollout_id, spans, request_ids, merged.entry)
-        entries = [merged.entry(rid) for rid in request_ids]
-        cu = cu_seqlens_of(_rows_wanted(entries, request_ids, spans))
-        # Rows are decoded straight into the packed buffer: no per-request array, no copy.
-        packed = np.empty((int(cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
-        bounds = cu.tolist()
-        outs = {rid: packed[bounds[i] : bounds[i + 1]] for i, rid in enumerate(request_ids)}
-        self._read(rollout_id, merged, request_ids, outs, positions, spans)
-        return packed_routing(request_ids, packed, cu, [e.start_row for e in entries], geometry)
+        load = _PackedLoad(merged, request_ids, geometry, spans)
+        self._read(rollout_id, merged, request_ids, load.outs, positions, spans)
+        return load.result()
 
     def prefetch(
         self,
@@ -419,67 +419,9 @@ class RoutingReader:
         (unreachable, timed out, failed I/O) is dropped and its requests are read again from
         their other replicas, into the same arrays."""
         merged.check_replicas(rollout_id, self._sources, request_ids)
-        failed: dict[int, Exception] = {}
-        todo = request_ids
         bar = self._progress_bar(rollout_id, merged, request_ids)
-        whole = positions is None and not spans  # a segment's CRC-32C covers all its rows and layers
         try:
-            while todo:
-                chosen: dict[str, int] = {}  # request -> the source it is read from
-                wanted: dict[tuple[int, str], list[tuple[str, Segment, np.ndarray]]] = {}
-                for rid in todo:
-                    holders = merged.holders(rid)
-                    alive = [h for h in holders if h[0] not in failed]
-                    if not alive:
-                        cause = failed[holders[0][0]]
-                        if len(holders) == 1 and not merged.skipped:
-                            raise cause  # no replica anywhere: its own error, as with one source
-                        raise TransportError(
-                            f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
-                            "(retryable): "
-                            + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in holders)
-                            + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
-                        ) from cause
-                    src, entry = alive[0]
-                    chosen[rid] = src
-                    segments = entry.segments if spans is None or rid not in spans else select_segments(entry, spans[rid])
-                    out = outs[rid]
-                    row = 0
-                    for seg in segments:  # each segment's rows land in their place in the request's array
-                        wanted.setdefault((src, seg.array), []).append((rid, seg, out[row : row + seg.rows]))
-                        row += seg.rows
-                    if row != len(out):
-                        raise CorruptDataError(
-                            f"request {rid!r} of rollout {rollout_id!r} on {self._sources[src].name}: its segments hold "
-                            f"{row} of the {len(out)} rows its index entry asks for"
-                        )
-                if bar is not None:
-                    bar.total = (bar.total or 0) + len(wanted)
-                results = sync(self._fetch(rollout_id, merged, wanted, bar, positions, whole))
-                first_error: Exception | None = None
-                for (src, _name), result in zip(wanted, results):
-                    if result is None:
-                        continue
-                    if isinstance(result, (TransportError, R3TimeoutError, StoreError)) and not (
-                        isinstance(result, AuthenticationError) or len(self._sources) == 1
-                    ):
-                        if src not in failed:
-                            _log.warning(
-                                "reading rollout %r from %s failed, trying other replicas: %s",
-                                rollout_id,
-                                self._sources[src].name,
-                                result,
-                            )
-                            self.read_failovers += 1
-                        failed.setdefault(src, result)
-                    elif isinstance(result, Exception):
-                        first_error = first_error or result
-                    else:
-                        raise result
-                if first_error is not None:
-                    raise first_error
-                # Requests on a source that failed: read them whole from another replica.
-                todo = [rid for rid in todo if chosen[rid] in failed]
+            sync(self._read_async(rollout_id, merged, request_ids, outs, positions, spans, bar))
         except CorruptDataError as e:
             # An array the (cached) index lists is gone or unreadable: if the rollout or these
             # requests were deleted meanwhile (retention), say so instead of "corrupt".
@@ -488,6 +430,78 @@ class RoutingReader:
         finally:
             if bar is not None:
                 bar.close()
+
+    async def _read_async(
+        self,
+        rollout_id: str,
+        merged: _MergedIndex,
+        request_ids: list[str],
+        outs: dict[str, np.ndarray],
+        positions: np.ndarray | None = None,
+        spans: Spans | None = None,
+        bar: tqdm | None = None,
+    ) -> None:
+        """:meth:`_read` on the reader's event loop (replicas checked by the caller, and a
+        :class:`CorruptDataError` is the caller's to explain)."""
+        failed: dict[int, Exception] = {}
+        todo = request_ids
+        whole = positions is None and not spans  # a segment's CRC-32C covers all its rows and layers
+        while todo:
+            chosen: dict[str, int] = {}  # request -> the source it is read from
+            wanted: dict[tuple[int, str], list[tuple[str, Segment, np.ndarray]]] = {}
+            for rid in todo:
+                holders = merged.holders(rid)
+                alive = [h for h in holders if h[0] not in failed]
+                if not alive:
+                    cause = failed[holders[0][0]]
+                    if len(holders) == 1 and not merged.skipped:
+                        raise cause  # no replica anywhere: its own error, as with one source
+                    raise TransportError(
+                        f"request {rid!r} of rollout {rollout_id!r}: every store node holding it failed the read "
+                        "(retryable): "
+                        + "; ".join(f"{self._sources[h[0]].name}: {failed[h[0]]}" for h in holders)
+                        + "".join(f"; {n} (could not be reached for the index): {w}" for n, w in merged.skipped.items())
+                    ) from cause
+                src, entry = alive[0]
+                chosen[rid] = src
+                segments = entry.segments if spans is None or rid not in spans else select_segments(entry, spans[rid])
+                out = outs[rid]
+                row = 0
+                for seg in segments:  # each segment's rows land in their place in the request's array
+                    wanted.setdefault((src, seg.array), []).append((rid, seg, out[row : row + seg.rows]))
+                    row += seg.rows
+                if row != len(out):
+                    raise CorruptDataError(
+                        f"request {rid!r} of rollout {rollout_id!r} on {self._sources[src].name}: its segments hold "
+                        f"{row} of the {len(out)} rows its index entry asks for"
+                    )
+            if bar is not None:
+                bar.total = (bar.total or 0) + len(wanted)
+            results = await self._fetch(rollout_id, merged, wanted, bar, positions, whole)
+            first_error: Exception | None = None
+            for (src, _name), result in zip(wanted, results):
+                if result is None:
+                    continue
+                if isinstance(result, (TransportError, R3TimeoutError, StoreError)) and not (
+                    isinstance(result, AuthenticationError) or len(self._sources) == 1
+                ):
+                    if src not in failed:
+                        _log.warning(
+                            "reading rollout %r from %s failed, trying other replicas: %s",
+                            rollout_id,
+                            self._sources[src].name,
+                            result,
+                        )
+                        self.read_failovers += 1
+                    failed.setdefault(src, result)
+                elif isinstance(result, Exception):
+                    first_error = first_error or result
+                else:
+                    raise result
+            if first_error is not None:
+                raise first_error
+            # Requests on a source that failed: read them whole from another replica.
+            todo = [rid for rid in todo if chosen[rid] in failed]
 
     def _progress_bar(self, rollout_id: str, merged: _MergedIndex, request_ids: list[str]) -> tqdm | None:
         """A progress bar over the arrays a read touches, when shown (a bar not shown is not
@@ -510,63 +524,108 @@ class RoutingReader:
         whole: bool = True,
     ) -> list[BaseException | None]:
         """Read every array's wanted segments at once, each into its place; per array None, or
-        the exception its read raised."""
-        limit = asyncio.Semaphore(self._concurrency)
-        loop = asyncio.get_running_loop()
+        the exception its read raised.
 
-        async def read_array(src: int, name: str, segs: list[tuple[str, Segment, np.ndarray]]) -> None:
-            source = self._sources[src]
-            index = merged.per_source[src]
-            rows = source.rows_of(rollout_id, index, name)
-            segs.sort(key=lambda s: s[1].offset)
-            # Most of the array: all of it, in one ranged read. Not for a slice (some layers or
-            # rows): a trainer rank's slice is its share of every array, and the rows between
-            # its pieces are other ranks' (fetching them cost a DP=2 rank 2x).
-            span = whole and 2 * sum(seg.rows for _, seg, _ in segs) >= rows
-            async with limit:
-                await source.read_into(
-                    rollout_id,
-                    index,
-                    name,
-                    [(seg.offset, seg.offset + seg.rows, out) for _, seg, out in segs],
-                    positions,
-                    exact=not whole,
-                    span=span,
-                )
-            if bar is not None:
-                bar.update()
-            if self._verify and whole:
-                # A segment's CRC-32C covers every layer and row: a read of some layers or rows
-                # relies on the chunks' own CRC-32C, checked as they are decoded.
-                # crc32c releases the GIL: hashed in the pool while other arrays still arrive.
-                sums = await loop.run_in_executor(self._pool, _checksums, [out for _, _, out in segs])
-                for (rid, seg, _out), got in zip(segs, sums):
-                    if got != seg.crc32c:
-                        raise CorruptDataError(
-                            f"request {rid!r} of rollout {rollout_id!r} on {source.name}, array {name} rows "
-                            f"{seg.offset}..{seg.offset + seg.rows - 1}: crc32c {got:#010x}, "
-                            f"index says {seg.crc32c:#010x}"
-                        )
+        Every array's GETs are planned first and made by at most ``max_workers`` coroutines
+        in all; chunks are decoded by the workers of one :class:`JobBatch`, which tells this
+        read once that all are done. Why not a task and a batch per array: a trainer rank's
+        slice is about one GET per array, and per-array tasks, batches and wake-ups cost as
+        much CPU as the GET (#34)."""
+        keys = list(wanted)
+        results: list[BaseException | None] = [None] * len(keys)
 
         # Metadata and shard indexes of arrays not read before, all at once (small GETs, many
-        # in flight), so no array's data GET waits behind its own index GET.
+        # in flight), so no array's data GET waits behind its own index GET. Only arrays not
+        # read before need it (a task each costs more than the check).
         opening = asyncio.Semaphore(8 * self._concurrency)
 
         async def prepare(src: int, name: str) -> None:
             async with opening:
                 await self._sources[src].prepare(rollout_id, merged.per_source[src], name)
 
-        # Only arrays not read before need it (a task each costs more than the check).
-        unprepared = [key for key in wanted if not self._sources[key[0]].prepared(rollout_id, merged.per_source[key[0]], key[1])]
+        unprepared = [k for k in keys if not self._sources[k[0]].prepared(rollout_id, merged.per_source[k[0]], k[1])]
         failures: dict[tuple[int, str], BaseException] = {}
         if unprepared:
             prepared = await asyncio.gather(*(prepare(src, name) for src, name in unprepared), return_exceptions=True)
             failures = {key: e for key, e in zip(unprepared, prepared) if isinstance(e, BaseException)}
-        reads = [
-            read_array(src, name, segs) if (src, name) not in failures else _raise(failures[(src, name)])
-            for (src, name), segs in wanted.items()
-        ]
-        return await asyncio.gather(*reads, return_exceptions=True)
+
+        planned: list[tuple[int, ArrayRead]] = []
+        others: list[Coroutine[Any, Any, None]] = []  # arrays not in r3rdma's layout, read through zarr
+        other_keys: list[int] = []
+        for i, (src, name) in enumerate(keys):
+            if (src, name) in failures:
+                results[i] = failures[(src, name)]
+                continue
+            source, index = self._sources[src], merged.per_source[src]
+            segs = wanted[(src, name)]
+            segs.sort(key=lambda s: s[1].offset)
+            pieces = [(seg.offset, seg.offset + seg.rows, out) for _, seg, out in segs]
+            # Most of the array: all of it, in one ranged read. Not for a slice (some layers or
+            # rows): a trainer rank's slice is its share of every array, and the rows between
+            # its pieces are other ranks' (fetching them cost a DP=2 rank 2x).
+            span = whole and 2 * sum(seg.rows for _, seg, _ in segs) >= source.rows_of(rollout_id, index, name)
+            try:
+                read = await source.plan(rollout_id, index, name, pieces, positions, exact=not whole, span=span)
+            except Exception as e:
+                results[i] = source.read_failure(rollout_id, name, e)
+                continue
+            if read is None:
+                others.append(self._read_other(results, i, source, rollout_id, index, name, pieces, positions, span))
+                other_keys.append(i)
+            else:
+                planned.append((i, read))
+
+        batch = JobBatch()
+        prototype = default_buffer_prototype()
+        runs = [(read, run) for _, read in planned for run in read.runs]
+        queue = iter(runs)
+
+        async def getter() -> None:
+            for read, run in queue:  # the iterator is shared: each run is fetched by one getter
+                await fetch_run(read, run, batch, prototype)
+
+        try:
+            await asyncio.gather(*(getter() for _ in range(min(self._concurrency, len(runs)))), *others)
+        except BaseException:
+            await batch.wait(stop=True)  # no job in flight writes into the outputs once this returns
+            raise
+        await batch.wait()
+
+        for i, read in planned:
+            if read.error is not None:
+                src, name = keys[i]
+                error = read.error
+                results[i] = self._sources[src].read_failure(rollout_id, name, error) if isinstance(error, Exception) else error
+        if self._verify and whole:
+            # A segment's CRC-32C covers every layer and row: a read of some layers or rows
+            # relies on the chunks' own CRC-32C, checked as they are decoded.
+            checks = JobBatch()
+            for i in [i for i, _ in planned] + other_keys:
+                if results[i] is None:
+                    src, name = keys[i]
+                    checks.put(_verify_segments, results, i, rollout_id, self._sources[src].name, name, wanted[keys[i]])
+            await checks.wait()
+        if bar is not None:
+            bar.update(len(keys))
+        return results
+
+    async def _read_other(
+        self,
+        results: list[BaseException | None],
+        i: int,
+        source: Source,
+        rollout_id: str,
+        index: RolloutIndex,
+        name: str,
+        pieces: list[Piece],
+        positions: np.ndarray | None,
+        span: bool,
+    ) -> None:
+        """:meth:`Source.read_other`, its failure put in ``results[i]``."""
+        try:
+            await source.read_other(rollout_id, index, name, pieces, positions, span)
+        except Exception as e:
+            results[i] = e
 
     def _raise_if_deleted(self, rollout_id: str, request_ids: list[str], cause: Exception) -> None:
         try:
@@ -638,13 +697,35 @@ class RoutingReader:
         return merged
 
 
+class _PackedLoad:
+    """The packed buffer of a batch, and where each request's rows go in it (rows are decoded
+    straight into it: no per-request array, no copy)."""
+
+    def __init__(self, merged: _MergedIndex, request_ids: list[str], geometry: dict[str, Any], spans: Spans | None) -> None:
+        entries = [merged.entry(rid) for rid in request_ids]
+        self.request_ids, self.geometry = request_ids, geometry
+        self.start_rows = [entry.start_row for entry in entries]
+        self.cu = cu_seqlens_of(_rows_wanted(entries, request_ids, spans))
+        self.packed = np.empty((int(self.cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+        bounds = self.cu.tolist()
+        self.outs = {rid: self.packed[bounds[i] : bounds[i + 1]] for i, rid in enumerate(request_ids)}
+
+    def result(self) -> PackedRouting:
+        """The :class:`PackedRouting`, once every request's rows are read."""
+        return packed_routing(self.request_ids, self.packed, self.cu, self.start_rows, self.geometry)
+
+
 class Prefetcher:
     """Yields :class:`PackedRouting` of each batch in order while the next ones load
     (:meth:`RoutingReader.prefetch`): up to ``depth`` batches ahead of the consumer, all of them
     loading at once (each load is itself concurrent). Why at once: one load at a time left a
     data-parallel rank's scattered micro-batches (a ranged GET per request, on every node)
     waiting on their slowest GET before the next batch's GETs started; on the H100 host its
-    8 readers kept 8 of 16 cores busy at 0.61 of the contiguous rate."""
+    8 readers kept 8 of 16 cores busy at 0.61 of the contiguous rate.
+
+    A load is a coroutine on the reader's event loop, started from ``__next__`` (no thread of
+    its own: a thread per load in flight cost two more thread hand-offs per batch, #34); with
+    ``pin_memory`` a thread per load in flight also pins the result, off the consumer's time."""
 
     def __init__(
         self,
@@ -671,8 +752,8 @@ class Prefetcher:
         self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
         # get_packed may run in several threads: each call's reads run as one coroutine on the
         # reader's event loop, where its caches live.
-        self._thread = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="r3rdma-prefetch")
-        self._queue: collections.deque[Future] = collections.deque()
+        self._thread = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="r3rdma-prefetch") if pin_memory else None
+        self._queue: collections.deque[tuple[list[str], Future[Any], _PackedLoad | None]] = collections.deque()
         self._next = 0
 
     def __len__(self) -> int:
@@ -682,44 +763,72 @@ class Prefetcher:
         return self
 
     def __next__(self) -> PackedRouting:
-        while len(self._queue) < self._depth and self._next < len(self._batches):
-            self._queue.append(self._thread.submit(self._load, self._batches[self._next]))
-            self._next += 1
-        if not self._queue:
-            self.close()
-            raise StopIteration
         try:
-            return self._queue.popleft().result()
+            while len(self._queue) < self._depth and self._next < len(self._batches):
+                self._queue.append(self._start(self._batches[self._next]))
+                self._next += 1
+            if not self._queue:
+                self.close()
+                raise StopIteration
+            batch, future, load = self._queue.popleft()
+            if load is None:
+                return future.result()  # a pinning thread's get_packed
+            try:
+                future.result()
+            except CorruptDataError as e:
+                self._reader._raise_if_deleted(self._rollout_id, batch, e)
+                raise
+            return load.result()
         except BaseException:
             self.close()
             raise
 
-    def _load(self, batch: list[str]) -> PackedRouting:
+    def _start(self, batch: list[str]) -> tuple[list[str], Future[Any], _PackedLoad | None]:
+        """Start loading ``batch``: its read on the reader's event loop (or, pinning, a thread's)."""
+        if self._thread is not None:
+            return batch, self._thread.submit(self._load_pinned, batch), None
+        reader, rollout_id = self._reader, self._rollout_id
+        merged = reader._require(rollout_id, batch)  # a request deleted since: said here, as get_packed says it
+        positions, geometry = layer_selection(rollout_id, merged.geometry, self._layers)
+        spans = None if self._rows is None else {rid: self._rows[rid] for rid in batch if rid in self._rows}
+        merged.check_replicas(rollout_id, reader._sources, batch)
+        load = _PackedLoad(merged, batch, geometry, spans)
+        coro = reader._read_async(rollout_id, merged, batch, load.outs, positions, spans)
+        return batch, asyncio.run_coroutine_threadsafe(coro, _reader_loop()), load
+
+    def _load_pinned(self, batch: list[str]) -> PackedRouting:
         kwargs: dict[str, Any] = {}
         if self._layers is not None:
             kwargs["layers"] = self._layers
         if self._rows is not None:
             kwargs["rows"] = {rid: self._rows[rid] for rid in batch if rid in self._rows}
         packed = self._reader.get_packed(self._rollout_id, batch, **kwargs)
-        if self._pin:
-            import dataclasses
+        import dataclasses
 
-            packed = dataclasses.replace(packed, ids_TLK=packed.ids_TLK.pin_memory())
-        return packed
+        return dataclasses.replace(packed, ids_TLK=packed.ids_TLK.pin_memory())
 
     def close(self) -> None:
-        """Stop loading: batches not started are dropped, those in progress finish."""
-        for future in self._queue:
+        """Stop loading: batches not started are dropped, those in progress stop."""
+        for _, future, _ in self._queue:
             future.cancel()
         self._queue.clear()
         self._next = len(self._batches)
-        self._thread.shutdown(wait=False)
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
 
     def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reader_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every read runs on: zarr's (``zarr.core.sync.sync`` runs coroutines
+    there), where the reader's caches and connections live."""
+    from zarr.core.sync import _get_loop
+
+    return _get_loop()
 
 
 def _not_committed(
@@ -781,10 +890,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-async def _raise(error: BaseException) -> None:
-    raise error
-
-
 def _rows_wanted(entries: list[RequestEntry], request_ids: list[str], spans: Spans | None) -> list[int]:
     """Rows a read returns of each request: all its rows, or those of its spans."""
     if spans is None:
@@ -792,8 +897,24 @@ def _rows_wanted(entries: list[RequestEntry], request_ids: list[str], spans: Spa
     return [entry.rows if rid not in spans else sum(hi - lo for lo, hi in spans[rid]) for rid, entry in zip(request_ids, entries)]
 
 
-def _checksums(pieces: list[np.ndarray]) -> list[int]:
-    return [checksum(piece) for piece in pieces]
+def _verify_segments(
+    results: list[BaseException | None],
+    i: int,
+    rollout_id: str,
+    node: str,
+    name: str,
+    segs: list[tuple[str, Segment, np.ndarray]],
+) -> None:
+    """Each segment's rows as read against its CRC-32C in the index (a decode worker's job);
+    the first mismatch becomes ``results[i]``."""
+    for rid, seg, out in segs:
+        got = checksum(out)
+        if got != seg.crc32c:
+            results[i] = CorruptDataError(
+                f"request {rid!r} of rollout {rollout_id!r} on {node}, array {name} rows "
+                f"{seg.offset}..{seg.offset + seg.rows - 1}: crc32c {got:#010x}, index says {seg.crc32c:#010x}"
+            )
+            return
 
 
 def _whole_checksum(entry: RequestEntry, row_bytes: int) -> int:

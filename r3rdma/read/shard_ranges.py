@@ -1,4 +1,5 @@
-"""Row ranges of r3rdma's batch arrays, read as few ranged GETs per shard and decoded in a pool.
+"""Row ranges of r3rdma's batch arrays, read as few ranged GETs per shard, decoded by worker threads
+straight into the caller's arrays.
 
 Why not ``zarr.AsyncArray.getitem`` for this layout: zarr-python 3.1 reads part of a shard as
 one awaited GET per inner chunk, one after another, re-reads the shard index on every call,
@@ -7,11 +8,13 @@ share (a few requests from every batch array) it read 0.19-0.21 GB/s on a 16-cor
 and 0.44-0.56 GB/s on contiguous reads, whatever its ``async.concurrency``; plain GETs of the
 same files ran at 2.5-2.8 GB/s (BENCHMARKS.md "Read at scale" has the A/B). Here, per array:
 the shard index is fetched once per reader (arrays are immutable), every inner chunk the
-ranges need is planned first, chunks that lie close together in the file are fetched as one
-ranged GET (``store.get`` with a byte range: obstore, local files, any zarr store), all GETs
-at once, and chunks are checked (CRC-32C) and decoded (zstd) in a thread pool: both release the
-GIL. Exactly the layout r3rdma writes (sharded on tokens, ``bytes`` [+ ``zstd``] + ``crc32c``
-inner codecs, index at the start or end); anything else goes through zarr.
+ranges need is planned first (:func:`plan_read`), chunks that lie close together in the file
+are fetched as one ranged GET (:func:`fetch_run`: ``store.get`` with a byte range, r3rdma's
+HTTP client, obstore, local files, any zarr store), a read's GETs at once, and chunks are
+checked (CRC-32C) and decoded (zstd, releasing the GIL) by :mod:`r3rdma.read.jobs`' workers,
+each chunk's rows copied once, into the array the caller returns. Exactly the layout r3rdma
+writes (sharded on tokens, ``bytes`` [+ ``zstd``] + ``crc32c`` inner codecs, index at the
+start or end); anything else goes through zarr.
 
 Layer groups (format 3): an inner chunk holds ``chunk_rows`` rows of ``layer_chunk`` layers
 (one shard spans every layer, the last group padded with the fill value). A read may name
@@ -29,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import numpy as np
 from numcodecs import Zstd
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
@@ -40,7 +44,7 @@ from r3rdma.read.jobs import JobBatch
 from r3rdma.records import buffer_checksum
 from r3rdma.store.index_entries import chunk_sizes_of
 
-__all__ = ["ShardLayout", "Piece", "read_into", "shard_indexes", "shard_index_of"]
+__all__ = ["ShardLayout", "Piece", "ArrayRead", "plan_read", "fetch_run", "shard_indexes", "shard_index_of"]
 
 _EMPTY = 2**64 - 1  # (offset, nbytes) of an inner chunk zarr left out: every value the fill value
 _CRC = struct.Struct("<I")
@@ -198,7 +202,29 @@ def _as_slice(values: list[int]) -> slice | np.ndarray:
     return np.asarray(values, dtype=np.intp)
 
 
-async def read_into(
+@dataclass(eq=False, slots=True)
+class ArrayRead:
+    """One array's part of a read, planned by :func:`plan_read`: the GETs to make (``runs``,
+    each ``(key, shard, [(offset, end, chunk), ...])``) and where each chunk's rows go
+    (``wanted``: chunk -> the pieces that want rows of it). ``error``: the first failure of
+    its GETs or decodes (the read's other arrays go on)."""
+
+    store: Any
+    layout: ShardLayout
+    pick: _Pick
+    pieces: Sequence[Piece]
+    wanted: dict[int, list[int]]
+    runs: list[tuple[str, int, list[tuple[int, int, int]]]]
+    where: str
+    error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Record ``error`` unless an earlier one is (the first failure says what happened)."""
+        if self.error is None:
+            self.error = error
+
+
+async def plan_read(
     store: Any,
     path: str,
     layout: ShardLayout,
@@ -209,18 +235,20 @@ async def read_into(
     *,
     exact: bool = False,
     span: bool = False,
-) -> None:
-    """Rows ``lo:hi`` of the array at ``path`` in ``store`` into ``out``, for each ``(lo, hi,
-    out)`` of ``pieces``; with ``layers`` (MoE layer positions, in the order wanted) only
-    those layers, read from the inner chunks that hold them. Each chunk is fetched and decoded
-    once, whatever number of pieces share it, and its rows land in their outputs directly.
+) -> ArrayRead:
+    """Plan reading rows ``lo:hi`` of the array at ``path`` in ``store`` into ``out``, for each
+    ``(lo, hi, out)`` of ``pieces``; with ``layers`` (MoE layer positions, in the order wanted)
+    only those layers, from the inner chunks that hold them. Each chunk is fetched and decoded
+    once, whatever number of pieces share it; its rows land in their outputs directly
+    (:func:`fetch_run` does the GETs). Chunks zarr left out (all fill value) are filled here.
 
     Which GETs: ``span``, the wanted chunks of a shard in one GET (most of the array is wanted:
     the bytes between them cost less than more requests); ``exact``, no chunk that is not
     wanted (a trainer rank's slice: the chunks between its own are other ranks'); else chunks
     closer than 1 MiB in the file share a GET. ``indexes`` caches shard indexes (by path and
-    shard number) across calls. Store errors propagate (the caller says what they mean);
-    damage raises :class:`CorruptDataError` naming ``where``."""
+    shard number) across calls; one not there yet is fetched. Store errors propagate (the
+    caller says what they mean); a damaged shard index raises :class:`CorruptDataError`
+    naming ``where``."""
     pick = _pick(layout, layers)
     chunk_rows, groups, per_shard = layout.chunk_rows, layout.layer_chunks, layout.chunks_per_shard
     picked = tuple(pick.groups)
@@ -240,7 +268,7 @@ async def read_into(
     # With layers skipped or an exact read, only chunks that touch share a GET (a skipped
     # chunk between two wanted ones is not fetched).
     gap = _SPAN if span else _GAP if pick.every and not exact else 0
-    runs: list[tuple[str, int, list[tuple[int, int, int]]]] = []  # (key, shard, [(offset, end, chunk)]): one GET
+    runs: list[tuple[str, int, list[tuple[int, int, int]]]] = []
     for shard_no, chunks in by_shard.items():
         key = f"{path}/c/{shard_no}/0/0"
         index = indexes.get((key, shard_no))
@@ -259,33 +287,33 @@ async def read_into(
                 runs[-1][2].append(item)
             else:
                 runs.append((key, shard_no, [item]))
-    if not runs:
-        return
-    batch = JobBatch()
-    prototype = default_buffer_prototype()
-    # Decode jobs of about this many decoded bytes: a GET's chunks decode on all cores at once.
-    per_job = max(1, _JOB_BYTES // layout.chunk_bytes)
+    return ArrayRead(store, layout, pick, pieces, wanted, runs, where)
 
-    async def fetch(key: str, shard_no: int, items: list[tuple[int, int, int]]) -> None:
-        start, end = items[0][0], items[-1][1]  # sorted by offset; chunks do not overlap (else: a CRC fails)
-        buffer = await store.get(key, prototype=prototype, byte_range=RangeByteRequest(start, end))
-        data = _NO_BYTES if buffer is None else buffer.as_numpy_array()
-        if len(data) != end - start:
-            raise CorruptDataError(
-                f"{where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
-            )
-        for i in range(0, len(items), per_job):
-            batch.put(_decode, layout, pick, data, start, items[i : i + per_job], pieces, wanted, where)
 
+async def fetch_run(read: ArrayRead, run: tuple[str, int, list[tuple[int, int, int]]], batch: JobBatch, prototype: Any) -> None:
+    """One GET of ``read``'s ``run``; its chunks are then checked and decoded by ``batch``'s
+    workers. Failures (the GET's, a decode's) are recorded on ``read``, not raised."""
+    if read.error is not None:
+        return  # the array failed already: its read is over
+    key, shard_no, items = run
+    start, end = items[0][0], items[-1][1]  # sorted by offset; chunks do not overlap (else: a CRC fails)
     try:
-        if len(runs) == 1:
-            await fetch(*runs[0])
-        else:
-            await gather(fetch(*run) for run in runs)
-    except BaseException:
-        await batch.wait(stop=True)  # no job in flight writes into ``pieces`` once this returns
-        raise
-    await batch.wait()
+        buffer = await read.store.get(key, prototype=prototype, byte_range=RangeByteRequest(start, end))
+    except Exception as e:  # the caller says what it means; cancellation is no failure of the array
+        read.fail(e)
+        return
+    data = _NO_BYTES if buffer is None else buffer.as_numpy_array()
+    if len(data) != end - start:
+        read.fail(
+            CorruptDataError(
+                f"{read.where}: shard {shard_no} holds {start + len(data)} bytes; its index lists chunks up to byte {end}"
+            )
+        )
+        return
+    # Decode jobs of about _JOB_BYTES decoded bytes: a GET's chunks decode on all cores at once.
+    per_job = max(1, _JOB_BYTES // read.layout.chunk_bytes)
+    for i in range(0, len(items), per_job):
+        batch.put(_decode, read, data, start, items[i : i + per_job])
 
 
 def shard_index_of(shard: dict[str, Any]) -> np.ndarray:
@@ -332,33 +360,37 @@ async def _index(
     return index
 
 
-def _decode(
-    layout: ShardLayout,
-    pick: _Pick,
-    data: np.ndarray,
-    start: int,
-    items: list[tuple[int, int, int]],
-    pieces: Sequence[Piece],
-    wanted: dict[int, list[int]],
-    where: str,
-) -> None:
+def _decode(read: ArrayRead, data: np.ndarray, start: int, items: list[tuple[int, int, int]]) -> None:
     """Check and decode each chunk of one fetched byte span (a worker's job), its rows copied
-    into the pieces that want them."""
+    into the pieces that want them; a failure is recorded on ``read``."""
+    if read.error is not None:
+        return
+    layout, where = read.layout, read.where
     shape = (layout.chunk_rows, layout.layers_per_chunk, layout.row_shape[1])
-    for offset, end, chunk in items:
-        a, b = offset - start, end - start - 4
-        if b < a or buffer_checksum(data[a:b]) != int.from_bytes(data[b : b + 4], "little"):
-            raise CorruptDataError(f"{where}: chunk {chunk} fails its crc32c")
-        if layout.zstd:
-            try:
-                raw = _ZSTD.decode(data[a:b])
-            except (RuntimeError, ValueError) as e:  # numcodecs: "Zstd decompression error: ..."
-                raise CorruptDataError(f"{where}: chunk {chunk} is not a valid zstd frame: {e}") from e
-        else:
-            raw = data[a:b]
-        if len(raw) != layout.chunk_bytes:  # edge chunks are stored padded to full size
-            raise CorruptDataError(f"{where}: chunk {chunk} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
-        _place(layout, pick, chunk, np.frombuffer(raw, dtype=layout.dtype).reshape(shape), pieces, wanted[chunk])
+    try:
+        for offset, end, chunk in items:
+            a, b = offset - start, end - start - 4
+            if b < a or _crc_with_gil(data[a:b]) != int.from_bytes(data[b : b + 4], "little"):
+                raise CorruptDataError(f"{where}: chunk {chunk} fails its crc32c")
+            if layout.zstd:
+                try:
+                    raw = _ZSTD.decode(data[a:b])
+                except (RuntimeError, ValueError) as e:  # numcodecs: "Zstd decompression error: ..."
+                    raise CorruptDataError(f"{where}: chunk {chunk} is not a valid zstd frame: {e}") from e
+            else:
+                raw = data[a:b]
+            if len(raw) != layout.chunk_bytes:  # edge chunks are stored padded to full size
+                raise CorruptDataError(f"{where}: chunk {chunk} decodes to {len(raw)} bytes, expected {layout.chunk_bytes}")
+            rows = np.frombuffer(raw, dtype=layout.dtype).reshape(shape)
+            _place(layout, read.pick, chunk, rows, read.pieces, read.wanted[chunk])
+    except Exception as e:
+        read.fail(e)
+
+
+def _crc_with_gil(buf: Any) -> int:
+    """CRC-32C of a chunk, holding the GIL for its few microseconds: releasing it and taking it
+    back costs more when the event loop and other workers want it."""
+    return int(crc32c.crc32c(buf, 0, 0))
 
 
 def _place(

@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import os
 import re
-from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +32,8 @@ from zarr.storage import LocalStore
 from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
 from r3rdma.read.gather import gather
 from r3rdma.read.http_errors import read_error
-from r3rdma.read.shard_ranges import Piece, ShardLayout, read_into, shard_index_of, shard_indexes
+from r3rdma.read.node_http import NodeHTTPStore
+from r3rdma.read.shard_ranges import ArrayRead, Piece, ShardLayout, plan_read, shard_index_of, shard_indexes
 from r3rdma.store.rollout_index import (
     GEOMETRY_KEYS,
     IndexPart,
@@ -99,9 +99,10 @@ def check_url(url: str) -> str:
 class Source:
     """One store root: a zarr store plus how to name it in messages."""
 
-    def __init__(self, name: str, store: Any, remote: bool, *, token_sent: bool = False) -> None:
+    def __init__(self, name: str, store: Any, remote: bool, *, token_sent: bool = False, owned: bool = False) -> None:
         self.name = name
         self.store = store
+        self._owned = owned  # made here from a URL: closed with the reader
         self.remote = remote
         self.token_sent = token_sent  # a 401 without a token means "send one", not "wrong token"
         # Immutable once written, so kept for the reader's life: batch arrays (metadata) by
@@ -125,7 +126,7 @@ class Source:
                 raise
             except Exception as e:  # obstore refuses what urlsplit let through
                 raise ConfigError(f"store node URL {url!r} cannot be used: {type(e).__name__}: {e}") from e
-            return cls(url.rstrip("/"), store, remote=True, token_sent=bool(token))
+            return cls(url.rstrip("/"), store, remote=True, token_sent=bool(token), owned=True)
         if isinstance(item, (str, os.PathLike)):
             path = os.fspath(item)
             if isinstance(path, bytes):
@@ -133,6 +134,11 @@ class Source:
             _check_local_root(path)
             return cls(path, LocalStore(path, read_only=True), remote=False)
         return cls(str(item), item, remote=not isinstance(item, LocalStore), token_sent=bool(token))
+
+    def close(self) -> None:
+        """Close the kept-alive connections of a store made here from a URL."""
+        if self._owned and isinstance(self.store, NodeHTTPStore):
+            self.store.close()
 
     def failure(self, what: str, error: BaseException) -> R3Error | None:
         """The R3Error that says why reading ``what`` here failed, or None when ``error`` is
@@ -280,7 +286,7 @@ class Source:
                 shard_indexes(self.store, f"{rollout_id}/{name}", found, self._shard_indexes, self._where(rollout_id, name)),
             )
 
-    async def read_into(
+    async def plan(
         self,
         rollout_id: str,
         index: RolloutIndex,
@@ -290,29 +296,35 @@ class Source:
         *,
         exact: bool = False,
         span: bool = False,
-    ) -> None:
-        """Rows ``lo:hi`` of a batch array into ``out`` for each ``(lo, hi, out)`` of
-        ``pieces`` (sorted by ``lo``), with ``layers`` (MoE layer positions) only those;
-        ``exact``: no chunk fetched that is not wanted; ``span``: most of the array is wanted,
-        fetch it in one ranged read. Zarr's or r3rdma's own chunk CRC-32C is checked on the
-        way (:mod:`r3rdma.read.shard_ranges` says why both exist)."""
-        await self.prepare(rollout_id, index, name)
+    ) -> ArrayRead | None:
+        """The GETs of a read of rows ``lo:hi`` of a prepared batch array into ``out`` for each
+        ``(lo, hi, out)`` of ``pieces`` (sorted by ``lo``), with ``layers`` (MoE layer
+        positions) only those: :func:`~r3rdma.read.shard_ranges.plan_read` (``exact``,
+        ``span``: which GETs), r3rdma's own chunk CRC-32C checked as they are decoded. None:
+        not r3rdma's layout, read it with :meth:`read_other`."""
         layout = self._layouts[(rollout_id, index.uid, name)]
+        if layout is None:
+            return None
         where = self._where(rollout_id, name)
-        read: Coroutine[Any, Any, None]
-        if layout is not None:
-            rows = layout.rows
-            read = read_into(
-                self.store, f"{rollout_id}/{name}", layout, pieces, self._shard_indexes, where, layers, exact=exact, span=span
+        last = max(hi for _, hi, _ in pieces)
+        if last > layout.rows:
+            raise CorruptDataError(f"{where} has {layout.rows} rows; the index lists rows up to {last}")
+        return await plan_read(
+            self.store, f"{rollout_id}/{name}", layout, pieces, self._shard_indexes, where, layers, exact=exact, span=span
+        )
+
+    async def read_other(
+        self, rollout_id: str, index: RolloutIndex, name: str, pieces: list[Piece], layers: np.ndarray | None, span: bool
+    ) -> None:
+        """:meth:`plan`'s read of an array that is not r3rdma's layout, through zarr (its own
+        chunk checksums checked); ``span``: the whole array in one read."""
+        array = await self.array(rollout_id, index.uid, name)
+        last = max(hi for _, hi, _ in pieces)
+        if last > array.shape[0]:
+            raise CorruptDataError(
+                f"{self._where(rollout_id, name)} has {array.shape[0]} rows; the index lists rows up to {last}"
             )
-        else:
-            array = await self.array(rollout_id, index.uid, name)
-            rows = array.shape[0]
-            read = _read_through_zarr(array, pieces, layers, span)
-        if any(hi > rows for _, hi, _ in pieces):
-            read.close()
-            raise CorruptDataError(f"{where} has {rows} rows; the index lists rows up to {max(hi for _, hi, _ in pieces)}")
-        await self._guard(rollout_id, name, read)
+        await self._guard(rollout_id, name, _read_through_zarr(array, pieces, layers, span))
 
     def rows_of(self, rollout_id: str, index: RolloutIndex, name: str) -> int:
         """Rows of a prepared array (:meth:`prepare`)."""
@@ -331,11 +343,19 @@ class Source:
         except R3Error:
             raise
         except Exception as e:
-            failure = self.failure(f"reading rollout {rollout_id!r} array {name}", e)
-            if failure is not None:
-                raise failure from e
-            # zarr reports a chunk checksum mismatch as ValueError
-            raise CorruptDataError(f"{self._where(rollout_id, name)} cannot be read: {e}") from e
+            raise self.read_failure(rollout_id, name, e) from e
+
+    def read_failure(self, rollout_id: str, name: str, error: Exception) -> R3Error:
+        """What ``error``, raised reading array ``name`` of the rollout, means: itself when an
+        :class:`R3Error`; else not reaching the data (:meth:`failure`) or damaged data."""
+        if isinstance(error, R3Error):
+            return error
+        failure = self.failure(f"reading rollout {rollout_id!r} array {name}", error)
+        if failure is None:  # zarr reports a chunk checksum mismatch as ValueError
+            failure = CorruptDataError(f"{self._where(rollout_id, name)} cannot be read: {error}")
+        if failure is not error and failure.__cause__ is None:
+            failure.__cause__ = error
+        return failure
 
     def forget(self, rollout_id: str) -> None:
         """Drop what is cached about a rollout (it was deleted)."""
@@ -429,8 +449,6 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
     if token:  # e.g. open(path).read(): stripped, its trailing newline is no header value
         token = coerce_token(token, "the read token (token=)")
     if url.startswith("http://"):
-        from r3rdma.read.node_http import NodeHTTPStore
-
         return NodeHTTPStore(url, token, timeout_s)
     try:
         from obstore.store import HTTPStore
