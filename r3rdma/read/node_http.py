@@ -45,7 +45,7 @@ _HEAD_READ = 4096  # bytes received per read until the headers are complete (bod
 _HEAD_ROOM = 1024  # room for the status line and headers in a buffer sized for a known body
 _SCRATCH = 1 << 16  # bytes received per read of a body of unknown length (chunked, or until EOF)
 _NO_BODY = np.empty(0, dtype=np.uint8)
-_HEADERS_USED = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+_HEADERS_USED = (b"\r\ncontent-length:", b"\r\ntransfer-encoding:", b"\r\nconnection:")  # as looked up
 
 
 class _Answer:
@@ -162,9 +162,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport.write(request)
         return self._waiter
 
-    async def exchange(self, request: bytes, head_only: bool, body_size: int | None, timeout_s: float) -> _Answer:
-        """:meth:`send` ``request`` and wait for the answer; TimeoutError once ``timeout_s``
-        passes with no byte arriving."""
+    def start(self, request: bytes, head_only: bool, body_size: int | None, timeout_s: float) -> asyncio.Future[_Answer]:
+        """:meth:`send` ``request``; the future holds the answer, or TimeoutError once
+        ``timeout_s`` passes with no byte arriving."""
         answer = self.send(request, head_only, body_size)
         loop = answer.get_loop()
         self._timeout_s, self._seen, self._since = timeout_s, self._arrivals, loop.time()
@@ -172,7 +172,7 @@ class _Connection(asyncio.BufferedProtocol):
             # One timer per connection, not per request: it fires at most every timeout_s
             # while requests keep the connection busy, and stops when it finds it idle.
             self._timer = loop.call_at(self._since + timeout_s, self._watch)
-        return await answer
+        return answer
 
     def _watch(self) -> None:
         """The timeout's timer: fail the request in flight if no byte came for ``timeout_s``."""
@@ -253,15 +253,14 @@ class _Connection(asyncio.BufferedProtocol):
         if not version.startswith(b"HTTP/1.") or not status[:3].isdigit():
             raise ValueError(f"status line {status_line[:80]!r}")
         self._status = int(status[:3])
+        # Three lookups in the lower-cased headers, not a parse of every line: a node sends ~10.
+        low = b"\r\n" + rest.lower()
         headers: dict[str, str] = {}
-        if rest:
-            for line in rest.split(b"\r\n"):
-                name, sep, value = line.partition(b":")
-                if not sep:
-                    raise ValueError(f"header line {line[:80]!r}")
-                key = name.strip().lower()
-                if key in _HEADERS_USED:
-                    headers[key.decode()] = value.strip().decode("latin-1")
+        for name in _HEADERS_USED:
+            at = low.find(name)
+            if at >= 0:
+                end = low.find(b"\r\n", at + len(name))
+                headers[name[2:-1].decode()] = low[at + len(name) : end if end >= 0 else None].strip().decode("latin-1")
         self._headers = headers
         connection = headers.get("connection", "").lower()
         self.keep = "close" not in connection and (version != b"HTTP/1.0" or "keep-alive" in connection)
@@ -489,9 +488,9 @@ class NodeHTTPStore(Store):
         if pool is None:
             pool = self._pools[loop] = _Pool(loop, self._host, self._port, self._timeout_s)
         while True:
-            connection = await pool.acquire()
+            connection = pool.take() or await pool.acquire()
             try:
-                answer = await connection.exchange(request, head_only, size, self._timeout_s)
+                answer = await connection.start(request, head_only, size, self._timeout_s)
             except _StaleConnection:
                 pool.release(connection)
                 continue
@@ -514,6 +513,15 @@ class _Pool:
         self.idle: list[_Connection] = []
         self._open = 0  # connections made and not closed (idle or in use)
         self._waiters: collections.deque[asyncio.Future[_Connection | None]] = collections.deque()
+
+    def take(self) -> _Connection | None:
+        """A kept-alive connection if one is idle (no coroutine: the usual case)."""
+        while self.idle:
+            connection = self.idle.pop()
+            if not connection.closed:
+                return connection
+            self._open -= 1  # the node closed it while idle
+        return None
 
     async def acquire(self) -> _Connection:
         """A kept-alive connection, or a new one, or (all in use) the next one released."""

@@ -746,7 +746,8 @@ class Prefetcher:
         every = [rid for batch in self._batches for rid in batch]
         merged = reader._require(rollout_id, list(dict.fromkeys(every)))  # unknown ids fail before any read
         self._layers = layer_list(layers)
-        layer_selection(rollout_id, merged.geometry, self._layers)  # so do layers the rollout lacks
+        # So do layers the rollout lacks. Kept: a rollout's geometry does not change.
+        self._selection = (merged.geometry, *layer_selection(rollout_id, merged.geometry, self._layers))
         self._rows = row_spans(rows)
         check_rows(rollout_id, self._rows, list(dict.fromkeys(every)), merged.entry)  # and rows past a request's end
         self._reader, self._rollout_id, self._depth, self._pin = reader, rollout_id, depth, pin_memory
@@ -789,7 +790,9 @@ class Prefetcher:
             return batch, self._thread.submit(self._load_pinned, batch), None
         reader, rollout_id = self._reader, self._rollout_id
         merged = reader._require(rollout_id, batch)  # a request deleted since: said here, as get_packed says it
-        positions, geometry = layer_selection(rollout_id, merged.geometry, self._layers)
+        if merged.geometry is not self._selection[0]:  # the rollout was written again
+            self._selection = (merged.geometry, *layer_selection(rollout_id, merged.geometry, self._layers))
+        _, positions, geometry = self._selection
         spans = None if self._rows is None else {rid: self._rows[rid] for rid in batch if rid in self._rows}
         merged.check_replicas(rollout_id, reader._sources, batch)
         load = _PackedLoad(merged, batch, geometry, spans)

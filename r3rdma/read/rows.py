@@ -39,9 +39,13 @@ def row_spans(rows: Mapping[str, Iterable[Any]] | None) -> Spans | None:
                 lo, hi = span
             except (TypeError, ValueError):
                 raise ConfigError(f"rows[{rid!r}]: each span must be a pair (lo, hi), got {span!r}") from None
-            if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi:
+            if type(lo) is not int or type(hi) is not int:  # plain ints (the usual case) need no more look
+                if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (lo, hi)):
+                    raise ConfigError(f"rows[{rid!r}]: a span must be ints with 0 <= lo < hi, got {span!r}")
+                lo, hi = int(lo), int(hi)
+            if not 0 <= lo < hi:
                 raise ConfigError(f"rows[{rid!r}]: a span must be ints with 0 <= lo < hi, got {span!r}")
-            items.append((int(lo), int(hi)))
+            items.append((lo, hi))
         out[rid] = items  # none: no row of it (a context-parallel rank holding only padding of a short one)
     return out
 
