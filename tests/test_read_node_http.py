@@ -288,3 +288,33 @@ def test_a_batch_waits_for_every_job_and_raises_the_first_failure():
         await batch.wait(stop=True)  # a read that failed already: its jobs' errors are not raised
 
     run(stopped())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level", [0, 3])
+def test_layer_groups_and_whole_layer_chunks_read_exact(tmp_path, make_record, level):
+    """A stage reading exactly one layer group, some rows of a request spanning whole chunks,
+    and chunks holding every layer read back as the records hold them; a flipped byte in a
+    chunk is refused."""
+    from r3rdma.errors import CorruptDataError
+
+    recs = [make_record(f"r{i}", rows=70 + 20 * i, layers=8, k=4, num_experts=60) for i in range(4)]
+    with LocalRoutingStore(tmp_path / "groups", zstd_level=level, chunk_rows=16, layers_per_chunk=2) as store:
+        store.commit(recs)
+    with LocalRoutingStore(tmp_path / "whole", zstd_level=level, chunk_rows=16, layers_per_chunk=8) as store:
+        store.commit(recs)
+    ids = [r.request_id for r in recs]
+    with RoutingReader(tmp_path / "groups") as reader:
+        got = reader.get_numpy("roll-0", ids, layers=[2, 3], rows={"r1": [(5, 80)]})
+    np.testing.assert_array_equal(got["r1"], recs[1].ids_TLK[5:80, 2:4])
+    for r in (recs[0], recs[2], recs[3]):
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK[:, 2:4])
+    with RoutingReader(tmp_path / "whole") as reader:
+        packed = reader.get_packed("roll-0", ids)
+    np.testing.assert_array_equal(packed.ids_TLK.numpy(), np.concatenate([r.ids_TLK for r in recs]))
+    shard = tmp_path / "whole" / "roll-0" / "b00000001" / "c" / "0" / "0" / "0"
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    shard.write_bytes(bytes(blob))
+    with RoutingReader(tmp_path / "whole") as reader, pytest.raises(CorruptDataError):
+        reader.get_numpy("roll-0", ids)
