@@ -318,3 +318,29 @@ def test_layer_groups_and_whole_layer_chunks_read_exact(tmp_path, make_record, l
     shard.write_bytes(bytes(blob))
     with RoutingReader(tmp_path / "whole") as reader, pytest.raises(CorruptDataError):
         reader.get_numpy("roll-0", ids)
+
+
+@pytest.mark.timeout(60)
+def test_a_prefetch_says_a_batch_is_gone_when_its_turn_comes(tmp_path, make_record, monkeypatch):
+    """Loads start ahead of the consumer; a batch whose request is gone by then (deleted) fails
+    when that batch is asked for, after the batches before it are yielded whole."""
+    from r3rdma.errors import UnknownRequestError
+
+    recs = [make_record(f"r{i}", rows=20 + i) for i in range(6)]
+    with LocalRoutingStore(tmp_path) as store:
+        store.commit(recs)
+    with RoutingReader(tmp_path) as reader:
+        stream = reader.prefetch("roll-0", [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]], depth=2)
+        real = reader._require
+
+        def require(rollout_id, request_ids):
+            if "r5" in request_ids:  # what the index says once r5 is deleted
+                raise UnknownRequestError(f"rollout {rollout_id!r} has no committed request 'r5'")
+            return real(rollout_id, request_ids)
+
+        monkeypatch.setattr(reader, "_require", require)
+        got = [next(stream).request_ids, next(stream).request_ids]  # the second starts the third's load
+        assert got == [("r0", "r1"), ("r2", "r3")]
+        with pytest.raises(UnknownRequestError, match="r5"):
+            next(stream)
+        np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r4"])["r4"], recs[4].ids_TLK)

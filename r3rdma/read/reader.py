@@ -766,7 +766,13 @@ class Prefetcher:
     def __next__(self) -> PackedRouting:
         try:
             while len(self._queue) < self._depth and self._next < len(self._batches):
-                self._queue.append(self._start(self._batches[self._next]))
+                batch = self._batches[self._next]
+                try:
+                    self._queue.append(self._start(batch))
+                except Exception as e:  # raised when this batch's turn comes, as a failed load would be
+                    failed: Future[Any] = Future()
+                    failed.set_exception(e)
+                    self._queue.append((batch, failed, None))
                 self._next += 1
             if not self._queue:
                 self.close()
