@@ -42,6 +42,7 @@ class Node:
         self.requests = 0
         self.peers: set[tuple] = set()
         self.failures_left = 0  # 503s to answer before serving
+        self.release = threading.Event()  # ends "hang" handlers
         app = web.Application()
         app.router.add_route("*", "/zarr/{path:.*}", self.handle)
         self._serving: contextlib.AbstractContextManager[str] | None = serve_in_thread(app)
@@ -49,6 +50,7 @@ class Node:
 
     def close(self) -> None:
         """Stop serving (again: nothing)."""
+        self.release.set()
         if self._serving is not None:
             self._serving.__exit__(None, None, None)
             self._serving = None
@@ -85,6 +87,9 @@ class Node:
                 await response.write(body[i : i + len(body) // 8 + 1])
             await response.write_eof()
             return response
+        if self.mode == "hang":  # accepts, never answers (until the test ends)
+            await asyncio.to_thread(self.release.wait, 30)
+            raise web.HTTPServiceUnavailable()
         headers = {"Connection": "close"} if self.mode == "close" else {}
         return web.Response(status=status, body=body, headers=headers)
 
@@ -344,3 +349,21 @@ def test_a_prefetch_says_a_batch_is_gone_when_its_turn_comes(tmp_path, make_reco
         with pytest.raises(UnknownRequestError, match="r5"):
             next(stream)
         np.testing.assert_array_equal(reader.get_numpy("roll-0", ["r4"])["r4"], recs[4].ids_TLK)
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_stops_answering_fails_every_queued_request_together(node):
+    """40 GETs at once to a node that accepts and never answers: the 8 on connections time out,
+    and the 32 waiting for a connection fail with them, not one timeout after another (they
+    never reach the node)."""
+    n = node("hang")
+    store = NodeHTTPStore(n.url, "secret", 0.5)
+
+    async def at_once():
+        return await asyncio.gather(
+            *(store.get("blob", PROTO, RangeByteRequest(i, i + 10)) for i in range(40)), return_exceptions=True
+        )
+
+    got = run(at_once())
+    assert all(isinstance(g, TimeoutError) for g in got)
+    assert n.requests == 8

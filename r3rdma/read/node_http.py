@@ -1,13 +1,15 @@
 """A store node's ``/zarr/`` files as a read-only zarr store, over a small asyncio HTTP/1.1 client.
 
-Why not obstore's ``HTTPStore`` (the reader's store before #34): on the CPU VM a ranged GET of
-80 KB cost ~150 us of CPU in its tokio runtime and ~50-90 us more in Python around it, and a
-trainer rank's slice (a pipeline stage's layers, a context-parallel rank's rows) is one GET per
-~80 KB inner chunk: the client alone cost ~3 core-seconds per GB returned. This one costs
-~90 us per such GET, all told (same VM, same node): one :class:`asyncio.BufferedProtocol` per
-kept-alive connection, the body received straight into the numpy array that is returned (no
-copy), one timer per request. It speaks what a store node serves: GET and HEAD of a file or
-one byte range; bodies by ``Content-Length`` (also chunked, or ending with the connection).
+Why not obstore's ``HTTPStore`` through zarr's ``ObjectStore`` (the reader's store before #34):
+on the CPU VM, 16 ranged GETs of 80 KB at a time from a store node cost 250-280 us of CPU each
+(~150 of them in its tokio runtime), and a trainer rank's slice (a pipeline stage's layers, a
+context-parallel rank's rows) is one GET per ~80 KB inner chunk: the client alone cost ~3
+core-seconds per GB returned. Here the same GETs cost 100-140 us each, 1 MB ones 250 us (450-660
+through obstore): one :class:`asyncio.BufferedProtocol` per kept-alive connection on the
+reader's event loop, the answer received straight into the numpy array whose view is returned
+(no copy), one timer per connection. It speaks what a store node serves: GET and HEAD of a
+file or one byte range; bodies by ``Content-Length`` (also chunked, or ending with the
+connection).
 
 Failures are exceptions :func:`r3rdma.read.http_errors.read_error` maps: a connection refused,
 reset or closed mid-body is a :class:`ConnectionError`, a wait past ``timeout_s`` (connect,
@@ -494,7 +496,11 @@ class NodeHTTPStore(Store):
             except _StaleConnection:
                 pool.release(connection)
                 continue
-            except BaseException:
+            except BaseException as e:
+                if isinstance(e, TimeoutError):
+                    # The node stopped answering: the requests queued for a connection to it
+                    # fail now, not one timeout after another.
+                    pool.fail_waiters(e)
                 connection.close()  # mid-request (failed, timed out or cancelled): never reused
                 pool.release(connection)
                 raise
@@ -568,7 +574,15 @@ class _Pool:
         self._open -= 1
         self._wake()
 
+    def fail_waiters(self, error: BaseException) -> None:
+        """Fail the requests waiting for a connection with ``error``."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(type(error)(*error.args))  # an exception of its own each
+
     def close(self) -> None:
+        """Close the idle connections."""
         for connection in self.idle:
             connection.close()
         self._open -= len(self.idle)

@@ -436,7 +436,7 @@ def http_store(url: str, token: str | None, timeout_s: float) -> Any:
     """A read-only zarr store of a store node's ``/zarr/`` tree.
 
     ``http://``: :class:`~r3rdma.read.node_http.NodeHTTPStore`, r3rdma's own client (a ranged
-    GET of an inner chunk cost ~2.5x less CPU than through obstore; its module says why).
+    GET of an inner chunk costs 2-2.5x less CPU than through obstore; its module says why).
     ``https://``: ``ObjectStore`` over obstore's ``HTTPStore`` (Rust HTTP client and TLS; it
     moved whole shards at 2-2.5x the rate of zarr's ``FsspecStore``, BENCHMARKS.md "Read at
     scale"). Both try a failed request at most twice more within ``timeout_s``, so a dead node
