@@ -2,10 +2,13 @@
 
 Reads are shaped like training: a data-parallel rank asks for its own samples, which finished
 at random times and so sit in nearly every batch array a rollout committed. A read plans every
-row range first (each request's segments, grouped per array and merged where they touch or
-share a chunk), reads all of them concurrently through zarr's async API (one event loop, zarr's
-decode threads), verifies each segment's CRC-32C in a thread pool, and packs. Index parts and
-array metadata are immutable: they are fetched once per reader and kept.
+array's inner chunks and GETs first (each request's segments, or the rows and layers of a
+rank's slice), makes the GETs concurrently on one event loop (zarr's; store nodes through
+:mod:`r3rdma.read.node_http`), and has worker threads check and decode each chunk straight into
+the arrays it returns (the packed buffer of :meth:`RoutingReader.get_packed`, or one array per
+request), then verify each segment's CRC-32C there. Where the CPU went before that design, and
+what it cost: issue #34. Index parts and array metadata are immutable: they are fetched once
+per reader and kept.
 
 Errors say what happened, so a trainer can tell "retry" from "the data is damaged":
 :class:`TransportError` (connection refused, reset or dropped mid-body) and
