@@ -500,8 +500,10 @@ def run_rlstep_bench(
         )
         phases["reads"] = round(time.perf_counter() - mark, 1)
 
-        # -- what the nodes store ----------------------------------------------------------
+        # -- what the nodes store, once stopped (a node snapshots an idle rollout's index later)
+        stop_all(procs, node_procs, None)
         stored = [sum(f.stat().st_size for f in (n.root / ROLLOUT_ID).rglob("*") if f.is_file()) for n in node_procs]
+        procs, node_procs = [], []
         result.update(
             bytes_stored=sum(stored),
             bytes_stored_nodes=stored,
@@ -510,9 +512,7 @@ def run_rlstep_bench(
         )
 
         # -- yardsticks: the per-node bytes written to this disk, and compressed on every core
-        mark = time.perf_counter()
-        for p in procs:  # their cores free for the yardsticks
-            p.request_stop()
+        mark = time.perf_counter()  # engines and nodes stopped above: every core free for the yardsticks
         per_node = int(statistics.fmean(ingested))
         level, chunk_rows = _store_defaults()
         say(f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
