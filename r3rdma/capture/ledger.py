@@ -179,9 +179,10 @@ class RequestLedger:
     # -- positions ------------------------------------------------------------------------------
 
     def _write(
-        self, lane_T: np.ndarray, pos_T: np.ndarray, slots_T: np.ndarray, gens_T: np.ndarray, *, last_wins: bool = False
+        self, lane_T: np.ndarray, pos_T: np.ndarray, slots_T: np.ndarray, gens_T: np.ndarray | int, *, last_wins: bool = False
     ) -> None:
-        """Position ``pos_T[i]`` of lane ``lane_T[i]`` -> ``(slots_T[i], gens_T[i])``; pages as needed.
+        """Position ``pos_T[i]`` of lane ``lane_T[i]`` -> ``(slots_T[i], gens_T[i])`` (or ``gens_T``
+        for all, an int); pages as needed.
 
         ``last_wins``: a position may come more than once (logged steps of an engine that
         computed a position again), the last one counts; numpy's fancy assignment does not
@@ -223,7 +224,9 @@ class RequestLedger:
             _, first = np.unique(flat_T[::-1], return_index=True)
             if first.size < flat_T.size:
                 last = flat_T.size - 1 - first
-                flat_T, slots_T, gens_T = flat_T[last], slots_T[last], gens_T[last]
+                flat_T, slots_T = flat_T[last], slots_T[last]
+                if isinstance(gens_T, np.ndarray):
+                    gens_T = gens_T[last]
         self._slots[flat_T] = slots_T
         self._gens[flat_T] = gens_T
 
@@ -244,6 +247,10 @@ class RequestLedger:
             return
         log, self._log = self._log, []
         gens, self._log_gens = self._log_gens, []
+        if len(log) == 1:  # a step logged and read at once (a request finished every step): no copies
+            lane_T, pos_T, slots_T = log[0].reshape(3, -1)
+            self._write(lane_T, pos_T, slots_T, gens[0])
+            return
         lane_T, pos_T, slots_T = np.concatenate([entry.reshape(3, -1) for entry in log], axis=1)
         gens_T = np.repeat(np.array(gens, dtype=np.int64), [entry.size // 3 for entry in log])
         self._write(lane_T, pos_T, slots_T, gens_T, last_wins=len(log) > 1)
@@ -297,7 +304,7 @@ class RequestLedger:
             for rid in [r for r in self._created if not used[self._lanes[r]]]:
                 self._release_lane(self._lanes.pop(rid))
         if lane_T.size:
-            self._write(lane_T, pos_T, slots_T, np.full(lane_T.size, step.gen, np.int64))
+            self._write(lane_T, pos_T, slots_T, step.gen)
 
     # -- requests -------------------------------------------------------------------------------
 
