@@ -611,9 +611,9 @@ def prefetch_routing(
                 raise box[0]
             yield batch, box[0]
         return
-    if reader is None:
-        raise ConfigError("prefetch_routing: the first rank of the tensor-parallel group reads, so it needs a reader")
     try:
+        if reader is None:  # raised on every rank of the group (below), not only here
+            raise ConfigError("prefetch_routing: the first rank of the tensor-parallel group reads, so it needs a reader")
         with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
             for batch in batches:
                 routing = next(routed)
