@@ -253,7 +253,7 @@ class RequestLedger:
             return
         lane_T, pos_T, slots_T = np.concatenate([entry.reshape(3, -1) for entry in log], axis=1)
         gens_T = np.repeat(np.array(gens, dtype=np.int64), [entry.size // 3 for entry in log])
-        self._write(lane_T, pos_T, slots_T, gens_T, last_wins=len(log) > 1)
+        self._write(lane_T, pos_T, slots_T, gens_T, last_wins=True)
 
     # -- the step -------------------------------------------------------------------------------
 
