@@ -36,7 +36,10 @@ __all__ = [
     "malformed",
     "shard_entry",
     "chunk_sizes_of",
+    "is_group_major",
     "shard_entry_ok",
+    "C_ORDER_SIZES",
+    "GROUP_MAJOR_SIZES",
 ]
 
 
@@ -207,11 +210,25 @@ def _segment(seg: Any, array_ok: Callable[[str], bool]) -> Segment | None:
 # -- a batch array's shard, as an index part copies it -------------------------------------------
 
 
-def shard_entry(rows: int, chunk_rows: int, layers_per_chunk: int, zstd: bool, sizes: np.ndarray) -> dict[str, Any]:
-    """An index part's ``shards[array]`` (format 3): the array's rows, its inner chunk shape
-    (``chunk_rows`` x ``layers_per_chunk``), whether chunks are zstd-compressed, and
-    ``chunk_sizes``: each inner chunk's stored bytes in shard index order, as base64 of
-    little-endian uint32. The chunks lie back to back after the shard index, so offsets follow.
+# The key of a ``shards`` entry's chunk sizes names their order: the shard index's (row chunk,
+# then layer group; format 3), or layer group major (layer group, then row chunk; format 4).
+# A new key, not a flag beside the old one: a reader of format 3 knows only ``chunk_sizes`` (or
+# format 2's ``chunks``), so an entry of the other order is malformed to it and refused, never
+# read as index order (its offsets would be wrong).
+C_ORDER_SIZES = "chunk_sizes"
+GROUP_MAJOR_SIZES = "chunk_sizes_group_major"
+
+
+def shard_entry(
+    rows: int, chunk_rows: int, layers_per_chunk: int, zstd: bool, sizes: np.ndarray, group_major: bool = False
+) -> dict[str, Any]:
+    """An index part's ``shards[array]`` (format 3 and 4): the array's rows, its inner chunk
+    shape (``chunk_rows`` x ``layers_per_chunk``), whether chunks are zstd-compressed, and each
+    inner chunk's stored bytes in the order the chunks lie in the shard, as base64 of
+    little-endian uint32: under ``chunk_sizes`` in the shard index's order, under
+    ``chunk_sizes_group_major`` layer group by layer group (``group_major``: how the writer laid
+    the shard out, :func:`r3rdma.store.shard_writer.encode_batch_array`). The chunks lie back to
+    back after the shard index, so offsets follow.
 
     Why base64 and no offsets: layer groups multiply the chunks (x6-12 at the default), and
     format 2's ``chunks`` list of JSON ints (offset and size of each) was already the larger
@@ -224,34 +241,42 @@ def shard_entry(rows: int, chunk_rows: int, layers_per_chunk: int, zstd: bool, s
         "chunk_rows": chunk_rows,
         "layers_per_chunk": layers_per_chunk,
         "zstd": zstd,
-        "chunk_sizes": base64.b64encode(raw).decode("ascii"),
+        GROUP_MAJOR_SIZES if group_major else C_ORDER_SIZES: base64.b64encode(raw).decode("ascii"),
     }
 
 
+def is_group_major(shard: dict[str, Any]) -> bool:
+    """Whether a ``shards`` entry's chunks lie layer group major in the shard (format 4)."""
+    return GROUP_MAJOR_SIZES in shard
+
+
 def chunk_sizes_of(shard: dict[str, Any]) -> np.ndarray:
-    """The ``chunk_sizes`` of a format-3 ``shards`` entry, decoded (uint32 per inner chunk);
-    :class:`CorruptDataError` when it is not base64 of whole uint32s."""
+    """The chunk sizes of a format-3 or format-4 ``shards`` entry, decoded (uint32 per inner
+    chunk, in the order the chunks lie in the shard: :func:`is_group_major` says which);
+    :class:`CorruptDataError` when they are not base64 of whole uint32s."""
     try:
-        raw = base64.b64decode(shard["chunk_sizes"], validate=True)
+        raw = base64.b64decode(shard[GROUP_MAJOR_SIZES if is_group_major(shard) else C_ORDER_SIZES], validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
-        raise CorruptDataError(f"a shard entry's chunk_sizes is not base64: {e}") from e
+        raise CorruptDataError(f"a shard entry's chunk sizes are not base64: {e}") from e
     if not raw or len(raw) % 4:
-        raise CorruptDataError(f"a shard entry's chunk_sizes holds {len(raw)} bytes, not whole uint32 sizes")
+        raise CorruptDataError(f"a shard entry's chunk sizes hold {len(raw)} bytes, not whole uint32 sizes")
     return np.frombuffer(raw, dtype="<u4")
 
 
 def shard_entry_ok(info: Any) -> bool:
-    """Whether ``info`` is a well-formed ``shards`` entry: format 3 (:func:`shard_entry`; the
-    size list's length is checked against the layer groups when the array is read) or format 2
-    (``"chunks"``: ``[offset, nbytes, ...]`` per row chunk, -1 for a chunk zarr left out)."""
+    """Whether ``info`` is a well-formed ``shards`` entry: format 3 or 4 (:func:`shard_entry`:
+    one size key, its list's length a multiple of the row chunks; checked against the layer
+    groups when the array is read) or format 2 (``"chunks"``: ``[offset, nbytes, ...]`` per
+    row chunk, -1 for a chunk zarr left out)."""
     if not isinstance(info, dict) or not _int_at_least(info.get("rows"), 1) or not _int_at_least(info.get("chunk_rows"), 1):
         return False
     if not isinstance(info.get("zstd"), bool):
         return False
     row_chunks = -(-info["rows"] // info["chunk_rows"])
-    if "chunk_sizes" in info:
-        text = info["chunk_sizes"]
-        if not isinstance(text, str) or len(text) % 4 or not _int_at_least(info.get("layers_per_chunk"), 1):
+    keys = [key for key in (C_ORDER_SIZES, GROUP_MAJOR_SIZES) if key in info]
+    if keys:
+        text = info[keys[0]]
+        if len(keys) > 1 or not isinstance(text, str) or len(text) % 4 or not _int_at_least(info.get("layers_per_chunk"), 1):
             return False
         nbytes = len(text) // 4 * 3 - text[-2:].count("=")
         return nbytes > 0 and nbytes % (4 * row_chunks) == 0

@@ -91,9 +91,11 @@ __all__ = [
 ]
 
 # 3: batch arrays' inner chunks hold a group of layers, and ``shards`` copies chunk sizes as
-# base64 (index_entries.shard_entry). A reader reads 1, 2 and 3; an older one refuses 3 naming it.
-INDEX_FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# base64 (index_entries.shard_entry). 4: arrays of long requests lie layer group major in their
+# shard (``chunk_sizes_group_major``). A reader reads 1 to 4; an older one refuses a newer
+# version naming it.
+INDEX_FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 GEOMETRY_KEYS = ("num_layers", "top_k", "num_experts", "dtype", "layer_map")
 
 Pending = dict[str, tuple[PendingSegment, ...]]  # request id -> its pending segments

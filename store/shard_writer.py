@@ -5,8 +5,11 @@ A batch array is ``[rows, L, K]`` in one shard of inner chunks of ``chunk_rows``
 neighbours'; the last layer group is padded with the fill value, the shard spans
 ``ceil(L / layers_per_chunk) * layers_per_chunk`` layers), each zstd then CRC-32C
 (:func:`zarr_codecs`), the shard index first (``index_location: start``), chunks back to back
-in the index's order (row chunk, then layer group). zarr writes the array's ``zarr.json`` here;
-the shard file ``c/0/0/0`` is assembled by hand.
+in one of two orders: the index's (row chunk, then layer group), or layer group major (layer
+group, then row chunk: format 4, where requests span several row chunks, so that a pipeline
+stage's chunks over a request's rows are one byte range, one ranged GET; the index still says
+where every chunk is, so any Zarr v3 reader reads either). zarr writes the array's
+``zarr.json`` here; the shard file ``c/0/0/0`` is assembled by hand.
 
 Why by hand: zarr-python 3.1's sharded write encodes a shard's inner chunks one after another
 in effect (measured on the CPU VM, one 16 MB batch: 0.09 GB/s with zstd-3, 0.36 GB/s with no
@@ -16,8 +19,9 @@ the host (0.18 GB/s on the 16-core H100 host). numcodecs' Zstd releases the GIL,
 chunks compressed in a thread pool scale with the cores. The bytes are the ones zarr writes
 for the same data and codecs (tests/test_shard_writer.py compares them byte for byte; with
 several layer groups each chunk's bytes are zarr's, and zarr orders them in Morton order where
-this writer keeps the index's C order), so zarr, and any Zarr v3 reader, reads the array as
-before.
+this writer keeps the index's C order or puts layer groups first), so zarr, and any Zarr v3
+reader, reads the array as before: the sharding spec locates each chunk by the shard index
+and leaves the order of the chunks' bytes free.
 
 Encoding (:func:`encode_batch_array`: the chunks compressed, the shard's bytes and the array's
 ``zarr.json`` built) and writing (:func:`write_encoded`) are apart so that a store encodes a
@@ -86,12 +90,14 @@ class EncodedArray:
     """A batch array's files, encoded and not yet written: ``metadata`` (its ``zarr.json``),
     ``shard`` (the pieces of its shard file, in order: the index with its CRC-32C, then each
     chunk's compressed bytes followed by its 4-byte CRC-32C as a piece of its own),
-    ``places`` (the shard index as ``[offset, nbytes, ...]`` per chunk) and ``sizes`` (each
-    chunk's bytes, in the index's order)."""
+    ``places`` (the shard index as ``[offset, nbytes, ...]`` per chunk, in the index's order)
+    and ``sizes`` (each chunk's bytes, in the order they lie in the shard: the index's, or layer
+    group major when ``group_major``)."""
 
     rows: int
     chunk_rows: int
     layers_per_chunk: int
+    group_major: bool
     metadata: bytes
     shard: list[bytes]
     places: list[int]
@@ -105,10 +111,13 @@ def encode_batch_array(
     chunk_rows: int,
     zstd_level: int,
     layers_per_chunk: int | None = None,
+    group_major: bool = False,
 ) -> EncodedArray:
     """Encode an array of ``rows`` rows ``[rows, L, K]`` whose rows are ``pieces``: ``(offset,
     rows)`` in row order, not overlapping; rows no piece covers hold the fill value 0.
     ``layers_per_chunk``: layers per inner chunk (None: all, the layout before format 3).
+    ``group_major``: the chunks lie in the shard layer group by layer group, each group's row
+    chunks in row order (format 4), else in the index's order (row chunk, then layer group).
 
     Each chunk is gathered from its pieces in the encoding thread that compresses it (a chunk
     inside one piece is a view of it): no whole-batch copy on the caller's thread.
@@ -172,15 +181,22 @@ def encode_batch_array(
             future.result()
     else:
         work()
-    encoded = [piece for pieces_of_row in by_row for piece in pieces_of_row]
-    # The shard index (zarr's default index codecs: little-endian uint64 pairs, then CRC-32C),
-    # over the inner chunk grid (count, groups, 1) in C order: the order the chunks are written.
+    group_major = group_major and groups > 1  # one group: both orders are the same bytes
+    if group_major:
+        encoded = [by_row[i][k] for g in range(groups) for i in range(count) for k in (2 * g, 2 * g + 1)]
+    else:
+        encoded = [piece for pieces_of_row in by_row for piece in pieces_of_row]
+    # Each chunk's bytes with its CRC-32C, in the order written, and where each one starts.
     sizes = np.fromiter(map(len, encoded[::2]), dtype="<u8", count=len(encoded) // 2) + 4
+    starts = np.empty_like(sizes)
+    starts[0] = 16 * len(sizes) + 4  # after the shard index: (offset, nbytes) per chunk, then a CRC-32C
+    np.cumsum(sizes[:-1], out=starts[1:])
+    starts[1:] += starts[0]
+    # The shard index (zarr's default index codecs: little-endian uint64 pairs, then CRC-32C),
+    # over the inner chunk grid (count, groups, 1) in C order, whatever the order written.
     index = np.empty((len(sizes), 2), dtype="<u8")
-    index[:, 1] = sizes
-    index[0, 0] = 16 * len(sizes) + 4
-    np.cumsum(sizes[:-1], out=index[1:, 0])
-    index[1:, 0] += index[0, 0]
+    index[:, 0] = starts.reshape(groups, count).T.reshape(-1) if group_major else starts
+    index[:, 1] = sizes.reshape(groups, count).T.reshape(-1) if group_major else sizes
     index_bytes = index.tobytes()
     metadata = _metadata(first.dtype, rows, layers, top_k, chunk, count, zstd_level, per)
     places = index.astype(np.int64).reshape(-1).tolist()
@@ -188,6 +204,7 @@ def encode_batch_array(
         rows,
         chunk,
         per,
+        group_major,
         metadata,
         [index_bytes + crc32c(index_bytes).to_bytes(4, "little"), *encoded],
         places,
@@ -245,13 +262,24 @@ def _write_all(fd: int, pieces: Sequence[bytes | memoryview]) -> None:
 
 
 def write_batch_array(
-    path: Path, data: np.ndarray, *, chunk_rows: int, zstd_level: int, layers_per_chunk: int | None = None
+    path: Path,
+    data: np.ndarray,
+    *,
+    chunk_rows: int,
+    zstd_level: int,
+    layers_per_chunk: int | None = None,
+    group_major: bool = False,
 ) -> list[int]:
     """Write ``data`` ``[rows, L, K]`` as a Zarr v3 array at ``path`` (one shard of
-    ``chunk_rows`` x ``layers_per_chunk`` chunks); return the shard index as ``[offset, nbytes,
-    ...]`` per chunk."""
+    ``chunk_rows`` x ``layers_per_chunk`` chunks, layer group major when ``group_major``);
+    return the shard index as ``[offset, nbytes, ...]`` per chunk."""
     encoded = encode_batch_array(
-        [(0, data)], data.shape[0], chunk_rows=chunk_rows, zstd_level=zstd_level, layers_per_chunk=layers_per_chunk
+        [(0, data)],
+        data.shape[0],
+        chunk_rows=chunk_rows,
+        zstd_level=zstd_level,
+        layers_per_chunk=layers_per_chunk,
+        group_major=group_major,
     )
     write_encoded(path, encoded)
     return encoded.places

@@ -25,10 +25,17 @@ def test_snippet_is_short():
 def test_snippet_reads_request_without_r3rdma(tmp_path, make_record):
     recs = [make_record(f"q{i}", rows=5 + 40 * i) for i in range(4)]
     recs.append(make_record("q1", rows=9, seed=5, start_row=45))  # a second segment
-    with LocalRoutingStore(tmp_path, chunk_rows=32) as store:
+    # 8-row chunks of one layer each: the first two batches' requests span several row chunks,
+    # so their arrays lie layer group major (format 4); the last one's in the index's order.
+    with LocalRoutingStore(tmp_path, chunk_rows=8, min_chunk_rows=8, layers_per_chunk=1) as store:
         store.commit(recs[:2])
         store.commit(recs[2:4])
         store.commit(recs[4:])
+    import json
+
+    orders = [next(iter(json.loads((tmp_path / "roll-0" / f"i{n:08d}" / "zarr.json").read_text())["attributes"]["r3rdma"][
+        "shards"].values())) for n in (1, 2, 3)]
+    assert ["chunk_sizes_group_major" in shard for shard in orders] == [True, True, False]
     out = tmp_path / "q1.npy"
     program = (
         "import sys\n"
@@ -58,11 +65,14 @@ def test_tensorstore_spec_reads_a_request_over_http_with_the_read_token(tmp_path
 
     from r3rdma.store.process import new_token, spawn_node
 
-    recs = [make_record(f"q{i}", rows=30 + 7 * i) for i in range(5)]
+    recs = [make_record(f"q{i}", rows=70 + 7 * i) for i in range(5)]
     root = tmp_path / "root"
-    with LocalRoutingStore(root, chunk_rows=16) as store:
+    # 16-row chunks of one layer: requests span several row chunks, the arrays lie layer group major.
+    with LocalRoutingStore(root, chunk_rows=16, layers_per_chunk=1) as store:
         store.commit(recs[:2])
         store.commit(recs[2:])
+    assert "chunk_sizes_group_major" in json.loads((root / "roll-0" / "i00000002" / "zarr.json").read_text())[
+        "attributes"]["r3rdma"]["shards"]["b00000002"]
     node = spawn_node(root, new_token())
     try:
         base = f"{node.http_url}/zarr/"

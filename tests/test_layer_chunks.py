@@ -1,5 +1,7 @@
 """Format 3: inner chunks of a group of layers; reads of some layers fetch only their chunks;
-stores of format 2 (every layer in one chunk, ``chunks`` lists in the index) still read."""
+format 4: arrays of long requests lie layer group major in their shard; stores of format 2
+(every layer in one chunk, ``chunks`` lists in the index) and 3 (every shard in the index's
+order) still read."""
 
 import base64
 import json
@@ -13,7 +15,7 @@ from r3rdma import LocalRoutingStore, RoutingReader
 from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.records import RequestRecord
 from r3rdma.store import batch_array
-from r3rdma.store.batch_array import layers_per_chunk
+from r3rdma.store.batch_array import batch_chunk_rows, layers_per_chunk, spans_row_chunks
 from r3rdma.store.shard_writer import encode_batch_array, write_batch_array
 
 from .shard_fetches import count_shard_fetches
@@ -54,17 +56,58 @@ def test_rule_groups_layers_by_chunk_bytes():
     assert layers_per_chunk(1024, 58, 8, 2) == 29  # uint16 ids, 16 KiB per layer: up to 14 groups; 2
     assert layers_per_chunk(64, 48, 8, 1) == 48  # short requests: one chunk of every layer
     assert layers_per_chunk(1024, 3, 2, 1) == 3
+    # Laid out layer group major (long requests): 16 KiB chunks, at most 8 groups.
+    assert layers_per_chunk(256, 48, 8, 1, True) == 12  # 96 KiB per row chunk: up to 6 groups: 4 of 12
+    assert layers_per_chunk(128, 48, 8, 1, True) == 24  # 48 KiB: up to 3: 2 of 24
+    assert layers_per_chunk(1024, 48, 8, 1, True) == 6  # up to 24 groups, at most 8: 8 of 6
+    assert layers_per_chunk(128, 94, 8, 1, True) == 47  # up to 5; power-of-two divisors of 94: 1, 2
 
 
-def test_writer_layout_reads_with_zarr(tmp_path):
-    """A third-party reader (zarr-python) reads the grouped layout: padded last group included."""
+def _records_of(lengths, layers=48, top_k=8):
+    return [RequestRecord("roll", f"r{i}", np.zeros((n, layers, top_k), np.uint8), tuple(range(layers)), 128)
+            for i, n in enumerate(lengths)]
+
+
+def test_rule_sizes_row_chunks_for_context_parallel_pieces():
+    """Short requests: a chunk about one request (the power of two at or above the median).
+    Long ones (a median of four chunks or more): a sixteenth of the median, not below 256 rows
+    of 48 layers x top-8 uint8 (four 16 KiB layer groups), so CP pieces waste little at their edges."""
+    def rows(*lengths, **geometry):
+        return batch_chunk_rows(_records_of(lengths, **geometry), 64, 1024)
+
+    assert rows(30, 50, 40) == 64 and rows(100, 120, 90) == 128 and rows(300, 250, 310) == 512
+    assert rows(800, 900, 700) == 1024  # 256-row chunks would not give a request four of them
+    assert rows(1100, 1000, 1200) == 256 and rows(4300, 3000, 8000) == 256
+    assert rows(9000, 8200, 9900) == 512 and rows(40000, 33000, 50000) == 1024  # capped at chunk_rows
+    assert rows(3000, 3000, 3000, layers=94) == 128  # 752-byte rows: 128 rows make four 16 KiB groups
+    assert spans_row_chunks(256, 1024) and not spans_row_chunks(256, 1023)
+
+
+@pytest.mark.parametrize("group_major", [False, True])
+def test_writer_layout_reads_with_zarr(tmp_path, group_major):
+    """A third-party reader (zarr-python) reads the grouped layout, in the index's order and
+    layer group major: padded last group included."""
     data = np.random.default_rng(0).integers(0, 200, size=(100, 7, 4)).astype(np.uint8)
     for per in (1, 3, 7):
-        write_batch_array(tmp_path / f"a{per}", data, chunk_rows=32, zstd_level=3, layers_per_chunk=per)
+        write_batch_array(
+            tmp_path / f"a{per}", data, chunk_rows=32, zstd_level=3, layers_per_chunk=per, group_major=group_major
+        )
         array = zarr.open_array(LocalStore(tmp_path / f"a{per}"), mode="r")
         assert array.chunks == (32, per, 4) and array.shards == (128, -(-7 // per) * per, 4)
         np.testing.assert_array_equal(array[:], data)
         np.testing.assert_array_equal(array[10:50, 2:5], data[10:50, 2:5])
+
+
+def test_group_major_shard_lies_group_by_group():
+    """Layer group major: each group's row chunks back to back in row order, groups one after
+    another; the shard index (C order over the chunk grid) says where each chunk is."""
+    data = np.random.default_rng(2).integers(0, 200, size=(100, 6, 4)).astype(np.uint8)
+    encoded = encode_batch_array([(0, data)], 100, chunk_rows=32, zstd_level=3, layers_per_chunk=2, group_major=True)
+    index = np.asarray(encoded.places).reshape(4, 3, 2)  # [row chunk, group, (offset, nbytes)]
+    by_group = index.transpose(1, 0, 2).reshape(-1, 2)  # the order written
+    assert by_group[0, 0] == 16 * 12 + 4 and (by_group[1:, 0] == by_group[:-1].sum(axis=1)).all()
+    assert encoded.group_major and encoded.sizes.tolist() == by_group[:, 1].tolist()
+    assert encode_batch_array([(0, data)], 100, chunk_rows=32, zstd_level=3, group_major=True).group_major is False  # one group
 
 
 def test_every_layer_in_one_chunk_is_the_format_2_shard():
@@ -79,8 +122,9 @@ def test_index_part_carries_chunk_sizes(grouped):
     root, _ = grouped
     shard = _part(root, 1)["shards"]["b00000001"]
     assert shard["layers_per_chunk"] == 3 and "chunks" not in shard and isinstance(shard["chunk_sizes"], str)
+    assert "chunk_sizes_group_major" not in shard  # short requests: the index's order
     entry = json.loads((root / "roll" / "zarr.json").read_bytes())["attributes"]["r3rdma"]
-    assert entry["format_version"] == 3
+    assert entry["format_version"] == 4
 
 
 def test_whole_and_layer_reads(grouped):
@@ -194,3 +238,122 @@ def test_the_store_setting_sets_the_layer_groups(tmp_path):
         np.testing.assert_array_equal(got[rid], want)
     with pytest.raises(ConfigError, match="layers_per_chunk must be an int >= 1"):
         LocalRoutingStore(tmp_path / "other", layers_per_chunk=0)
+
+
+def _to_format_3(root):
+    """Rewrite a store's entry point as format 3 wrote it (its shards in the index's order)."""
+    path = root / "roll" / "zarr.json"
+    entry = json.loads(path.read_bytes())
+    entry["attributes"]["r3rdma"]["format_version"] = 3
+    path.write_text(json.dumps(entry))
+
+
+def test_format_3_store_still_reads(grouped):
+    """A store as format 3 wrote it (entry point version 3, ``chunk_sizes`` in the index's order)
+    reads whole, by layer and by rows."""
+    root, data = grouped
+    for seq in (1, 2):
+        assert all("chunk_sizes" in shard for shard in _part(root, seq)["shards"].values())
+    _to_format_3(root)
+    reader = RoutingReader(root)
+    got = reader.get_numpy("roll", list(data))
+    for rid, ids in data.items():
+        np.testing.assert_array_equal(got[rid], ids)
+    got = reader.get_numpy("roll", ["r2", "r0"], layers=[5, 9], rows={"r2": [(3, 40), (60, 70)]})
+    np.testing.assert_array_equal(got["r2"], np.concatenate([data["r2"][3:40], data["r2"][60:70]])[:, [3, 6]])
+    np.testing.assert_array_equal(got["r0"], data["r0"][:, [3, 6]])
+
+
+@pytest.fixture
+def long_requests(tmp_path, monkeypatch):
+    """A store of requests spanning several row chunks: 16-row chunks of 3 layers (groups of
+    3, 3 and 1 padded), laid out layer group major; and one batch of short requests (the index's
+    order) in the same rollout."""
+    monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 3)
+    lengths = [70, 90, 64, 100, 81, 5, 9, 12]
+    recs = [_record(f"r{i}", rows, 20 + i) for i, rows in enumerate(lengths)]
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16) as store:
+        store.commit(recs[:5])
+        store.commit(recs[5:])
+    return tmp_path, {r.request_id: r.ids_TLK for r in recs}
+
+
+def test_group_major_index_part_and_version(long_requests):
+    """The part names the order by its key: a reader of format 3 (which knows ``chunk_sizes``
+    and format 2's ``chunks`` only) finds neither and refuses the part, never reading the sizes
+    in the index's order; and the entry point's version 4 is refused by it first."""
+    root, _ = long_requests
+    long_shard = _part(root, 1)["shards"]["b00000001"]
+    assert set(long_shard) == {"rows", "chunk_rows", "layers_per_chunk", "zstd", "chunk_sizes_group_major"}
+    assert long_shard["chunk_rows"] == 16 and long_shard["layers_per_chunk"] == 3
+    assert "chunk_sizes" in _part(root, 2)["shards"]["b00000002"]  # short requests: the index's order
+    entry = json.loads((root / "roll" / "zarr.json").read_bytes())["attributes"]["r3rdma"]
+    assert entry["format_version"] == 4
+    shard = (root / "roll" / "b00000001" / "c" / "0" / "0" / "0").read_bytes()
+    count = -(-long_shard["rows"] // 16)
+    index = np.frombuffer(shard[: 16 * count * 3], dtype="<u8").reshape(count, 3, 2)
+    assert index[1, 0, 0] == index[0, 0].sum() and index[0, 1, 0] == index[-1, 0].sum()  # group 0's chunks, then group 1's
+
+
+def test_group_major_reads(long_requests):
+    """Whole, by layer, by rows and both: the same ids as written; zarr-python reads the array."""
+    root, data = long_requests
+    reader = RoutingReader(root)
+    got = reader.get_numpy("roll", list(data))
+    for rid, ids in data.items():
+        np.testing.assert_array_equal(got[rid], ids)
+    for layers in ([4, 5], [9], [1, 9, 7]):
+        positions = [LAYER_MAP.index(x) for x in layers]
+        rows = {"r1": [(3, 20), (40, 88)], "r4": [(70, 81)]}
+        got = reader.get_numpy("roll", ["r1", "r4", "r3", "r6"], layers=layers, rows=rows)
+        np.testing.assert_array_equal(got["r1"], np.concatenate([data["r1"][3:20], data["r1"][40:88]])[:, positions])
+        np.testing.assert_array_equal(got["r4"], data["r4"][70:81, positions])
+        np.testing.assert_array_equal(got["r3"], data["r3"][:, positions])
+        np.testing.assert_array_equal(got["r6"], data["r6"][:, positions])
+    array = zarr.open_array(LocalStore(root / "roll" / "b00000001"), mode="r")
+    assert array.chunks == (16, 3, 4)
+    for rid, entry in _part(root, 1)["requests"].items():
+        (seg,) = entry["segments"]
+        np.testing.assert_array_equal(array[seg["offset"] : seg["offset"] + seg["rows"]], data[rid])
+        np.testing.assert_array_equal(array[seg["offset"] + 5 : seg["offset"] + 50, 3:6], data[rid][5:50, 3:6])
+
+
+def test_group_major_stage_read_is_one_get_per_request(long_requests, monkeypatch):
+    """A stage's chunks over a request's rows touch in the file: a read of one layer group of
+    a request spanning several row chunks is one GET (its bytes only); a whole read is one GET
+    per layer group, not the bytes between them."""
+    root, data = long_requests
+    reader = RoutingReader(root)
+    reader.get_numpy("roll", ["r0"])  # shard indexes and metadata, before counting
+    fetched = count_shard_fetches(monkeypatch)
+    got = reader.get_numpy("roll", ["r3"], layers=[1, 2, 4])  # group 0 of r3's 100 rows: 7 row chunks
+    np.testing.assert_array_equal(got["r3"], data["r3"][:, :3])
+    assert len(fetched) == 1
+    one_group = fetched.pop()
+    reader.get_numpy("roll", ["r3"])
+    assert len(fetched) == 3 and sum(fetched) < 3.5 * one_group
+
+
+@pytest.mark.parametrize("zstd_level", [0, 3])
+def test_group_major_runs_decode_and_detect_a_bad_chunk(tmp_path, monkeypatch, zstd_level):
+    """A run of one group's chunks is decoded into one block: compressed or not, the rows come
+    back; a chunk damaged in the middle of a run fails its CRC-32C, naming it."""
+    from r3rdma.errors import CorruptDataError
+
+    monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 3)
+    recs = [_record(f"z{i}", rows, 40 + i) for i, rows in enumerate([100, 96, 120])]
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16, zstd_level=zstd_level) as store:
+        store.commit(recs)
+    assert "chunk_sizes_group_major" in _part(tmp_path, 1)["shards"]["b00000001"]
+    got = RoutingReader(tmp_path).get_numpy("roll", ["z1", "z2"], layers=[4, 5], rows={"z1": [(1, 95)], "z2": [(0, 30), (50, 51)]})
+    np.testing.assert_array_equal(got["z1"], recs[1].ids_TLK[1:95, 2:4])
+    np.testing.assert_array_equal(got["z2"], np.concatenate([recs[2].ids_TLK[0:30], recs[2].ids_TLK[50:51]])[:, 2:4])
+    shard_path = tmp_path / "roll" / "b00000001" / "c" / "0" / "0" / "0"
+    shard = bytearray(shard_path.read_bytes())
+    count = -(-_part(tmp_path, 1)["shards"]["b00000001"]["rows"] // 16)
+    index = np.frombuffer(bytes(shard[: 16 * count * 3]), dtype="<u8").reshape(count, 3, 2)
+    offset, _ = index[3, 0]  # row chunk 3 of group 0: inside request z0's run
+    shard[int(offset) + 2] ^= 0xFF
+    shard_path.write_bytes(bytes(shard))
+    with pytest.raises(CorruptDataError, match="chunk 9 fails its crc32c"):
+        RoutingReader(tmp_path).get_numpy("roll", ["z0"], layers=[1, 2])

@@ -44,7 +44,7 @@ def test_commit_writes_a_part_and_an_entry_point_of_constant_size(tmp_path, make
     assert max(entry_sizes) - min(entry_sizes) <= 2  # the part count grows by digits only
     assert max(p for _, p in sizes) <= 1.1 * min(p for _, p in sizes)  # each part lists its batch only
     entry = json.loads((tmp_path / "roll-0" / "zarr.json").read_text())["attributes"]["r3rdma"]
-    assert entry["parts"] == 100 and entry["format_version"] == 3 and "requests" not in entry
+    assert entry["parts"] == 100 and entry["format_version"] == 4 and "requests" not in entry
 
 
 def test_reader_fetches_only_new_parts(tmp_path, make_record):

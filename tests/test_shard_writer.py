@@ -54,12 +54,14 @@ def test_pieces_with_fill_rows_encode_as_the_dense_array(tmp_path, level):
     np.testing.assert_array_equal(zarr.open_array(LocalStore(tmp_path / "mine"), mode="r")[:], dense)
 
 
+@pytest.mark.parametrize("group_major", [False, True])
 @pytest.mark.parametrize("per", [1, 2, 4, 6])
-def test_layer_groups_same_chunks_as_zarr(tmp_path, per):
+def test_layer_groups_same_chunks_as_zarr(tmp_path, per, group_major):
     """Format 3's layer groups (4 of 6 layers: the last group padded with the fill value) from
     pieces with fill rows between them: every inner chunk is zarr's, byte for byte, and so is
     ``zarr.json``. Only the chunks' order differs where there are several groups (zarr lays
-    them out in Morton order, this writer in the index's C order; the index says where each is)."""
+    them out in Morton order, this writer in the index's C order or layer group major (format
+    4); the index says where each is)."""
     rng = np.random.default_rng(per)
     pieces = [(0, 40), (64, 100), (170, 20), (200, 1)]
     rows, chunk = 201, 64
@@ -68,7 +70,9 @@ def test_layer_groups_same_chunks_as_zarr(tmp_path, per):
     for offset, n in pieces:
         arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
         dense[offset : offset + n] = arrays[-1][1]
-    write_encoded(tmp_path / "mine", encode_batch_array(arrays, rows, chunk_rows=chunk, zstd_level=3, layers_per_chunk=per))
+    encoded = encode_batch_array(arrays, rows, chunk_rows=chunk, zstd_level=3, layers_per_chunk=per, group_major=group_major)
+    write_encoded(tmp_path / "mine", encoded)
+    assert encoded.group_major == (group_major and per < 6)
     count, groups = -(-rows // chunk), -(-6 // per)
     zarr.create_array(LocalStore(tmp_path / "zarr"), data=dense, chunks=(chunk, per, 4),
                       shards={"shape": (count * chunk, groups * per, 4), "index_location": "start"},

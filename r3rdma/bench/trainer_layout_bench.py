@@ -30,6 +30,10 @@ what it served, which the ranks' counts must add up to), ``wall_seconds`` (first
 moment the last rank holds its routing), ``reader_cpu_s_per_gb`` (CPU seconds of the reader
 processes over the phase, per GB of routing returned to the ranks). Per-rank fetched bytes are
 the HTTP body bytes of every GET the rank's reader issued (its store wrapped in a counter).
+The step's layout: ``chunk_rows`` and ``layers_per_chunk`` (the batch arrays' inner chunk
+shapes), ``group_major_arrays`` of ``arrays`` (those laid out layer group major, format 4);
+``--chunk-rows`` and ``--layers-per-chunk`` fix them (``--chunk-rows 1024 --layers-per-chunk
+12``: the chunks the store chose for these requests before format 4, but laid out as now).
 
 Goals (issue #34), as booleans: every reading rank fetches <= 1.25x what it replays; total
 fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``);
@@ -162,26 +166,41 @@ def _rank_main(conn, urls: list[str], token: str) -> None:
 # -- the bench ------------------------------------------------------------------------------------
 
 
-def _commit_step(rollout, path: Path, batch_mb: float, seed: int, layers_per_chunk: int | None = None) -> None:
-    """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches."""
+def _commit_step(
+    rollout, path: Path, batch_mb: float, seed: int, layers_per_chunk: int | None = None, chunk_rows: int | None = None
+) -> None:
+    """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches;
+    ``chunk_rows``: every batch array's rows per inner chunk (None: the store's rule)."""
     from r3rdma.store.local_store import LocalRoutingStore
 
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
-    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk) as store:
+    rows = {} if chunk_rows is None else {"chunk_rows": chunk_rows, "min_chunk_rows": chunk_rows}
+    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk, **rows) as store:
         commit_in_batches(store, rollout, order, int(batch_mb * (1 << 20)))
 
 
-def _layers_per_chunk(root: Path, rollout_id: str) -> list[int]:
-    """Layers per inner chunk of each batch array of the rollout (from their ``zarr.json``)."""
+def _chunk_layout(root: Path, rollout_id: str) -> dict[str, Any]:
+    """The batch arrays' inner chunk shapes (rows and layers per chunk, from their
+    ``zarr.json``) and how many lie layer group major in their shard (from the index parts)."""
     import json
 
-    found = set()
+    rows, layers, arrays, group_major = set(), set(), 0, 0
     for meta in (root / rollout_id).glob("*/zarr.json"):
         doc = json.loads(meta.read_text())
         if doc.get("node_type") == "array":
-            found.add(doc["codecs"][0]["configuration"]["chunk_shape"][1])
-    return sorted(found)
+            shape = doc["codecs"][0]["configuration"]["chunk_shape"]
+            rows.add(shape[0])
+            layers.add(shape[1])
+        for shard in doc.get("attributes", {}).get("r3rdma", {}).get("shards", {}).values():
+            arrays += 1
+            group_major += "chunk_sizes_group_major" in shard
+    return {
+        "layers_per_chunk": sorted(layers),
+        "chunk_rows": sorted(rows),
+        "arrays": arrays,
+        "group_major_arrays": group_major,
+    }
 
 
 def run_trainer_layout_bench(
@@ -205,6 +224,7 @@ def run_trainer_layout_bench(
     timeout: float = 900.0,
     http_workers: str = "auto",
     layers_per_chunk: int | None = None,
+    chunk_rows: int | None = None,
 ) -> dict[str, Any]:
     """Commit the step, serve it, run the three read phases (module docstring); the JSON dict."""
     from r3rdma.bench.synthetic import TiledRollout
@@ -236,7 +256,7 @@ def run_trainer_layout_bench(
             seed=seed,
         )
         say(f"committing {requests} requests, {rollout.total_bytes / 1e6:.1f} MB decoded")
-        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk)
+        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk, chunk_rows)
         node_procs = spawn_nodes([base / "node0"], token, "--http-workers", str(http_workers))
         node = node_procs[0]
         urls = [node.http_url]
@@ -291,7 +311,7 @@ def run_trainer_layout_bench(
             "micro_batch": micro_batch,
             "decoded_bytes": rollout.total_bytes,
             "stored_bytes": stored,
-            "layers_per_chunk": _layers_per_chunk(base / "node0", rollout_id),
+            **_chunk_layout(base / "node0", rollout_id),
             "processes": processes,
         }
         armed: list[float] = []  # what the node had served when a phase's ranks were all armed
@@ -356,6 +376,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="the store's layer group (r3rdma-store --layers-per-chunk; default: its rule)",
+    )
+    parser.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=None,
+        help="rows per inner chunk of every batch array (e.g. 1024, the rule before format 4; default: the store's rule)",
     )
 
 
