@@ -119,15 +119,16 @@ class LocalRoutingStore:
         ends beyond it *replaces* it (without it, such a record is a conflict and refused).
 
         ``chunk_rows`` / ``min_chunk_rows``: a batch array's inner chunks hold the power of two
-        at or above its median request length, clamped to this range
+        at or above its median request length, or for long requests a sixteenth of it (their
+        array then lies layer group major, format 4), clamped to this range
         (:func:`~r3rdma.store.batch_array.batch_chunk_rows`).
 
         ``layers_per_chunk``: MoE layers per inner chunk of a batch array (format 3). None (the
-        default): the store's rule, a power-of-two count of equal groups of at least 64 KiB
-        (:func:`~r3rdma.store.batch_array.layers_per_chunk`). Set it to the trainers' pipeline
-        stage size (or a divisor of it) so each stage fetches only its own layers' chunks;
-        a value that does not divide the layer count pads the last group (readable, slower to
-        encode).
+        default): the store's rule, a power-of-two count of equal groups of at least 64 KiB,
+        16 KiB layer group major (:func:`~r3rdma.store.batch_array.layers_per_chunk`). Set it to
+        the trainers' pipeline stage size (or a divisor of it) so each stage fetches only its
+        own layers' chunks; a value that does not divide the layer count pads the last group
+        (readable, slower to encode).
 
         ``snapshot_parts`` / ``snapshot_idle_s``: a background thread merges a rollout's index
         parts into a snapshot (:mod:`r3rdma.store.rollout_index`, "Snapshots") once
