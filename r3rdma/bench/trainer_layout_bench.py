@@ -175,7 +175,7 @@ def _commit_step(
 
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
-    rows = {} if chunk_rows is None else {"chunk_rows": chunk_rows, "min_chunk_rows": chunk_rows}
+    rows: dict[str, Any] = {} if chunk_rows is None else {"chunk_rows": chunk_rows, "min_chunk_rows": chunk_rows}
     with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk, **rows) as store:
         commit_in_batches(store, rollout, order, int(batch_mb * (1 << 20)))
 
