@@ -357,3 +357,23 @@ def test_group_major_runs_decode_and_detect_a_bad_chunk(tmp_path, monkeypatch, z
     shard_path.write_bytes(bytes(shard))
     with pytest.raises(CorruptDataError, match="chunk 9 fails its crc32c"):
         RoutingReader(tmp_path).get_numpy("roll", ["z0"], layers=[1, 2])
+
+
+def test_group_major_uint16_ids(tmp_path, monkeypatch):
+    """Ids of more than 256 experts (uint16) in a layer-group-major array: runs decoded into one
+    block keep their dtype."""
+    monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 2)
+    rng = np.random.default_rng(9)
+    recs = [
+        RequestRecord("roll", f"w{i}", rng.integers(0, 1000, size=(rows, len(LAYER_MAP), 4)).astype(np.uint16), LAYER_MAP, 1000)
+        for i, rows in enumerate([80, 70, 90])
+    ]
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16) as store:
+        store.commit(recs)
+    assert "chunk_sizes_group_major" in _part(tmp_path, 1)["shards"]["b00000001"]
+    with RoutingReader(tmp_path) as reader:
+        got = reader.get_numpy("roll", ["w0", "w2"])
+        part = reader.get_numpy("roll", ["w1"], layers=[4, 5, 7], rows={"w1": [(5, 69)]})
+    for r in (recs[0], recs[2]):
+        np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
+    np.testing.assert_array_equal(part["w1"], recs[1].ids_TLK[5:69, 2:5])
