@@ -59,13 +59,18 @@ def batch_chunk_rows(records: Sequence[RequestRecord], min_chunk_rows: int, chun
     (``bench trainer-layout``, BENCHMARKS.md; a CP rank used ~40% of each chunk it decoded).
     Counted over 2,000 requests of 500-8,000 rows (median ~4,200) placed as the store places
     them, the rows both ranks fetch over the rows stored: 1.41 at 1024-row chunks, 1.23 at 512,
-    1.12 at 256, 1.06 at 128 (3,000-8,000 rows: 1.34, 1.18, 1.09, 1.05). Why not smaller: each
-    chunk is a zstd call, a CRC-32C and an index entry, and small chunks compress worse (CPU VM,
-    one core, synthetic top-8 ids in 12-layer groups: 1024 rows 0.78 of raw, 0.86 GB/s
-    decoded; 256 rows 0.85, 0.74 GB/s; 128 rows 0.86, 0.55 GB/s; 64 rows 0.87, 0.36 GB/s), so
-    256 rows is where fetching less stops paying for decoding slower. Such a batch array
-    lays its chunks out layer group major (:func:`encode_array`): a stage's chunks over a
-    request's rows are one byte range, so smaller chunks do not mean more GETs.
+    1.12 at 256, 1.06 at 128 (3,000-8,000 rows: 1.34, 1.18, 1.09, 1.05); 512 rows would leave
+    the goal of 1.25x stored too little room. Measured on the CPU VM (``bench trainer-layout
+    --quick --requests 16 --min-rows 3000 --max-rows 8000 --micro-batch 4``), 1024 -> 256
+    rows: TP broadcast fetched 1.36x -> 1.08x the stored bytes. Why not smaller: each chunk is
+    a zstd call (a frame's tables built again), a CRC-32C and an index entry, and small chunks
+    compress worse (CPU VM, one core, synthetic top-8 ids in 12-layer groups: 1024 rows 0.78
+    of raw, 0.86 GB/s decoded; 256 rows 0.85, 0.74 GB/s; 128 rows 0.86, 0.55 GB/s; 64 rows
+    0.87, 0.36 GB/s). At 256 rows the step stored 8.7% more bytes and a whole read (every
+    layer, every row) cost ~20% more reader CPU, a stage's CP slice ~12% less (one process,
+    one core, interleaved); encoding ran faster (0.11-0.12 -> 0.15-0.18 GB/s on one core).
+    Such a batch array lays its chunks out layer group major (:func:`encode_array`): a stage's
+    chunks over a request's rows are one byte range, so smaller chunks do not mean more GETs.
     Each batch array states its own chunk shape; readers need nothing new.
     """
     lengths = sorted(r.num_rows for r in records)
