@@ -377,3 +377,21 @@ def test_group_major_uint16_ids(tmp_path, monkeypatch):
     for r in (recs[0], recs[2]):
         np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)
     np.testing.assert_array_equal(part["w1"], recs[1].ids_TLK[5:69, 2:5])
+
+
+def test_group_major_entry_gives_the_shard_index():
+    """An index part's group-major sizes give the shard index the writer wrote (offsets in the
+    index's order); an entry with both size keys, or sizes not whole row chunks, is malformed."""
+    from r3rdma.read.shard_ranges import shard_index_of
+    from r3rdma.store.index_entries import shard_entry, shard_entry_ok
+
+    data = np.random.default_rng(4).integers(0, 200, size=(100, 6, 4)).astype(np.uint8)
+    for group_major in (False, True):
+        encoded = encode_batch_array([(0, data)], 100, chunk_rows=16, zstd_level=3, layers_per_chunk=2, group_major=group_major)
+        entry = shard_entry(encoded.rows, encoded.chunk_rows, 2, True, encoded.sizes, encoded.group_major)
+        assert shard_entry_ok(entry) and ("chunk_sizes_group_major" in entry) == group_major
+        assert shard_index_of(entry).astype(np.int64).reshape(-1).tolist() == encoded.places
+    both = {**entry, "chunk_sizes": entry["chunk_sizes_group_major"]}
+    assert not shard_entry_ok(both)
+    short = {**entry, "chunk_sizes_group_major": entry["chunk_sizes_group_major"][:-8]}
+    assert not shard_entry_ok(short)
