@@ -315,7 +315,7 @@ class RoutingCapturer:
         self,
         request_ids: Sequence[str],
         start_positions: Sequence[int] | np.ndarray,
-        num_tokens: Sequence[int] | np.ndarray,
+        num_tokens: Sequence[int] | np.ndarray | int,
         slots_T: Sequence[int] | np.ndarray | torch.Tensor,
         *,
         router_rows: torch.Tensor | None = None,
@@ -326,7 +326,9 @@ class RoutingCapturer:
         The step computes, for each ``i``, positions ``start_positions[i] ..
         start_positions[i] + num_tokens[i] - 1`` of ``request_ids[i]``; tokens are ordered
         request by request and ``slots_T[t]`` is the KV slot token ``t`` writes (host values:
-        the engine's own slot mapping, so no device read is needed).
+        the engine's own slot mapping, so no device read is needed). ``num_tokens`` may be
+        one int for every request (a decode step: ``1``), which spares the step two reductions
+        over the batch.
 
         ``router_rows`` (on the device, optional) maps token t to the row of the router's
         input that computed it, when the router also sees padding; default: row t.

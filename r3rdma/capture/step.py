@@ -142,6 +142,7 @@ class StepRecorder:
         else:
             self.tp_rank, self.tp_size = 0, 1
         self.open: _OpenStep | None = None
+        self._ones = np.ones(0, dtype=np.int64)  # a decode step's token counts (see _same_counts)
         self.steps = 0
         self.collectives = 0
 
@@ -154,7 +155,7 @@ class StepRecorder:
         self,
         request_ids: Sequence[str],
         start_positions: Sequence[int] | np.ndarray,
-        num_tokens: Sequence[int] | np.ndarray,
+        num_tokens: Sequence[int] | np.ndarray | int,
         slots_T: Sequence[int] | np.ndarray | torch.Tensor,
         *,
         router_rows: torch.Tensor | None,
@@ -163,21 +164,34 @@ class StepRecorder:
         """Validate and open a step (see :meth:`RoutingCapturer.begin_step`)."""
         if self.open is not None:
             raise CaptureStateError("begin_step called twice without end_step")
-        if not (len(request_ids) == len(start_positions) == len(num_tokens)):
+        if len(request_ids) != len(start_positions):
             raise ShapeMismatchError(
-                f"request_ids, start_positions, num_tokens must have one entry per request; got "
-                f"{len(request_ids)}, {len(start_positions)}, {len(num_tokens)}"
+                f"request_ids and start_positions must have one entry per request; got "
+                f"{len(request_ids)} and {len(start_positions)}"
             )
         slots = host_int64(slots_T)
-        counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
         starts = np.asarray(start_positions, dtype=np.int64).reshape(-1)
-        n = counts.shape[0]
-        total = int(counts.sum()) if n else 0
+        n = starts.shape[0]
+        if isinstance(num_tokens, int | np.integer):
+            # Every request computes as many tokens (a decode step: 1): no reductions over the
+            # batch (each numpy call on the engine's step path costs microseconds, with the
+            # caches cold from the forward).
+            fewest = int(num_tokens)
+            total = fewest * n
+            counts = self._same_counts(n, fewest)
+        else:
+            counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+            if counts.shape[0] != n:
+                raise ShapeMismatchError(
+                    f"request_ids, start_positions, num_tokens must have one entry per request; got "
+                    f"{len(request_ids)}, {n}, {counts.shape[0]}"
+                )
+            total = int(counts.sum()) if n else 0
+            fewest = int(counts.min()) if n else 0
         if slots.shape != (total,):
             raise ShapeMismatchError(f"slots_T must have one slot per token: {total} tokens, got shape {tuple(slots.shape)}")
-        fewest = int(counts.min()) if n else 0
         if fewest < 0 or (n and starts.min() < 0):
-            raise ShapeMismatchError(f"num_tokens and start_positions must be >= 0, got {counts.min()} and {starts.min()}")
+            raise ShapeMismatchError(f"num_tokens and start_positions must be >= 0, got {fewest} and {starts.min()}")
         self.table.check_slots(slots)
         self.table.check_distinct(slots)
         if router_rows is not None and tuple(router_rows.shape) != (total,):
@@ -208,6 +222,15 @@ class StepRecorder:
         if graphed:
             step.covered = [step.local] * self.num_layers
         self.open = step
+
+    def _same_counts(self, n: int, count: int) -> np.ndarray:
+        """``n`` requests of ``count`` tokens each as an array (read-only, cached for decode steps)."""
+        if count != 1:
+            return np.full(n, count, dtype=np.int64)
+        if self._ones.size < n:
+            self._ones = np.ones(max(n, 2 * self._ones.size), dtype=np.int64)
+            self._ones.flags.writeable = False
+        return self._ones[:n]
 
     def _open_step(
         self,

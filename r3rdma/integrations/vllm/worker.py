@@ -94,8 +94,7 @@ class RunnerRecorder:
         self._sentinel: int | None = None  # the value that step's rows were filled with
         self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots, entering) from _prepare_inputs
-        self._ones = np.ones(256, dtype=np.int64)  # a decode step's token counts (a slice of it)
-        self._rows = np.arange(256)  # and its batch rows
+        self._rows = np.arange(256)  # a decode step's batch rows (a slice of it)
         # Prefix hits on KV the same forward computes (request, positions, slots), attached once
         # the step wrote those slots (see begin).
         self._attach_after_step: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -223,10 +222,9 @@ class RunnerRecorder:
             # Decodes only (the common step): token i is request i's next position. No
             # per-request lookup of the token counts (each numpy call or pass over the batch
             # costs microseconds here, with the caches cold from the forward).
-            if self._ones.size < n:
-                self._ones = np.ones(max(n, 2 * self._ones.size), dtype=np.int64)
-                self._rows = np.arange(self._ones.size)
-            counts = self._ones[:n]
+            if self._rows.size < n:
+                self._rows = np.arange(max(n, 2 * self._rows.size))
+            counts: np.ndarray | int = 1  # every request one token (begin_step takes the int)
             slots = self._slots(self._rows[:n], starts)
         else:
             counts = np.fromiter(map(scheduler_output.num_scheduled_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
@@ -242,8 +240,10 @@ class RunnerRecorder:
     def _slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         table = self.runner.input_batch.block_table[0]
         bs = int(table.block_size)
-        blocks = table.block_table.np[rows, positions // bs].astype(np.int64)
-        return blocks * bs + positions % bs
+        block_idx, offset = np.divmod(positions, bs)
+        slots = np.multiply(table.block_table.np[rows, block_idx], bs, dtype=np.int64)  # int32 blocks, int64 slots
+        slots += offset
+        return slots
 
     def begin(self) -> None:
         """Open the step ``prepare`` snapshotted, right before its forward: attach newly cached positions, ``begin_step``."""
