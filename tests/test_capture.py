@@ -180,12 +180,33 @@ def test_protocol_errors():
         ((["a"], [0], [2], [0, 0]), "appears twice"),
         ((["a"], [0], [2], [0, 64]), r"slots must be in 0\.\.63"),
         ((["a", "b"], [0], [2], [0, 1]), "one entry per request"),
+        ((["a", "b"], [0, 0], [2], [0, 1]), "one entry per request"),
+        ((["a", "b"], [0, 0], 2, [0, 1]), "one slot per token"),
     ],
 )
 def test_bad_step_announcements(args, match):
     cap, _ = make()
     with pytest.raises(ShapeMismatchError, match=match):
         cap.begin_step(*args)
+
+
+def test_one_token_count_for_every_request_is_the_same_step():
+    """``num_tokens`` as one int (a decode step) stores what the per-request list stores."""
+    stored = {}
+    for counts in ([1, 1], 1, [2, 2], 2):
+        cap, _ = make()
+        run_step(cap, ["a", "b"], [0, 0], [3, 3], [0, 1, 2, 3, 4, 5])
+        per = counts if isinstance(counts, int) else counts[0]
+        cap.begin_step(["a", "b"], [3, 3], counts, list(range(6, 6 + 2 * per)))
+        for layer in cap.layer_map:
+            cap.record(layer, fake_topk(["a", "b"], [3, 3], [per, per], layer, cap.top_k, cap.num_experts))
+        cap.end_step()
+        recs = [cap.finish_request(r, prompt_len=3, generated_len=per + 1) for r in ("a", "b")]
+        stored[counts if isinstance(counts, int) else f"list{per}"] = [r.ids_TLK for r in recs]
+    for per in (1, 2):
+        for a, b in zip(stored[per], stored[f"list{per}"], strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(stored[per][0], expected("a", 3 + per, make()[0]))
 
 
 def test_abort_releases_state_and_stores_nothing():
