@@ -25,6 +25,7 @@ from typing import Any
 
 from r3rdma.errors import InvalidIdError
 from r3rdma.ids import validate_id
+from r3rdma.pools import submit
 
 __all__ = [
     "FORMAT_NAME",
@@ -152,7 +153,7 @@ def fsync_paths(paths: Sequence[Path]) -> None:
     global _fsync_pool
     if _fsync_pool is None:
         _fsync_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="r3rdma-fsync")
-    for future in [_fsync_pool.submit(_fsync_path, p) for p in paths]:
+    for future in [submit(_fsync_pool, _fsync_path, p) for p in paths]:
         future.result()
 
 

@@ -65,6 +65,8 @@ from zarr.codecs import Crc32cCodec, ShardingCodecIndexLocation, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
+from r3rdma.pools import submit
+
 __all__ = ["zarr_codecs", "EncodedArray", "encode_batch_array", "write_encoded", "write_batch_array", "SHARD_KEY"]
 
 SHARD_KEY = ("c", "0", "0", "0")  # the one shard of a [rows, L, K] array: chunk grid (0, 0, 0)
@@ -177,7 +179,7 @@ def encode_batch_array(
 
     if count > 1:
         pool = _encode_pool()
-        for future in [pool.submit(work) for _ in range(min(count, _POOL_THREADS))]:
+        for future in [submit(pool, work) for _ in range(min(count, _POOL_THREADS))]:
             future.result()
     else:
         work()

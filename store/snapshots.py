@@ -17,6 +17,7 @@ from r3rdma.store.rollout_index import RolloutIndex, parse_snapshot_name, snapsh
 __all__ = ["Snapshotter"]
 
 _log = logging.getLogger(__name__)
+_MAX_RETRY_S = 60.0  # the longest wait before a failed snapshot is tried again
 
 
 class Snapshotter:
@@ -38,6 +39,10 @@ class Snapshotter:
         self._indexes = indexes
         self._publisher = publisher
         self._last_commit: dict[str, float] = {}  # rollout -> time.monotonic() of its last part
+        # rollout -> (failures in a row, time.monotonic() before which it is not tried again):
+        # a snapshot that keeps failing (a full disk) is retried less and less often, instead
+        # of a warning every idle_s.
+        self._failing: dict[str, tuple[int, float]] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -54,6 +59,7 @@ class Snapshotter:
     def forget(self, rollout_id: str) -> None:
         """Under the writer's lock: the rollout was deleted."""
         self._last_commit.pop(rollout_id, None)
+        self._failing.pop(rollout_id, None)
 
     def close(self) -> None:
         """Stop snapshotting: wake the thread and wait for it to finish the snapshot it is writing
@@ -80,16 +86,29 @@ class Snapshotter:
                 due = [
                     rid
                     for rid, index in self._indexes.items()
-                    if index.parts - index.snapshot >= self.parts
-                    or (index.parts - index.snapshot >= idle_parts and now - self._last_commit.get(rid, 0.0) >= self.idle_s)
+                    if (
+                        index.parts - index.snapshot >= self.parts
+                        or (index.parts - index.snapshot >= idle_parts and now - self._last_commit.get(rid, 0.0) >= self.idle_s)
+                    )
+                    and self._failing.get(rid, (0, 0.0))[1] <= now
                 ]
             for rollout_id in due:
                 if self._closing:
                     return
                 try:
                     self._snapshot(rollout_id)
+                    self._failing.pop(rollout_id, None)
                 except Exception as e:  # the parts still hold the index: readers lose nothing
-                    _log.warning("snapshot of the index of rollout %r failed: %s", rollout_id, e)
+                    failures = self._failing.get(rollout_id, (0, 0.0))[0] + 1
+                    delay = min(_MAX_RETRY_S, self.idle_s * 2**failures)
+                    self._failing[rollout_id] = (failures, time.monotonic() + delay)
+                    _log.warning(
+                        "snapshot of the index of rollout %r failed (%d in a row; next try in %.1f s): %s",
+                        rollout_id,
+                        failures,
+                        delay,
+                        e,
+                    )
 
     def _snapshot(self, rollout_id: str) -> None:
         """Write the rollout's index as a snapshot and name it in the entry point.

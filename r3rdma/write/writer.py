@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, SharedRowsMissingError, StoreError
+from r3rdma.pools import submit
 from r3rdma.records import RequestRecord
 from r3rdma.store.refusals import commit_each, retry_part_by_part
 
@@ -185,7 +186,8 @@ class RoutingWriter:
         prepare = getattr(store, "prepare", None)
         self._prepare = prepare if callable(prepare) and callable(getattr(store, "commit_async", None)) else None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
-        self._thread = threading.Thread(target=self._run, name="r3rdma-writer", daemon=True)
+        self._stopped: BaseException | None = None  # what ended the worker thread early (a bug, not a commit's failure)
+        self._thread = threading.Thread(target=self._run_guarded, name="r3rdma-writer", daemon=True)
         self._thread.start()
 
     def submit(self, record: RequestRecord | DeferredRecord | DeviceRows) -> None:
@@ -198,6 +200,8 @@ class RoutingWriter:
             self._raise_pending()
             if self._closing:
                 raise StoreError("RoutingWriter is closed")
+            if self._stopped is not None:
+                raise StoreError(f"RoutingWriter's thread stopped ({self._stopped!r}): nothing more can be committed")
             ids = getattr(record, "ids_TLK", None)
             rows = None if ids is None or not getattr(ids, "shape", None) else int(ids.shape[0])
             if record.nbytes <= 0 or rows == 0:
@@ -210,6 +214,8 @@ class RoutingWriter:
             while self._inflight_bytes and self._inflight_bytes + record.nbytes > self.max_inflight_bytes:
                 self._cond.wait()
                 self._raise_pending()
+                if self._stopped is not None:
+                    raise StoreError(f"RoutingWriter's thread stopped ({self._stopped!r}): nothing more can be committed")
             if not self._queue:
                 self._first_enqueued = time.monotonic()
             self._queue.append(record)
@@ -227,6 +233,11 @@ class RoutingWriter:
             self._cond.notify_all()
             try:
                 while self._done < target:
+                    if self._stopped is not None:
+                        raise StoreError(
+                            f"flush: the writer's thread stopped ({self._stopped!r}); "
+                            f"{target - self._done} requests will not be committed"
+                        ) from self._stopped
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise R3TimeoutError(f"flush: {target - self._done} requests not durable after {timeout} s")
@@ -310,6 +321,23 @@ class RoutingWriter:
             )
             raise error
 
+    def _run_guarded(self) -> None:
+        """:meth:`_run`; if it raises (a bug: commit errors are counted per batch in
+        :meth:`_finish`), the records still queued fail with that error and every waiter is
+        woken: flush() and close() raise instead of waiting for a thread that is gone."""
+        try:
+            self._run()
+        except BaseException as e:
+            log.exception("r3rdma: the writer's thread stopped; routing queued from now on is not committed")
+            with self._cond:
+                self._stopped = e
+                lost = [_ids_of(r) for r in self._queue]
+                self._queue.clear()
+                self._queued_bytes = 0
+                self._failures += [CommitFailure(r, q, CommitFailure.reason_of(e)) for r, q in lost]
+                self.requests_failed += len(lost)
+                self._cond.notify_all()
+
     def _run(self) -> None:
         # Each batch passes three stages in order: staged (being encoded by the store, when it
         # encodes apart: ``prepare`` on the encoder thread), written (``commit_async``: the
@@ -377,7 +405,7 @@ class RoutingWriter:
             except BaseException as e:  # this record's rows never arrived; the others go on
                 job.failures.append((e, [r]))
         if job.host and self._encoder is not None and self._prepare is not None:
-            job.encoding = self._encoder.submit(self._prepare, job.host)
+            job.encoding = submit(self._encoder, self._prepare, job.host)
         device = [r for r in batch if getattr(r, "on_device", False)]
         if device:
             store = self.store
