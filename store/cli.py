@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "trainers' pipeline stage size so each stage reads only its own layers",
     )
     p.add_argument(
+        "--slice-layout",
+        action="store_true",
+        help="lay out arrays of long requests for trainers that read by slice (context-parallel pieces, pipeline stages): "
+        "smaller chunks, layer group major; whole-request reads get slower (docs/FORMAT.md, format 4)",
+    )
+    p.add_argument(
         "--http-workers",
         type=_workers,
         default="auto",
@@ -146,6 +152,7 @@ async def _serve(args: argparse.Namespace) -> int:
         zstd_level=args.zstd_level,
         http_workers=args.http_workers,
         layers_per_chunk=args.layers_per_chunk,
+        slice_layout=args.slice_layout,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

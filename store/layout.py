@@ -25,7 +25,7 @@ from typing import Any
 
 from r3rdma.errors import InvalidIdError
 from r3rdma.ids import validate_id
-from r3rdma.pools import submit
+from r3rdma.store.pools import submit
 
 __all__ = [
     "FORMAT_NAME",

@@ -58,6 +58,7 @@ class StoreNode:
         chunk_rows: int = 1024,
         http_workers: int = 0,
         layers_per_chunk: int | None = None,
+        slice_layout: bool = False,
     ) -> None:
         if not isinstance(http_workers, int) or http_workers < 0:
             raise ValueError(f"http_workers: expected an int >= 0, got {http_workers!r}")
@@ -67,7 +68,9 @@ class StoreNode:
         # Read workers' HTTP counters and the node's control socket live here (removed at stop).
         self._run_dir = tempfile.mkdtemp(prefix="r3rdma-node-") if http_workers else None
         self.metrics = NodeMetrics(workers_dir=self._run_dir)
-        self.store = LocalRoutingStore(self.root, zstd_level=zstd_level, chunk_rows=chunk_rows, layers_per_chunk=layers_per_chunk)
+        self.store = LocalRoutingStore(
+            self.root, zstd_level=zstd_level, chunk_rows=chunk_rows, layers_per_chunk=layers_per_chunk, slice_layout=slice_layout
+        )
         # HTTP never takes the secret: reads take a token derived from it, deletes another
         # (transport/auth.py), so a sniffed read can neither push nor delete.
         self.read_token = derive_read_token(secret)

@@ -65,7 +65,7 @@ from zarr.codecs import Crc32cCodec, ShardingCodecIndexLocation, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from r3rdma.pools import submit
+from r3rdma.store.pools import submit
 
 __all__ = ["zarr_codecs", "EncodedArray", "encode_batch_array", "write_encoded", "write_batch_array", "SHARD_KEY"]
 

@@ -27,7 +27,7 @@ def test_snippet_reads_request_without_r3rdma(tmp_path, make_record):
     recs.append(make_record("q1", rows=9, seed=5, start_row=45))  # a second segment
     # 8-row chunks of one layer each: the first two batches' requests span several row chunks,
     # so their arrays lie layer group major (format 4); the last one's in the index's order.
-    with LocalRoutingStore(tmp_path, chunk_rows=8, min_chunk_rows=8, layers_per_chunk=1) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=8, min_chunk_rows=8, layers_per_chunk=1, slice_layout=True) as store:
         store.commit(recs[:2])
         store.commit(recs[2:4])
         store.commit(recs[4:])
@@ -67,8 +67,8 @@ def test_tensorstore_spec_reads_a_request_over_http_with_the_read_token(tmp_path
 
     recs = [make_record(f"q{i}", rows=70 + 7 * i) for i in range(5)]
     root = tmp_path / "root"
-    # 16-row chunks of one layer: requests span several row chunks, the arrays lie layer group major.
-    with LocalRoutingStore(root, chunk_rows=16, layers_per_chunk=1) as store:
+    # 16-row chunks of one layer, slice layout: requests span several row chunks, the arrays lie layer group major.
+    with LocalRoutingStore(root, chunk_rows=16, layers_per_chunk=1, slice_layout=True) as store:
         store.commit(recs[:2])
         store.commit(recs[2:])
     assert "chunk_sizes_group_major" in json.loads((root / "roll-0" / "i00000002" / "zarr.json").read_text())[

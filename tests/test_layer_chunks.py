@@ -73,7 +73,7 @@ def test_rule_sizes_row_chunks_for_context_parallel_pieces():
     Long ones (a median of four chunks or more): a sixteenth of the median, not below 256 rows
     of 48 layers x top-8 uint8 (four 16 KiB layer groups), so CP pieces waste little at their edges."""
     def rows(*lengths, **geometry):
-        return batch_chunk_rows(_records_of(lengths, **geometry), 64, 1024)
+        return batch_chunk_rows(_records_of(lengths, **geometry), 64, 1024, slice_layout=True)
 
     assert rows(30, 50, 40) == 64 and rows(100, 120, 90) == 128 and rows(300, 250, 310) == 512
     assert rows(800, 900, 700) == 1024  # 256-row chunks would not give a request four of them
@@ -81,6 +81,13 @@ def test_rule_sizes_row_chunks_for_context_parallel_pieces():
     assert rows(9000, 8200, 9900) == 512 and rows(40000, 33000, 50000) == 1024  # capped at chunk_rows
     assert rows(3000, 3000, 3000, layers=94) == 128  # 752-byte rows: 128 rows make four 16 KiB groups
     assert spans_row_chunks(256, 1024) and not spans_row_chunks(256, 1023)
+
+
+def test_default_layout_keeps_a_chunk_about_one_request():
+    """Without the store's ``slice_layout`` long requests keep chunks about one request long
+    (whole-request reads: one GET, few zstd frames)."""
+    for lengths, want in (((30, 50, 40), 64), ((1100, 1000, 1200), 1024), ((4300, 3000, 8000), 1024)):
+        assert batch_chunk_rows(_records_of(lengths), 64, 1024) == want
 
 
 @pytest.mark.parametrize("group_major", [False, True])
@@ -272,7 +279,7 @@ def long_requests(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 3)
     lengths = [70, 90, 64, 100, 81, 5, 9, 12]
     recs = [_record(f"r{i}", rows, 20 + i) for i, rows in enumerate(lengths)]
-    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16, slice_layout=True) as store:
         store.commit(recs[:5])
         store.commit(recs[5:])
     return tmp_path, {r.request_id: r.ids_TLK for r in recs}
@@ -342,7 +349,7 @@ def test_group_major_runs_decode_and_detect_a_bad_chunk(tmp_path, monkeypatch, z
 
     monkeypatch.setattr(batch_array, "layers_per_chunk", lambda *_: 3)
     recs = [_record(f"z{i}", rows, 40 + i) for i, rows in enumerate([100, 96, 120])]
-    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16, zstd_level=zstd_level) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16, zstd_level=zstd_level, slice_layout=True) as store:
         store.commit(recs)
     assert "chunk_sizes_group_major" in _part(tmp_path, 1)["shards"]["b00000001"]
     got = RoutingReader(tmp_path).get_numpy("roll", ["z1", "z2"], layers=[4, 5], rows={"z1": [(1, 95)], "z2": [(0, 30), (50, 51)]})
@@ -368,7 +375,7 @@ def test_group_major_uint16_ids(tmp_path, monkeypatch):
         RequestRecord("roll", f"w{i}", rng.integers(0, 1000, size=(rows, len(LAYER_MAP), 4)).astype(np.uint16), LAYER_MAP, 1000)
         for i, rows in enumerate([80, 70, 90])
     ]
-    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16) as store:
+    with LocalRoutingStore(tmp_path, chunk_rows=16, min_chunk_rows=16, slice_layout=True) as store:
         store.commit(recs)
     assert "chunk_sizes_group_major" in _part(tmp_path, 1)["shards"]["b00000001"]
     with RoutingReader(tmp_path) as reader:

@@ -12,13 +12,13 @@ def test_layout_helpers():
 
 
 def test_bench_small_run():
-    # 64-row chunks of 4 layers (--chunk-rows, --layers-per-chunk): requests of 300-400 rows
-    # span several row chunks, so every array lies layer group major (format 4).
+    # 64-row chunks of 4 layers (--chunk-rows, --layers-per-chunk), --slice-layout: requests of
+    # 300-400 rows span several row chunks, so every array lies layer group major (format 4).
     result = run_trainer_layout_bench(
         requests=8, min_rows=300, max_rows=400, batch_mb=0.2, processes=2, dp=2, tp=2, pp=2, cp=2,
-        layers=8, micro_batch=2, progress=False, chunk_rows=64, layers_per_chunk=4,
+        layers=8, micro_batch=2, progress=False, chunk_rows=64, layers_per_chunk=4, slice_layout=True,
     )
-    assert result["chunk_rows"] == [64] and result["layers_per_chunk"] == [4]
+    assert result["chunk_rows"] == [64] and result["layers_per_chunk"] == [4] and result["slice_layout"]
     assert result["group_major_arrays"] == result["arrays"] > 0
     json.dumps(result)
     assert result["bench"] == "trainer-layout" and result["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 2}

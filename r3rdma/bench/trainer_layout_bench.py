@@ -32,8 +32,9 @@ processes over the phase, per GB of routing returned to the ranks). Per-rank fet
 the HTTP body bytes of every GET the rank's reader issued (its store wrapped in a counter).
 The step's layout: ``chunk_rows`` and ``layers_per_chunk`` (the batch arrays' inner chunk
 shapes), ``group_major_arrays`` of ``arrays`` (those laid out layer group major, format 4);
-``--chunk-rows`` and ``--layers-per-chunk`` fix them (``--chunk-rows 1024 --layers-per-chunk
-12``: the chunks the store chose for these requests before format 4, but laid out as now).
+``--slice-layout`` stores the step as ``r3rdma-store --slice-layout`` does (chunks sized for
+context-parallel pieces, long requests layer group major; default: the store's default
+layout); ``--chunk-rows`` and ``--layers-per-chunk`` fix the chunk shape.
 
 Goals (issue #34), as booleans: every reading rank fetches <= 1.25x what it replays; total
 fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``);
@@ -172,7 +173,13 @@ def _rank_main(conn, urls: list[str], token: str) -> None:
 
 
 def _commit_step(
-    rollout, path: Path, batch_mb: float, seed: int, layers_per_chunk: int | None = None, chunk_rows: int | None = None
+    rollout,
+    path: Path,
+    batch_mb: float,
+    seed: int,
+    layers_per_chunk: int | None = None,
+    chunk_rows: int | None = None,
+    slice_layout: bool = False,
 ) -> None:
     """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches;
     ``chunk_rows``: every batch array's rows per inner chunk (None: the store's rule)."""
@@ -181,7 +188,7 @@ def _commit_step(
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
     rows: dict[str, Any] = {} if chunk_rows is None else {"chunk_rows": chunk_rows, "min_chunk_rows": chunk_rows}
-    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk, **rows) as store:
+    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk, slice_layout=slice_layout, **rows) as store:
         commit_in_batches(store, rollout, order, int(batch_mb * (1 << 20)))
 
 
@@ -230,6 +237,7 @@ def run_trainer_layout_bench(
     http_workers: str = "auto",
     layers_per_chunk: int | None = None,
     chunk_rows: int | None = None,
+    slice_layout: bool = False,
 ) -> dict[str, Any]:
     """Commit the step, serve it, run the three read phases (module docstring); the JSON dict."""
     from r3rdma.bench.synthetic import TiledRollout
@@ -261,7 +269,7 @@ def run_trainer_layout_bench(
             seed=seed,
         )
         say(f"committing {requests} requests, {rollout.total_bytes / 1e6:.1f} MB decoded")
-        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk, chunk_rows)
+        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk, chunk_rows, slice_layout)
         node_procs = spawn_nodes([base / "node0"], token, "--http-workers", str(http_workers))
         node = node_procs[0]
         urls = [node.http_url]
@@ -316,6 +324,7 @@ def run_trainer_layout_bench(
             "micro_batch": micro_batch,
             "decoded_bytes": rollout.total_bytes,
             "stored_bytes": stored,
+            "slice_layout": slice_layout,
             **_chunk_layout(base / "node0", rollout_id),
             "processes": processes,
         }
@@ -386,7 +395,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-rows",
         type=int,
         default=None,
-        help="rows per inner chunk of every batch array (e.g. 1024, the rule before format 4; default: the store's rule)",
+        help="rows per inner chunk of every batch array (default: the store's rule)",
+    )
+    parser.add_argument(
+        "--slice-layout",
+        action="store_true",
+        help="store the step as r3rdma-store --slice-layout does (chunks for CP pieces, long requests layer group major)",
     )
 
 

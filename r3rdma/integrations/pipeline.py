@@ -146,6 +146,7 @@ def _open_store(config: R3Config):
             chunk_rows=config.chunk_rows,
             only_last_turn=config.only_last_turn,
             layers_per_chunk=config.layers_per_chunk,
+            slice_layout=config.slice_layout,
         )
     from r3rdma.transport.auth import load_secret
     from r3rdma.write.push_client import StoreNodesClient

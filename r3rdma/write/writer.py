@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, SharedRowsMissingError, StoreError
-from r3rdma.pools import submit
 from r3rdma.records import RequestRecord
+from r3rdma.store.pools import submit
 from r3rdma.store.refusals import commit_each, retry_part_by_part
 
 if TYPE_CHECKING:
