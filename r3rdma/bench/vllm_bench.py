@@ -55,6 +55,7 @@ def run_vllm_bench(
     hidden: int = 256,
     seed: int = 0,
     modes: tuple[str, ...] = ("compiled", "eager"),
+    flush_interval_s: float | None = None,
 ) -> dict:
     """Both modes' measurements (:func:`_run_mode`) and the ratios side by side."""
     import vllm
@@ -82,7 +83,8 @@ def run_vllm_bench(
         )
         prompts, new_lens = _workload(requests, max_new, seed)
         engine = dict(model=model, seed=seed, max_num_seqs=running)  # max_num_seqs: requests the engine runs at once
-        per_mode = {mode: _run_mode(mode, engine, f"{work}/store-{mode}", prompts, new_lens, rounds) for mode in modes}
+        replay: dict[str, Any] = {} if flush_interval_s is None else {"flush_interval_s": flush_interval_s}
+        per_mode = {mode: _run_mode(mode, engine, f"{work}/store-{mode}", prompts, new_lens, rounds, replay) for mode in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
@@ -94,6 +96,7 @@ def run_vllm_bench(
         "output_tokens_per_round": sum(new_lens),
         "rounds": rounds,
         "goal_compiled_ratio": 0.97,
+        "flush_interval_s": flush_interval_s,  # None: R3Config's default
     }
     for mode, measured in per_mode.items():
         result[f"{mode}_ratio"] = measured["ratio"]
@@ -101,9 +104,11 @@ def run_vllm_bench(
     return result
 
 
-def _run_mode(mode: str, engine: dict, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int) -> dict:
+def _run_mode(
+    mode: str, engine: dict, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int, replay: dict[str, Any]
+) -> dict:
     """Plug-in off and on for one compilation mode: two engines (``engine``: their model, seed
-    and ``max_num_seqs``), rounds interleaved."""
+    and ``max_num_seqs``), rounds interleaved; ``replay``: more ``routing_replay`` settings."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
@@ -117,7 +122,10 @@ def _run_mode(mode: str, engine: dict, store: str, prompts: list[TokensPrompt], 
         max_model_len=512,
         gpu_memory_utilization=0.15,
     )
-    engines = {"off": LLM(**common), "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store}})}
+    engines = {
+        "off": LLM(**common),
+        "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store, **replay}}),
+    }
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     host_s, steps = 0.0, 0
     flush_s: list[float] = []
@@ -176,6 +184,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--flush-interval-s",
+        type=float,
+        default=None,
+        help="the writer's flush_interval_s for the plug-in-on engine (default: R3Config's, 0.05)",
+    )
+    parser.add_argument(
         "--mode",
         choices=["both", "compiled", "eager"],
         default="both",
@@ -187,7 +201,7 @@ def main(args) -> int:
     sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
     sizes.update({k: getattr(args, k) for k in ("requests", "max_new", "running") if getattr(args, k) is not None})
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
-    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, **sizes)
+    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, flush_interval_s=args.flush_interval_s, **sizes)
     for mode, m in result["modes"].items():
         print(
             f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
