@@ -3,7 +3,7 @@ writer, decoded and checked for readers, kept as columns until an entry is looke
 
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, KeysView, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,16 @@ class ColumnRequests(MutableMapping[str, RequestEntry]):
         at = self._keys[rid]
         return self._columns[0][at] if at.__class__ is int else at.rows
 
+    def rows_of(self, rids: Iterable[str]) -> int:
+        """The rows of ``rids`` added up, without building their entries: the lookups and the
+        column reads are C-level maps (a Python call per id cost ~1 us)."""
+        places = list(map(self._keys.__getitem__, rids))
+        at = [p for p in places if p.__class__ is int]
+        total = sum(map(self._columns[0].__getitem__, at))
+        if len(at) < len(places):
+            total += sum(p.rows for p in places if p.__class__ is not int)
+        return total
+
     def __setitem__(self, rid: str, entry: RequestEntry) -> None:
         self._keys[rid] = entry
 
@@ -115,7 +125,7 @@ def decode_requests(columns: Any, arrays: list[str], rollout_id: str, where: str
         raise malformed(rollout_id, where, what, f"'requests' must be columns {', '.join(_COLUMNS + _SEGMENT_COLUMNS)}")
     ids = columns["ids"]
     n = len(ids)
-    if not all(isinstance(rid, str) for rid in ids) or len(set(ids)) != n:
+    if (n and set(map(type, ids)) != {str}) or len(set(ids)) != n:  # C-level loops
         raise malformed(rollout_id, where, what, "'ids' must list distinct request ids")
     ints: dict[str, np.ndarray] = {}
     for key in (*_COLUMNS[1:], *_SEGMENT_COLUMNS):
@@ -137,15 +147,17 @@ def decode_requests(columns: Any, arrays: list[str], rollout_id: str, where: str
     if n and not np.array_equal(np.add.reduceat(ints["seg_rows"], np.cumsum(count) - count), ints["rows"]):
         raise malformed(rollout_id, where, what, "a request's segments do not hold its rows")
     first = (np.cumsum(count) - count).tolist() if n else []
-    s_array = [arrays[i] for i in ints["seg_array"].tolist()]
+    # The checked columns are kept as the lists JSON gave (Python ints already): converting the
+    # arrays back with tolist() was ~1 ms of an 8k-request snapshot's ~10 ms decode.
+    s_array = list(map(arrays.__getitem__, columns["seg_array"]))
     return ColumnRequests(
         dict(zip(ids, range(n))),
         (
-            ints["rows"].tolist(),
-            ints["start_row"].tolist(),
+            columns["rows"],
+            columns["start_row"],
             first,
-            count.tolist(),
+            columns["segments"],
             s_array,
-            *(ints[k].tolist() for k in _SEGMENT_COLUMNS[1:]),
+            *(columns[k] for k in _SEGMENT_COLUMNS[1:]),
         ),
     )

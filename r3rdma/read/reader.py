@@ -957,20 +957,25 @@ class _MergedIndex:
     pending: set[str]
     per_source: dict[int, RolloutIndex]
     skipped: dict[str, str] = field(default_factory=dict)  # sources that could not be reached -> why
+    owned: dict[int, list[str]] = field(default_factory=dict)  # source -> the ids it owns (merge's order)
 
     def entry(self, rid: str) -> RequestEntry:
         """The request's index entry on its first holder."""
         return self.per_source[self.owner[rid]].requests[rid]
 
     def total_rows(self) -> int:
-        """Rows of every visible request (each counted once, on its owner)."""
-        rows_of = {
-            i: index.requests.rows
-            if isinstance(index.requests, ColumnRequests)
-            else (lambda rid, requests=index.requests: requests[rid].rows)
-            for i, index in self.per_source.items()
-        }
-        return sum(rows_of[i](rid) for rid, i in self.owner.items())
+        """Rows of every visible request (each counted once, on its owner).
+
+        Per owning source, from its columns (:meth:`ColumnRequests.rows_of`): a Python call per
+        request was ~18 ms of a fresh reader's ``info()`` at 16k requests (CPU VM, ~40%)."""
+        total = 0
+        for i, rids in self.owned.items():
+            requests = self.per_source[i].requests
+            if isinstance(requests, ColumnRequests):
+                total += requests.rows_of(rids)
+            else:
+                total += sum(requests[rid].rows for rid in rids)
+        return total
 
     def holders(self, rid: str) -> list[tuple[int, RequestEntry]]:
         """``(source, entry)`` of every copy of the request, in source order (its owner first)."""
@@ -1029,6 +1034,7 @@ class _MergedIndex:
             raise UnknownRolloutError(f"rollout {rollout_id!r} not found in {where}")
         geometry: dict[str, Any] | None = None
         owner: dict[str, int] = {}
+        owned: dict[int, list[str]] = {}
         pending: set[str] = set()
         for i, index in present.items():
             if not index.requests and not index.geometry:
@@ -1043,10 +1049,12 @@ class _MergedIndex:
             # are compared when they are read (check_replicas): comparing every replica here
             # was ~40% of a fresh reader's index open at 16k requests on 4 nodes, 2 replicas.
             if owner:
-                owner.update({rid: i for rid in index.requests if rid not in owner})
+                owned[i] = [rid for rid in index.requests if rid not in owner]
+                owner.update(dict.fromkeys(owned[i], i))
             else:
                 owner = dict.fromkeys(index.requests, i)
+                owned[i] = list(owner)
             pending.update(index.pending)
         if geometry is None:
             geometry = {"num_layers": 0, "top_k": 0, "num_experts": 0, "dtype": "uint8", "layer_map": []}
-        return cls(geometry, owner, pending - owner.keys(), present)
+        return cls(geometry, owner, pending - owner.keys(), present, owned=owned)
