@@ -385,3 +385,17 @@ def test_store_replicas_reach_the_push_client(tmp_path, monkeypatch):
     assert R3Config.from_json(base).store_replicas == 1
     with pytest.raises(ConfigError, match="store_replicas must be in 0..3"):
         R3Config.from_json({**base, "store_replicas": 4})
+
+
+def test_slice_layout_reaches_the_local_store(tmp_path):
+    """``R3Config(slice_layout=True)`` (or ``R3_SLICE_LAYOUT``) builds a local store with the slice layout; default off."""
+    for config, want in (
+        (R3Config(local_store_dir=str(tmp_path / "a")), False),
+        (R3Config(local_store_dir=str(tmp_path / "b"), slice_layout=True), True),
+        (R3Config.from_env(env={"R3_SLICE_LAYOUT": "true"}, local_store_dir=str(tmp_path / "c")), True),
+    ):
+        writer = build_writer(config)
+        try:
+            assert writer.store.slice_layout is want
+        finally:
+            writer.close()
