@@ -15,13 +15,13 @@ Why by hand: zarr-python 3.1's sharded write encodes a shard's inner chunks one 
 in effect (measured on the CPU VM, one 16 MB batch: 0.09 GB/s with zstd-3, 0.36 GB/s with no
 compression at all, against 0.13 GB/s for zstd-3 on one core and 0.26 on both), and a store
 node commits its batches one at a time, so a node ingested at one core's zstd rate whatever
-the host (0.18 GB/s on the 16-core H100 host). numcodecs' Zstd releases the GIL, so inner
-chunks compressed in a thread pool scale with the cores. The bytes are the ones zarr writes
-for the same data and codecs (tests/test_shard_writer.py compares them byte for byte; with
-several layer groups each chunk's bytes are zarr's, and zarr orders them in Morton order where
-this writer keeps the index's C order or puts layer groups first), so zarr, and any Zarr v3
-reader, reads the array as before: the sharding spec locates each chunk by the shard index
-and leaves the order of the chunks' bytes free.
+the host (0.18 GB/s on the 16-core H100 host). Each inner chunk is a standard zstd frame (the
+level, the content size in the header, no checksum: what zarr's zstd codec writes) followed by
+its CRC-32C, so zarr, and any Zarr v3 reader, reads the array as before (tests/test_shard_writer.py
+compares the chunks with zarr's: the same bytes where both link the same libzstd; a different
+libzstd version may emit a different frame for the same data, never different data). The
+sharding spec locates each chunk by the shard index and leaves the order of the chunks' bytes
+free: zarr writes Morton order, this writer the index's C order or layer groups first.
 
 Encoding (:func:`encode_batch_array`: the chunks compressed, the shard's bytes and the array's
 ``zarr.json`` built) and writing (:func:`write_encoded`) are apart so that a store encodes a
@@ -29,51 +29,54 @@ batch before taking its lock (:meth:`~r3rdma.store.local_store.LocalRoutingStore
 encoding needs nothing of the index, and holding the lock through it serialized every commit
 behind the one being compressed.
 
-Why so few GIL hand-offs (issue #35 item 4): on a 16-core host a store node's writer thread
-(the shard write, the index part) runs beside 16 encoding threads, and each time one of them
-gives the GIL up (a system call, a compression) it queues to get it back. Measured there (H100
-host, 8 MB batches of the short-request mix, each stage timed inside a running ingest): the
-write stage took 12-14 ms per batch beside the encoders against 3.5 ms alone, and bounded the
-node at ~0.5 GB/s. So the shard is written with one ``writev`` of its pieces (each chunk and
-its CRC-32C as separate pieces: no copy to join them), the directories are made top down (no
-failed ``mkdir`` first) and returned rather than walked; an encoding thread holds the GIL
-through the CRC (a few microseconds) rather than giving it up; and each pool thread takes row
-chunks until none is left (one task per thread, not a task and a future per chunk). There,
-alternating with the code before: write stage 6.7-7.9 ms, ingest 0.64-0.81 GB/s against
-0.48-0.55, and a batch encoded alone at the rate of its chunks compressed in one pool map
-(1.2-1.4 GB/s). Left: the encoder is now the busy stage (~97% of the time), still ~30% slower
-beside the write and the publisher's fsyncs than alone.
+Why the GIL shapes this module (issue #35 item 4): a store node's encoder, its writer thread
+(the shard write, the index part) and its publisher (fsyncs) share one interpreter, and each
+time a thread gives the GIL up (a system call, a compression) it queues to get it back. So:
+
+- the batch's raw chunks are laid out once, contiguous, by the calling thread
+  (:func:`_raw_chunks`, into a reused buffer), and every chunk is compressed by one call of
+  python-zstandard's ``multi_compress_to_buffer``, on its own threads, without the GIL. The
+  previous way, numcodecs' ``compress`` per chunk from a pool of Python threads, spent ~17 ms
+  per 8 MB batch on 16 cores (H100 host) against ~5 ms for the compression itself: each
+  chunk's Python and a fresh zstd context per call, behind the other threads' GIL turns;
+- the shard is written with one ``writev`` of its pieces (each chunk and its CRC-32C as
+  separate pieces: no copy to join them), the directories made top down and returned rather
+  than walked; the CRCs are computed holding the GIL (a microsecond or two each).
+
+Measured there (H100 host, 16 cores, 1.2 GB of the short-request mix in 8 MB batches, the
+whole write path, each variant in turn three times in one machine session): 0.42-0.56 GB/s
+before, 0.72-0.95 after, with the writer's three batches encoding at once and commits
+published in groups (:mod:`r3rdma.write.writer`, :mod:`r3rdma.store.publishing`).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
+import zstandard
 from crc32c import crc32c
-from numcodecs.zstd import compress as zstd_compress
 from zarr.codecs import Crc32cCodec, ShardingCodecIndexLocation, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
-
-from r3rdma.store.pools import submit
 
 __all__ = ["zarr_codecs", "EncodedArray", "encode_batch_array", "write_encoded", "write_batch_array", "SHARD_KEY"]
 
 SHARD_KEY = ("c", "0", "0", "0")  # the one shard of a [rows, L, K] array: chunk grid (0, 0, 0)
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()  # a store may encode two batches at once (two connections)
-_POOL_THREADS = os.cpu_count() or 4
+_THREADS = os.cpu_count() or 4  # compression threads per batch
+# A batch is compressed by up to one thread per this many raw bytes (a commit of one short
+# request compresses on the caller's thread: starting threads would cost more than it saves).
+_BYTES_PER_THREAD = 256 << 10
+_compressors: dict[int, zstandard.ZstdCompressor] = {}
+_empty = np.empty  # where a batch's raw chunks are allocated (a test fills it with garbage first)
 # Buffers one writev takes (POSIX guarantees 16; Linux has 1024).
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
 # zarr.json of each (dtype, layers, top_k, chunk rows, layers per chunk, zstd level), as zarr
@@ -130,64 +133,43 @@ def encode_batch_array(
     count = -(-rows // chunk)
     per = layers if layers_per_chunk is None else max(1, min(layers_per_chunk, layers))
     groups = -(-layers // per)
-    padded = groups * per  # the shard's layers: whole groups, the last one padded past L
-    # The pieces each chunk overlaps (pieces are in row order).
-    spans: list[list[int]] = [[] for _ in range(count)]
-    for k, (offset, data) in enumerate(pieces):
-        for i in range(offset // chunk, min(count, -(-(offset + len(data)) // chunk))):
-            spans[i].append(k)
-
-    def gather(i: int) -> np.ndarray:
-        """Row chunk ``i``, ``[chunk, padded, K]``: a view of its piece when one piece covers
-        it (and no layer is padded), else a copy holding the fill value where no piece is."""
-        lo, hi = i * chunk, (i + 1) * chunk
-        if len(spans[i]) == 1 and padded == layers:
-            offset, data = pieces[spans[i][0]]
-            if offset <= lo and hi <= offset + len(data):
-                return data[lo - offset : hi - offset]
-        block = np.zeros((chunk, padded, top_k), dtype=first.dtype)
-        for k in spans[i]:
-            offset, data = pieces[k]
-            a, b = max(lo, offset), min(hi, offset + len(data))
-            block[a - lo : b - lo, :layers] = data[a - offset : b - offset]
-        return block
-
-    def encode(i: int) -> list[bytes]:
-        """Row chunk ``i``'s inner chunks, one per layer group, each followed by its CRC-32C."""
-        block = gather(i)
-        # Each group's layers contiguous: [groups, chunk, per, K], one copy for all of them.
-        grouped = np.ascontiguousarray(block.reshape(chunk, groups, per, top_k).transpose(1, 0, 2, 3))
-        out: list[bytes] = []
-        for part in grouped:
-            raw = zstd_compress(part, zstd_level) if zstd_level > 0 else part.tobytes()
-            # gil_release_mode=0: a ~150 KB CRC takes microseconds; giving the GIL up for it
-            # costs more, in the wait to get it back beside the other encoding threads.
-            out += (raw, crc32c(raw, gil_release_mode=0).to_bytes(4, "little"))
-        return out
-
-    by_row: list[list[bytes]] = [[] for _ in range(count)]
-    todo = collections.deque(range(count))  # row chunks not yet taken (popleft is thread-safe)
-
-    def work() -> None:
-        """Encode row chunks until none is left: one pool task per thread, not per chunk."""
-        while True:
-            try:
-                i = todo.popleft()
-            except IndexError:
-                return
-            by_row[i] = encode(i)
-
-    if count > 1:
-        pool = _encode_pool()
-        for future in [submit(pool, work) for _ in range(min(count, _POOL_THREADS))]:
-            future.result()
-    else:
-        work()
     group_major = group_major and groups > 1  # one group: both orders are the same bytes
-    if group_major:
-        encoded = [by_row[i][k] for g in range(groups) for i in range(count) for k in (2 * g, 2 * g + 1)]
-    else:
-        encoded = [piece for pieces_of_row in by_row for piece in pieces_of_row]
+    n = count * groups
+    size = chunk * per * top_k * first.dtype.itemsize  # each inner chunk's raw bytes
+    if zstd_level > 0:
+        # The raw chunks are needed only until they are compressed: a reused buffer (see _RawBuffers).
+        buffer = _raw_buffers.take(n * size)
+        try:
+            raw = _raw_chunks(pieces, count, chunk, groups, per, group_major, buffer)
+            flat = raw.reshape(-1).view(np.uint8)
+            segments = np.empty((n, 2), dtype=np.uint64)
+            segments[:, 0] = np.arange(0, n * size, size, dtype=np.uint64)
+            segments[:, 1] = size
+            threads = min(_THREADS, n, flat.size // _BYTES_PER_THREAD)
+            # One call compresses every chunk, on its own threads without the GIL: with a
+            # compression per chunk from a pool of Python threads (and a fresh zstd context per
+            # call, as numcodecs makes), each chunk's hand-offs of the GIL queued behind the
+            # others' and the node's writer and publisher, and an 8 MB batch took 17 ms on
+            # 16 cores against 5.5 ms of zstd (H100 host).
+            out = _compressor(zstd_level).multi_compress_to_buffer(
+                zstandard.BufferWithSegments(memoryview(flat), segments.tobytes()), threads=threads if threads > 1 else 0
+            )
+        finally:
+            _raw_buffers.give(buffer)
+        chunks: list[Any] = [out[k] for k in range(n)]
+    else:  # the raw chunks are the shard's pieces: a buffer of their own
+        flat = (
+            _raw_chunks(pieces, count, chunk, groups, per, group_major, _empty(n * size, dtype=np.uint8))
+            .reshape(-1)
+            .view(np.uint8)
+        )
+        view = memoryview(flat)
+        chunks = [view[k * size : (k + 1) * size] for k in range(n)]
+    encoded: list[Any] = []
+    for c in chunks:
+        # gil_release_mode=0: a chunk's CRC takes a microsecond or two; giving the GIL up for
+        # it costs more, in the wait to get it back beside a node's other threads.
+        encoded += (c, crc32c(c, gil_release_mode=0).to_bytes(4, "little"))
     # Each chunk's bytes with its CRC-32C, in the order written, and where each one starts.
     sizes = np.fromiter(map(len, encoded[::2]), dtype="<u8", count=len(encoded) // 2) + 4
     starts = np.empty_like(sizes)
@@ -214,13 +196,89 @@ def encode_batch_array(
     )
 
 
-def _encode_pool() -> ThreadPoolExecutor:
-    """The encoding threads, one per core (started with the first batch of several chunks)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="r3rdma-encode")
-        return _pool
+def _raw_chunks(
+    pieces: Sequence[tuple[int, np.ndarray]], count: int, chunk: int, groups: int, per: int, group_major: bool, buffer: np.ndarray
+) -> np.ndarray:
+    """The inner chunks' raw bytes, contiguous in the order they lie in the shard, in the
+    first bytes of ``buffer`` (uint8, whatever it held): ``[count, groups, chunk, per, K]``
+    (the index's order) or ``[groups, count, ...]`` (layer group major). Rows no piece covers
+    and the padded layers past L hold the fill value 0.
+
+    Each row chunk is filled from its pieces in one assignment per piece, on the caller's
+    thread: spread over a pool of threads it took twice as long (H100 host, 16 cores: 3.0
+    against 1.5 ms per 8 MB batch; the copies' Python queued for the GIL)."""
+    first = pieces[0][1]
+    _, layers, top_k = first.shape
+    shape = (groups, count, chunk, per, top_k) if group_major else (count, groups, chunk, per, top_k)
+    # Not zeroed first (that wrote every byte twice): the fill below zeroes only what no piece covers.
+    raw = buffer[: int(np.prod(shape)) * first.dtype.itemsize].view(first.dtype).reshape(shape)
+    full = layers // per  # whole layer groups; a last partial one holds layers full*per .. L-1
+    # The pieces each chunk overlaps (pieces are in row order).
+    spans: list[list[int]] = [[] for _ in range(count)]
+    for k, (offset, data) in enumerate(pieces):
+        for i in range(offset // chunk, min(count, -(-(offset + len(data)) // chunk))):
+            spans[i].append(k)
+    for i in range(count):
+        lo, hi = i * chunk, (i + 1) * chunk
+        rows = (raw[:, i] if group_major else raw[i]).transpose(1, 0, 2, 3)  # [chunk, groups, per, K], a view
+        done = lo  # rows below it are filled
+        for k in spans[i]:
+            offset, data = pieces[k]
+            a, b = max(lo, offset), min(hi, offset + len(data))
+            if a > done:
+                rows[done - lo : a - lo] = 0  # fill rows between pieces
+            src = data[a - offset : b - offset]
+            if full:
+                rows[a - lo : b - lo, :full] = src[:, : full * per].reshape(b - a, full, per, top_k)
+            if full < groups:
+                rows[a - lo : b - lo, full, : layers - full * per] = src[:, full * per :]
+            done = b
+        if done < hi:
+            rows[done - lo :] = 0  # the last chunk's rows past the array's end
+        if full < groups:
+            rows[:, full, layers - full * per :] = 0  # the last group's layers past L
+    return raw
+
+
+class _RawBuffers:
+    """Buffers for batches' raw chunks, reused: a fresh 8 MB array per batch cost its pages'
+    first-touch faults on every batch (the fill of an 8 MB batch took ~5.5 ms on the 16 cores
+    of an H100 host, most of an encode). A few are kept (batches encode one or two at a time
+    per store: a writer's next batch, a node's connections), up to ``_KEEP_BYTES`` each."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least ``nbytes`` (a kept one if one is large enough)."""
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.size >= nbytes:
+                    return self._free.pop(i)
+        return _empty(-(-nbytes // _ROUND) * _ROUND, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        """Return ``buffer`` for a later batch (kept if it is small enough and few are kept)."""
+        if buffer.size <= _KEEP_BYTES:
+            with self._lock:
+                if len(self._free) < self._keep:
+                    self._free.append(buffer)
+
+
+_ROUND = 1 << 20  # buffers are whole MiB, so batches of slightly different sizes reuse them
+_KEEP_BYTES = 64 << 20
+_raw_buffers = _RawBuffers()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A zstd compressor of ``level`` (its contexts are per call, so one may be shared by threads)."""
+    compressor = _compressors.get(level)
+    if compressor is None:
+        # No checksum, the content size in the frame header: the frame zarr's zstd codec writes.
+        compressor = _compressors[level] = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+    return compressor
 
 
 def write_encoded(path: Path, encoded: EncodedArray) -> list[Path]:

@@ -122,7 +122,7 @@ def test_every_layer_in_one_chunk_is_the_format_2_shard():
     data = np.random.default_rng(1).integers(0, 200, size=(100, 7, 4)).astype(np.uint8)
     old = encode_batch_array([(0, data)], 100, chunk_rows=32, zstd_level=3)
     same = encode_batch_array([(0, data)], 100, chunk_rows=32, zstd_level=3, layers_per_chunk=7)
-    assert old.shard == same.shard and old.metadata == same.metadata and len(old.sizes) == 4
+    assert b"".join(old.shard) == b"".join(same.shard) and old.metadata == same.metadata and len(old.sizes) == 4
 
 
 def test_index_part_carries_chunk_sizes(grouped):

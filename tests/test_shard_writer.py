@@ -106,3 +106,29 @@ def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
     whole = (tmp_path / "whole").joinpath(*SHARD_KEY).read_bytes()
     assert (tmp_path / "short").joinpath(*SHARD_KEY).read_bytes() == whole
     assert len(calls) == -(-len(whole) // 777)
+
+
+@pytest.mark.parametrize("per,group_major", [(None, False), (4, False), (4, True), (3, True)])
+def test_fill_rows_and_padded_layers_are_zero_whatever_the_buffer_held(monkeypatch, per, group_major):
+    """The raw chunks go to an uninitialised (or reused) buffer, not zeroed first: rows no
+    piece covers (gaps, the last chunk's tail) and layers past L in the last group must still
+    read as the fill value, whatever the memory held before."""
+    rng = np.random.default_rng(11)
+    pieces = [(3, 40), (64, 100), (170, 20), (200, 1)]
+    rows, chunk = 210, 64
+    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
+    arrays = []
+    for offset, n in pieces:
+        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
+        dense[offset : offset + n] = arrays[-1][1]
+
+    def encode(parts, level):
+        return encode_batch_array(parts, rows, chunk_rows=chunk, zstd_level=level, layers_per_chunk=per, group_major=group_major)
+
+    for level in (3, 0):
+        clean = b"".join(map(bytes, encode([(0, dense)], level).shard))
+        with monkeypatch.context() as m:
+            m.setattr(shard_writer, "_empty", lambda shape, dtype: np.full(shape, 0xA5, dtype=dtype))
+            m.setattr(shard_writer, "_raw_buffers", shard_writer._RawBuffers())
+            assert b"".join(map(bytes, encode(arrays, level).shard)) == clean
+            assert b"".join(map(bytes, encode(arrays, level).shard)) == clean  # a reused buffer, holding the first's bytes

@@ -41,6 +41,11 @@ __all__ = ["CommitFailure", "DeferredRecord", "DeviceRecordStore", "RoutingWrite
 
 log = logging.getLogger("r3rdma")
 
+_ENCODING = 3  # batches a writer has encoding at once (see RoutingWriter.__init__)
+# Batches a writer has written and not yet durable: a store publishing them together
+# (LocalRoutingStore: one flush for all) then waits for the disk once for several batches.
+_PUBLISHING = 4
+
 _MAX_REASON_CHARS = 2000
 
 
@@ -181,11 +186,14 @@ class RoutingWriter:
         self.commit_failures = 0  # commits that raised and lost records (r3rdma.metrics exports it)
         self.requests_failed = 0
         # A store that encodes apart from writing (LocalRoutingStore.prepare) has the next
-        # batch encoded on this thread while the worker writes the one before it: compressing
-        # is most of a commit, and in turn with the write it left the disk idle meanwhile.
+        # batches encoded on these threads while the worker writes the one before them:
+        # compressing is most of a commit, and in turn with the write it left the disk idle
+        # meanwhile. Several at once: one batch's serial Python (gathering its rows, the
+        # chunks' CRCs) runs while the others' chunks compress without the GIL (H100 host, 16
+        # cores, 8 MB batches: 0.59-0.62 of min(disk, zstd) with two, 0.66-0.73 with three).
         prepare = getattr(store, "prepare", None)
         self._prepare = prepare if callable(prepare) and callable(getattr(store, "commit_async", None)) else None
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
+        self._encoder = ThreadPoolExecutor(_ENCODING, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
         self._stopped: BaseException | None = None  # what ended the worker thread early (a bug, not a commit's failure)
         self._thread = threading.Thread(target=self._run_guarded, name="r3rdma-writer", daemon=True)
         self._thread.start()
@@ -342,31 +350,31 @@ class RoutingWriter:
         # Each batch passes three stages in order: staged (being encoded by the store, when it
         # encodes apart: ``prepare`` on the encoder thread), written (``commit_async``: the
         # store makes it durable on its own thread), finished (durable or failed, counted). The
-        # next batch is encoded while one is written, and written while one is made durable.
-        staged: _Job | None = None
-        publishing: _Job | None = None
+        # next batches (up to _ENCODING) are encoded while one is written, and written while one
+        # is made durable.
+        staged: deque[_Job] = deque()  # being encoded, oldest first
+        publishing: deque[_Job] = deque()  # written, being made durable, oldest first
         while True:
-            if staged is not None:
+            if staged:
                 with self._cond:
                     encode_next = bool(self._queue)
-                if not encode_next:  # nothing to encode meanwhile: write it now
-                    publishing = self._write(staged, publishing)
-                    staged = None
-            if publishing is not None:
+                if not encode_next:  # nothing to encode meanwhile: write them now
+                    while staged:
+                        self._write(staged.popleft(), publishing)
+            while publishing:
                 with self._cond:
-                    while not (self._queue or self._closing or publishing.settled()):
+                    while not (self._queue or self._closing or publishing[0].settled()):
                         self._cond.wait()  # its future's callback notifies
                     write_next = bool(self._queue)
-                if not write_next:  # nothing to write meanwhile: count it (flush() may wait for it)
-                    self._finish(publishing)
-                    publishing = None
+                if write_next:
+                    break
+                self._finish(publishing.popleft())  # nothing to write meanwhile: count it (flush() may wait for it)
             batch, size = self._take_batch()
             if batch is None:
                 return
-            job = self._stage(batch, size)
-            if staged is not None:  # written while ``job`` is encoded
-                publishing = self._write(staged, publishing)
-            staged = job
+            staged.append(self._stage(batch, size))
+            if len(staged) > _ENCODING:  # the oldest written while the newer ones encode
+                self._write(staged.popleft(), publishing)
 
     def _take_batch(self) -> tuple[list | None, int]:
         """The next batch to commit, once one is due; ``(None, 0)`` when closing with none left."""
@@ -416,9 +424,10 @@ class RoutingWriter:
                 job.failures.append((StoreError(reason), device))
         return job
 
-    def _write(self, job: _Job, publishing: _Job | None) -> _Job:
-        """Write ``job``'s host records (the store makes them durable on its own thread), then
-        count the batch written before it once that one is durable; ``job`` is publishing now."""
+    def _write(self, job: _Job, publishing: deque[_Job]) -> None:
+        """Write ``job``'s host records (the store makes them durable on its own thread) and
+        append it to ``publishing``; count the batches written before it that are durable
+        already, and the oldest ones until at most ``_PUBLISHING`` are in flight."""
         host = job.host
         commit_async = getattr(self.store, "commit_async", None)
         if host and commit_async is not None:
@@ -434,9 +443,11 @@ class RoutingWriter:
                     job.failures.append((e, host))
         elif host:
             job.failures += self._commit(self.store.commit, host)
-        if publishing is not None:
-            self._finish(publishing)
-        return job
+        publishing.append(job)
+        while publishing and publishing[0].settled():
+            self._finish(publishing.popleft())
+        while len(publishing) > _PUBLISHING:
+            self._finish(publishing.popleft())
 
     def _wake(self, _future: Future) -> None:
         with self._cond:
