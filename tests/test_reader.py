@@ -155,3 +155,24 @@ def test_timeout_must_be_positive(tmp_path):
     for bad in (0, -1, float("nan"), True, "5"):
         with pytest.raises(ConfigError, match="timeout_s"):
             RoutingReader(tmp_path, timeout_s=bad)
+
+
+def test_zstd_chunks_decode_into_place_and_bad_frames_are_refused():
+    """The reader's chunk decoder (python-zstandard, a decompressor per thread): a frame decodes
+    into the caller's buffer or into new bytes; a frame longer than a chunk comes back longer
+    (the caller's size check refuses it); bytes that are no zstd frame raise ``ZstdError``,
+    which the reader reports as ``CorruptDataError``."""
+    import zstandard
+
+    from r3rdma.read.shard_ranges import _zstd_decode
+
+    data = np.random.default_rng(5).integers(0, 128, size=4096, dtype=np.uint8)
+    frame = zstandard.ZstdCompressor(level=3).compress(data.tobytes())
+    out = np.zeros(4096, dtype=np.uint8)
+    assert len(_zstd_decode(frame, out, 4096)) == 4096 and np.array_equal(out, data)
+    assert bytes(_zstd_decode(frame, None, 4096)) == data.tobytes()
+    assert len(_zstd_decode(frame, np.zeros(4000, dtype=np.uint8), 4000)) > 4000
+    with pytest.raises(zstandard.ZstdError):
+        _zstd_decode(b"\x00" * 64, np.zeros(4096, dtype=np.uint8), 4096)
+    with pytest.raises(zstandard.ZstdError):
+        _zstd_decode(b"\x00" * 64, None, 4096)

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import crc32c
 import numpy as np
-from numcodecs import Zstd
+import zstandard
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
@@ -60,7 +61,6 @@ _GAP = 1 << 20  # chunks closer than this in the file are fetched in one GET (fe
 _SPAN = 1 << 62  # any gap: a shard's wanted chunks in one GET
 _JOB_BYTES = 1 << 19
 _NO_BYTES = np.empty(0, dtype=np.uint8)
-_ZSTD = Zstd()
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,8 +417,8 @@ def _decode(read: ArrayRead, data: np.ndarray, start: int, items: list[tuple[int
                 out = None if block is None else block[m * chunk_rows : (m + 1) * chunk_rows].reshape(-1).view(np.uint8)
                 if layout.zstd:
                     try:
-                        raw = _ZSTD.decode(data[a:b], out=out)
-                    except (RuntimeError, ValueError) as e:  # numcodecs: "Zstd decompression error: ..."
+                        raw = _zstd_decode(data[a:b], out, layout.chunk_bytes)
+                    except zstandard.ZstdError as e:
                         raise CorruptDataError(f"{where}: chunk {chunk} is not a valid zstd frame: {e}") from e
                 else:
                     raw = data[a:b]
@@ -436,6 +436,33 @@ def _decode(read: ArrayRead, data: np.ndarray, start: int, items: list[tuple[int
             k += n
     except Exception as e:
         read.fail(e)
+
+
+def _zstd_decode(frame: Any, out: np.ndarray | None, size: int) -> Any:
+    """A zstd frame decoded into ``out`` (uint8; returned as the part written) or, without
+    ``out``, into new bytes of at most ``size`` (a chunk's bytes).
+
+    python-zstandard with a decompressor kept per thread, not numcodecs' ``Zstd.decode``: that
+    makes a zstd context per call, ~10 us of a 24 KB chunk's ~30 (the slice layout's chunks,
+    CPU VM: 31 -> 20 us; a 98 KB chunk 90 -> 86 us)."""
+    d = getattr(_decompressors, "d", None)
+    if d is None:
+        d = _decompressors.d = zstandard.ZstdDecompressor()
+    if out is None:
+        return d.decompress(frame, max_output_size=size)
+    view, n = memoryview(out), 0
+    with d.stream_reader(frame) as reader:
+        while n < len(out):
+            k = reader.readinto(view[n:])
+            if not k:
+                break
+            n += k
+        if n == len(out) and reader.read(1):
+            return bytes(n + 1)  # longer than a chunk: the caller's size check names it
+    return view[:n]
+
+
+_decompressors = threading.local()  # a zstandard decompressor per thread (not thread safe)
 
 
 def _crc_with_gil(buf: Any) -> int:
