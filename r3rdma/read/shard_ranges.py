@@ -450,7 +450,7 @@ def _zstd_decode(frame: Any, out: np.ndarray | None, size: int) -> Any:
         d = _decompressors.d = zstandard.ZstdDecompressor()
     if out is None:
         return d.decompress(frame, max_output_size=size)
-    view, n = memoryview(out), 0
+    view, n = out.data, 0
     with d.stream_reader(frame) as reader:
         while n < len(out):
             k = reader.readinto(view[n:])
