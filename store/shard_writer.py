@@ -75,7 +75,7 @@ _THREADS = os.cpu_count() or 4  # compression threads per batch
 # A batch is compressed by up to one thread per this many raw bytes (a commit of one short
 # request compresses on the caller's thread: starting threads would cost more than it saves).
 _BYTES_PER_THREAD = 256 << 10
-_compressors: dict[int, zstandard.ZstdCompressor] = {}
+_compressors = threading.local()  # per thread: {level: ZstdCompressor} (an instance is not thread safe)
 _empty = np.empty  # where a batch's raw chunks are allocated (a test fills it with garbage first)
 # Buffers one writev takes (POSIX guarantees 16; Linux has 1024).
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
@@ -273,11 +273,15 @@ _raw_buffers = _RawBuffers()
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A zstd compressor of ``level`` (its contexts are per call, so one may be shared by threads)."""
-    compressor = _compressors.get(level)
+    """This thread's zstd compressor of ``level`` (python-zstandard's instances are not thread
+    safe, and a store encodes several batches at once)."""
+    by_level = getattr(_compressors, "by_level", None)
+    if by_level is None:
+        by_level = _compressors.by_level = {}
+    compressor = by_level.get(level)
     if compressor is None:
         # No checksum, the content size in the frame header: the frame zarr's zstd codec writes.
-        compressor = _compressors[level] = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+        compressor = by_level[level] = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
     return compressor
 
 
