@@ -8,7 +8,8 @@ rank's sequence-parallel slice, the slices are all-gathered over the TP group in
 micro-batch rows, and rank 0 stores each sequence's ``seq_len - 1`` rows (MoE layers) through
 ``RoutingWriter`` -> ``LocalRoutingStore``. Rank 0 then serves that root with the store node's
 own read service (``make_http_app``, token auth, aiohttp ``AppRunner`` on 127.0.0.1 port 0);
-both ranks read it with ``RoutingReader(["http://127.0.0.1:PORT"], token=...)``. Router weights
+each rank reads only its own sequence-parallel rows from it (``prefetch_routing(layout=)``:
+``rank_rows``) with ``RoutingReader(["http://127.0.0.1:PORT"], token=...)``. Router weights
 are perturbed; one forward + backward without replay must differ from the stored rows, and one
 under ``MegatronReplay(layout=ParallelLayout.from_parallel_state(sequence_parallel=True))``
 must route every recorded row of the rank's slice exactly as stored. Each rank prints a JSON line.
@@ -213,13 +214,14 @@ def worker(work: Path) -> None:
         port[0], stop = _serve(root, TOKEN)
     dist.broadcast_object_list(port, src=0)
     url = f"http://127.0.0.1:{port[0]}"
-    # The TP group's first rank reads and broadcasts (NCCL) to the other: prefetch_routing's default.
-    reader = RoutingReader([url], token=TOKEN) if tp_rank == 0 else None
+    # Sequence parallel: each TP rank reads only the rows its routers see (rank_rows) and
+    # replays them; the whole micro-batch is read apart, for the check below.
+    reader = RoutingReader([url], token=TOKEN)
     ((_, routing),) = prefetch_routing(
         reader, ROLLOUT, [MicroBatch.padded(ids, [SEQ_LENS[i] for i in ids], seq_length=SEQ_LENGTH)], layout=layout
     )
-    if reader is not None:
-        reader.close()
+    whole = reader.get_packed(ROLLOUT, ids)
+    reader.close()
     try:
         RoutingReader([url], token="wrong").get_packed(ROLLOUT, ids[:1])
         bad_token_refused = False
@@ -227,8 +229,8 @@ def worker(work: Path) -> None:
         bad_token_refused = True
 
     # expected: the stored rows in the router's row order, then this rank's SP slice
-    cu = routing.cu_seqlens.tolist()
-    packed = routing.ids_TLK.to(torch.int64).sort(dim=-1).values
+    cu = whole.cu_seqlens.tolist()
+    packed = whole.ids_TLK.to(torch.int64).sort(dim=-1).values
     want = torch.zeros(n_full, len(LAYER_MAP), K, dtype=torch.int64)
     rec = torch.zeros(n_full, dtype=torch.bool)
     for i, rid in enumerate(ids):
@@ -314,7 +316,8 @@ def worker(work: Path) -> None:
         stop()
     print(json.dumps({
         "case": "tp2_sequence_parallel_http", "rank": rank, "tp_rank": tp_rank, "device": torch.cuda.get_device_name(),
-        "url": url, "bad_token_refused": bad_token_refused, "moe_layers": len(LAYER_MAP), "experts": E, "topk": K,
+        "url": url, "bad_token_refused": bad_token_refused,
+        "rows_read": int(routing.cu_seqlens[-1]), "rows_stored": int(whole.cu_seqlens[-1]), "moe_layers": len(LAYER_MAP), "experts": E, "topk": K,
         "local_rows": n_local, "recorded_local_rows": int(rec_l.sum()), "decisions_compared": int(rec_l.sum()) * len(LAYER_MAP),
         "decisions_differ_without_replay": differ_live, "decisions_differ_with_replay": differ_replay,
         "loss_finite": bool(torch.isfinite(lv)), "router_grads_finite": grads_ok,
@@ -347,6 +350,7 @@ def test_tp2_sequence_parallel_replay_from_http_store(tmp_path):
     assert [r["tp_rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert r["recorded_local_rows"] > 0 and r["bad_token_refused"]
+        assert r["rows_read"] == r["recorded_local_rows"] < r["rows_stored"], r  # its own rows only
         assert r["decisions_differ_without_replay"] > 0, "perturbed routers still route as the rollout: proves nothing"
         assert r["decisions_differ_with_replay"] == 0
         assert r["loss_finite"] and r["router_grads_finite"]

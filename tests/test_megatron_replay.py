@@ -242,6 +242,43 @@ def test_cp_ranks_read_only_their_rows(stored):
                     replay.targets(wrong, batch)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sp_ranks_read_only_their_rows(stored, gloo, cp):
+    """Sequence parallel (TP=2, with and without CP=2): prefetch_routing(layout=) reads each
+    rank's own rows (rank_rows: one span, two or none per request), together every row once;
+    each rank's targets equal those of whole reads, padded and thd."""
+    from r3rdma.integrations.megatron import rank_rows
+
+    reader, lens, _ = stored
+    ids = ["r4", "r2", "r3"]
+    cases = [
+        MicroBatch.thd(ids, [lens[i] for i in ids], pad_to_multiple_of=2 * cp * 2),
+        MicroBatch.padded(ids, [lens[i] for i in ids], seq_length=16),
+    ]
+    cfg = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=cp)
+    for batch in cases:
+        total = 0
+        for tp_rank, cp_rank in itertools.product(range(2), range(cp)):
+            layout = ParallelLayout(tp_size=2, tp_rank=tp_rank, sequence_parallel=True, cp_size=cp, cp_rank=cp_rank)
+            spans = rank_rows([batch], layout)
+            replay = MegatronReplay(Stage(config(**cfg), [0, 2, 3]), layout=layout)
+            (got_batch, sliced), = prefetch_routing(reader, "roll", [batch], layout=layout)
+            read = sliced.cu_seqlens.diff().tolist()
+            assert read == [sum(b - a for a, b in spans[rid]) for rid in ids]
+            total += sum(read)
+            with replay.step():
+                whole = replay.targets(reader.get_packed("roll", ids), batch)
+                assert torch.equal(replay.targets(sliced, got_batch), whole)
+            other = ParallelLayout(tp_size=2, tp_rank=1 - tp_rank, sequence_parallel=True, cp_size=cp, cp_rank=cp_rank)
+            (_, wrong), = prefetch_routing(reader, "roll", [batch], layout=other)
+            if wrong.cu_seqlens.diff().tolist() != read:  # another rank's rows do not pass as this one's
+                with replay.step(), pytest.raises(ShapeMismatchError, match="sequence-parallel"):
+                    replay.targets(wrong, batch)
+        assert total == sum(lens[i] - 1 for i in ids)  # every stored row read by exactly one rank
+    with pytest.raises(ConfigError, match="each tensor-parallel rank reads its own rows"):
+        list(prefetch_routing(reader, "roll", cases[:1], layout=layout, tp_group=torch.distributed.group.WORLD))
+
+
 def _tp_broadcast_worker(rank, root, out):
     """One of two TP ranks (gloo): the group's first rank reads and broadcasts, the other gets
     the same routing without a reader; a bad id fails on both."""

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from r3rdma.errors import ConfigError, ReplayError, ShapeMismatchError
@@ -53,6 +54,7 @@ __all__ = [
     "ParallelLayout",
     "ReplayRouter",
     "cp_rows",
+    "rank_rows",
     "local_routing_rows",
     "prefetch_routing",
 ]
@@ -173,21 +175,36 @@ def _cp_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def cp_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str, list[tuple[int, int]]]:
-    """Each request's rows this rank's context-parallel share holds, for the reader's ``rows=``
-    (``prefetch``, ``get_numpy``): only the row chunks holding them are fetched. A thd batch
-    splits each sequence over its padded span, a padded batch over ``seq_length``. Without
-    sequence parallel only. :func:`prefetch_routing` reads them with ``layout=``, and
-    :meth:`MegatronReplay.load` takes routing read either way (whole, or these rows)."""
-    if layout.sequence_parallel and layout.tp_size > 1:
-        raise ConfigError("cp_rows does not split sequence-parallel rows; read whole micro-batches with sequence parallel")
+def rank_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str, list[tuple[int, int]]]:
+    """Each request's rows this rank's routers see, for the reader's ``rows=`` (``prefetch``,
+    ``get_numpy``): only the row chunks holding them are fetched. Context parallel: each
+    sequence's ``2 * cp`` chunk split (a thd batch over each sequence's padded span, a padded
+    batch over ``seq_length``); sequence parallel: this TP rank's contiguous share of the
+    rank's flattened rows (``[s, b]`` for a padded batch, the packed sequences for thd), so a
+    request may get one span, two or none. :func:`prefetch_routing` reads them with ``layout=``,
+    and :meth:`MegatronReplay.load` takes routing read either way (whole, or these rows)."""
     out: dict[str, list[tuple[int, int]]] = {}
+    sp = layout.sequence_parallel and layout.tp_size > 1
     for batch in batches:
-        for i, (rid, n) in enumerate(zip(batch.request_ids, batch.seq_lens)):
-            cu = batch.cu_seqlens_padded
-            padded = batch.seq_length if batch.fmt == "padded" or cu is None else cu[i + 1] - cu[i]
-            out[rid] = cp_row_spans(n - batch.unrecorded_tail, padded, layout.cp_size, layout.cp_rank)
+        if not sp:  # context parallel alone: each sequence's two chunks (cp_row_spans)
+            for i, (rid, n) in enumerate(zip(batch.request_ids, batch.seq_lens)):
+                cu = batch.cu_seqlens_padded
+                padded = batch.seq_length if batch.fmt == "padded" or cu is None else cu[i + 1] - cu[i]
+                out[rid] = cp_row_spans(n - batch.unrecorded_tail, padded, layout.cp_size, layout.cp_rank)
+            continue
+        pos, seq, _ = _rank_positions(batch, layout)
+        recorded = pos < (torch.tensor(batch.seq_lens) - batch.unrecorded_tail)[seq]
+        pos, seq = pos[recorded].numpy(), seq[recorded].numpy()
+        for i, rid in enumerate(batch.request_ids):
+            mine = pos[seq == i]  # ascending: a rank keeps each sequence's positions in order
+            cuts = np.flatnonzero(np.diff(mine) != 1) + 1
+            out[rid] = [(int(run[0]), int(run[-1]) + 1) for run in np.split(mine, cuts) if run.size]
     return out
+
+
+def cp_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str, list[tuple[int, int]]]:
+    """:func:`rank_rows` (the name it had before it split sequence-parallel rows too)."""
+    return rank_rows(batches, layout)
 
 
 def local_routing_rows(
@@ -218,54 +235,37 @@ def _local_rows(
             f"requests stored from a later position (start_rows {routing.start_rows}) cannot be replayed over whole sequences"
         )
     cu = routing.cu_seqlens.tolist()
-    stored = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    expected = [n - batch.unrecorded_tail for n in batch.seq_lens]
-    # A request read whole holds row p at p; one read with this rank's context-parallel rows
-    # (prefetch_routing(layout=), cp_rows) holds its spans back to back: row p of span (a, b)
-    # at (first span's length if p is in the second) + p - a. Per request, by its row count.
-    first_lo = [0] * len(stored)
-    first_hi = [max(expected, default=0)] * len(stored)
-    second_lo = [0] * len(stored)
-    if stored != expected:
-        bad = []
-        for i, (rid, want, got) in enumerate(zip(batch.request_ids, expected, stored)):
-            if got == want:
-                continue
-            cu_pad = batch.cu_seqlens_padded
-            padded = batch.seq_length if batch.fmt == "padded" or cu_pad is None else cu_pad[i + 1] - cu_pad[i]
-            spans = cp_row_spans(want, padded, layout.cp_size, layout.cp_rank) if layout.cp_size > 1 else []
-            if got != sum(hi - lo for lo, hi in spans):
-                bad.append((rid, want, got))
-                continue
-            first_lo[i], first_hi[i] = spans[0] if spans else (0, 0)
-            second_lo[i] = spans[1][0] if len(spans) > 1 else 0
+    stored = torch.tensor([cu[i + 1] - cu[i] for i in range(len(cu) - 1)], dtype=torch.long)
+    expected = torch.tensor([n - batch.unrecorded_tail for n in batch.seq_lens], dtype=torch.long)
+    pos, seq, row = _rank_positions(batch, layout)
+    recorded = pos < expected[seq]
+    # A request read whole holds row p at p. One read by this rank's rows (prefetch_routing(
+    # layout=), rank_rows) holds exactly the recorded positions this rank keeps, ascending: the
+    # k-th of them (in the rank's row order, ascending per request too) is its read row k.
+    kept = torch.bincount(seq[recorded], minlength=len(batch.seq_lens))
+    sliced = stored != expected
+    if sliced.any():
+        bad = [
+            (rid, int(expected[i]), int(kept[i]), int(stored[i]))
+            for i, rid in enumerate(batch.request_ids)
+            if sliced[i] and stored[i] != kept[i]
+        ]
         if bad:
             raise ShapeMismatchError(
-                f"stored rows must be seq_len - unrecorded_tail ({batch.unrecorded_tail}), or this context-parallel "
-                f"rank's rows of it (cp_rows); (request, expected, read): {bad[:5]}"
+                f"stored rows must be seq_len - unrecorded_tail ({batch.unrecorded_tail}), or this context-parallel / "
+                f"sequence-parallel rank's rows of it (rank_rows); (request, whole, this rank's, read): {bad[:5]}"
             )
-    seq_lens = torch.tensor(batch.seq_lens)
-    starts = torch.tensor(cu[:-1])
-    if batch.fmt == "padded":
-        b = len(batch.seq_lens)
-        s_local = _cp_positions(batch.seq_length, layout.cp_size, layout.cp_rank)
-        s_local = _sp_slice(s_local, layout)
-        pos = s_local.repeat_interleave(b)  # rows s-major: [s, b] flattened
-        seq = torch.arange(b).repeat(len(s_local))
-        row = pos * b + seq
-    else:
-        cu_pad = batch.cu_seqlens_padded
-        if cu_pad is None:  # MicroBatch refuses a thd batch without it
-            raise ConfigError("a thd micro-batch needs cu_seqlens_padded, got None")
-        parts = [_cp_positions(cu_pad[i + 1] - cu_pad[i], layout.cp_size, layout.cp_rank) for i in range(len(batch.seq_lens))]
-        pos = torch.cat(parts)
-        seq = torch.cat([torch.full((len(p),), i) for i, p in enumerate(parts)])
-        keep = _sp_slice(torch.arange(len(pos)), layout)
-        pos, seq = pos[keep], seq[keep]
-        row = torch.tensor(cu_pad[:-1])[seq] + pos
-    recorded = pos < seq_lens[seq] - batch.unrecorded_tail
-    lo, hi, lo2 = torch.tensor(first_lo)[seq], torch.tensor(first_hi)[seq], torch.tensor(second_lo)[seq]
-    offset = torch.where(pos < hi, pos - lo, hi - lo + pos - lo2)
+    offset = pos.clone()
+    if sliced.any():
+        at = torch.nonzero(recorded & sliced[seq]).squeeze(1)  # rows of sliced requests, in the rank's order
+        s_at = seq[at]
+        order = torch.argsort(s_at, stable=True)
+        first = torch.cumsum(torch.bincount(s_at, minlength=len(batch.seq_lens)), 0)
+        first = first - torch.bincount(s_at, minlength=len(batch.seq_lens))
+        nth = torch.empty_like(at)
+        nth[order] = torch.arange(len(at)) - first[s_at[order]]
+        offset[at] = nth
+    starts = torch.tensor(cu[:-1], dtype=torch.long)
     src = torch.where(recorded, starts[seq] + offset, 0)
     ids = ids_TLK
     n_layers, k = ids.shape[1], ids.shape[2]
@@ -273,6 +273,27 @@ def _local_rows(
     fill = (row[:, None] * k + torch.arange(k)[None, :]) % num_experts  # [N, K], distinct in a row when K <= E
     out = torch.where(recorded[:, None, None], out, fill[:, None, :].to(out.dtype))
     return out, recorded
+
+
+def _rank_positions(batch: MicroBatch, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pos, seq, row)`` of each row this rank's routers see, in their order: the position
+    in its sequence, the sequence's index in the batch, and the row in the unsplit micro-batch."""
+    if batch.fmt == "padded":
+        b = len(batch.seq_lens)
+        s_local = _cp_positions(batch.seq_length, layout.cp_size, layout.cp_rank)
+        s_local = _sp_slice(s_local, layout)
+        pos = s_local.repeat_interleave(b)  # rows s-major: [s, b] flattened
+        seq = torch.arange(b).repeat(len(s_local))
+        return pos, seq, pos * b + seq
+    cu_pad = batch.cu_seqlens_padded
+    if cu_pad is None:  # MicroBatch refuses a thd batch without it
+        raise ConfigError("a thd micro-batch needs cu_seqlens_padded, got None")
+    parts = [_cp_positions(cu_pad[i + 1] - cu_pad[i], layout.cp_size, layout.cp_rank) for i in range(len(batch.seq_lens))]
+    pos = torch.cat(parts)
+    seq = torch.cat([torch.full((len(p),), i) for i, p in enumerate(parts)])
+    keep = _sp_slice(torch.arange(len(pos)), layout)
+    pos, seq = pos[keep], seq[keep]
+    return pos, seq, torch.tensor(cu_pad[:-1])[seq] + pos
 
 
 def _sp_slice(rows: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
@@ -577,9 +598,10 @@ def prefetch_routing(
     routers' layers, every virtual chunk's): only the store's chunks holding them are fetched,
     and a layer the rollout lacks fails before the step starts. Default: every layer.
 
-    ``layout``: with context parallelism (and no sequence parallelism), only this rank's rows
-    of each sequence (:func:`cp_rows`): the row chunks holding the other CP ranks' rows are
-    not fetched. ``replay.layout``. Default: every row.
+    ``layout``: with context or sequence parallelism, only the rows this rank's routers see
+    (:func:`rank_rows`): the row chunks holding other ranks' rows are not fetched, and with
+    sequence parallelism each TP rank reads its own share (no broadcast). ``replay.layout``.
+    Default: every row.
 
     ``tp_group``: the ranks of a tensor-parallel group replay the same layers and rows, so one
     of them reads and broadcasts each micro-batch's routing to the others (``torch.distributed``
@@ -593,8 +615,17 @@ def prefetch_routing(
     batches = list(batches)
     # layers= / rows= only when given: a reader-like object without slice reads keeps working
     kwargs: dict[str, Any] = {} if layers is None else {"layers": layers}
-    if layout is not None and layout.cp_size > 1 and not (layout.sequence_parallel and layout.tp_size > 1):
-        kwargs["rows"] = cp_rows(batches, layout)
+    sp = layout is not None and layout.sequence_parallel and layout.tp_size > 1
+    if layout is not None and (layout.cp_size > 1 or sp):
+        kwargs["rows"] = rank_rows(batches, layout)
+    if sp:
+        # Each TP rank replays its own rows: one read per group would fetch them all.
+        if tp_group is not None and not (isinstance(tp_group, str) and tp_group == "auto"):
+            raise ConfigError(
+                "prefetch_routing: with sequence parallel each tensor-parallel rank reads its own rows "
+                "(rank_rows); pass tp_group=None or 'auto', not a group to broadcast one rank's read in"
+            )
+        tp_group = None
     group = _tp_group(layout) if isinstance(tp_group, str) and tp_group == "auto" else tp_group
     if group is None:
         with reader.prefetch(rollout_id, [b.request_ids for b in batches], depth=depth, **kwargs) as routed:
