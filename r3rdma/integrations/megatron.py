@@ -194,9 +194,9 @@ def rank_rows(batches: Iterable[MicroBatch], layout: ParallelLayout) -> dict[str
             continue
         pos, seq, _ = _rank_positions(batch, layout)
         recorded = pos < (torch.tensor(batch.seq_lens) - batch.unrecorded_tail)[seq]
-        pos, seq = pos[recorded].numpy(), seq[recorded].numpy()
+        kept_pos, kept_seq = pos[recorded].numpy(), seq[recorded].numpy()
         for i, rid in enumerate(batch.request_ids):
-            mine = pos[seq == i]  # ascending: a rank keeps each sequence's positions in order
+            mine = kept_pos[kept_seq == i]  # ascending: a rank keeps each sequence's positions in order
             cuts = np.flatnonzero(np.diff(mine) != 1) + 1
             out[rid] = [(int(run[0]), int(run[-1]) + 1) for run in np.split(mine, cuts) if run.size]
     return out
