@@ -21,7 +21,10 @@ One program (progress on stderr, the last stdout line is JSON):
   ``per_rank``: every rank reads its own slice (``layers=`` its stage's layers, ``rows=`` its
   CP rows), as without sequence parallel each TP rank would;
   ``tp_broadcast``: one rank per TP group reads the slice (counted once per TP group) and
-  would broadcast it over the TP group (the broadcast itself, GPU to GPU, is not simulated).
+  would broadcast it over the TP group (the broadcast itself, GPU to GPU, is not simulated);
+  ``sequence_parallel``: every rank reads its stage's layers and the rows its routers see
+  under sequence parallel (each micro-batch packed thd, padded to ``2*CP*TP``; the TP rank's
+  share of its CP rows: :func:`~r3rdma.integrations.megatron.rank_rows`), which it replays.
 
 Per phase: ``fetched_vs_replayed`` (one per reading rank: bytes that crossed HTTP for it over
 the bytes it replays), ``fetched_bytes`` (all ranks) against ``stored_bytes`` (the rollout's
@@ -37,7 +40,8 @@ context-parallel pieces, long requests layer group major; default: the store's d
 layout); ``--chunk-rows`` and ``--layers-per-chunk`` fix the chunk shape.
 
 Goals (issue #34), as booleans: every reading rank fetches <= 1.25x what it replays; total
-fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``);
+fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``,
+``sequence_parallel``);
 reader CPU <= 1.5 core-seconds per GB returned. ``--quick`` fits a 2-core machine in < 60 s.
 """
 
@@ -89,6 +93,20 @@ def cp_spans(rows: int, cp_size: int, cp_rank: int, unrecorded_tail: int = 1) ->
     :func:`~r3rdma.read.rows.cp_row_spans` says."""
     parts = 2 * cp_size
     return cp_row_spans(rows, -(-(rows + unrecorded_tail) // parts) * parts, cp_size, cp_rank)
+
+
+def _sp_spans(
+    micro_batches: list[list[str]], rows: dict[str, int], tp: int, tp_rank: int, cp: int, cp_rank: int
+) -> dict[str, list[tuple[int, int]]]:
+    """The stored rows of each request that rank (``tp_rank``, ``cp_rank``) replays under
+    sequence parallel: each micro-batch packed thd (sequences of stored rows + 1 tokens padded
+    to a multiple of ``2 * cp * tp``), as :func:`~r3rdma.integrations.megatron.rank_rows` says."""
+    from r3rdma.integrations.megatron import MicroBatch, ParallelLayout, rank_rows
+
+    layout = ParallelLayout(tp_size=tp, tp_rank=tp_rank, sequence_parallel=True, cp_size=cp, cp_rank=cp_rank)
+    return rank_rows(
+        [MicroBatch.thd(mb, [rows[r] + 1 for r in mb], pad_to_multiple_of=2 * cp * tp) for mb in micro_batches], layout
+    )
 
 
 # -- the reader processes -------------------------------------------------------------------------
@@ -305,12 +323,22 @@ def run_trainer_layout_bench(
             }
 
         grid = [(d, t, p, c) for d in range(dp) for t in range(tp) for p in range(pp) for c in range(cp)]
+        sp_spans = {(d, t, c): _sp_spans(batches[d], rows, tp, t, cp, c) for d in range(dp) for t in range(tp) for c in range(cp)}
         phases = {
             "whole": [task(*g, sliced=False) for g in grid],
             "per_rank": [task(*g, sliced=True) for g in grid],
             "tp_broadcast": [task(*g, sliced=True) for g in grid if g[1] == 0],
+            "sequence_parallel": [{**task(*g, sliced=True), "rows": sp_spans[g[0], g[1], g[3]]} for g in grid],
         }
         replay_of = {rank_of(*g): replayed(g[0], g[2], g[3]) for g in grid}
+        # Under sequence parallel a rank replays its TP share of its CP rows.
+        sp_replay_of = {
+            rank_of(*g): sum(hi - lo for spans in sp_spans[g[0], g[1], g[3]].values() for lo, hi in spans)
+            * per
+            * top_k
+            * itemsize
+            for g in grid
+        }
         result: dict[str, Any] = {
             "bench": "trainer-layout",
             "quick": quick,
@@ -341,14 +369,15 @@ def run_trainer_layout_bench(
             returned = sum(r["returned"] for r in ranks)
             cpu = sum(a["cpu_s"] for a in answers)
             wall = max(r["end"] for r in ranks) - min(a["start"] for a in answers)
-            ratios = [round(r["fetched"] / replay_of[r["rank"]], 3) for r in ranks]
+            replays = sp_replay_of if name == "sequence_parallel" else replay_of
+            ratios = [round(r["fetched"] / max(replays[r["rank"]], 1), 3) for r in ranks]
             result[name] = {
                 "reading_ranks": len(ranks),
                 "fetched_vs_replayed": ratios,
                 "fetched_bytes": fetched,
                 "node_http_bytes": int(served),
                 "returned_bytes": returned,
-                "replayed_bytes": sum(replay_of[r["rank"]] for r in ranks),
+                "replayed_bytes": sum(replays[r["rank"]] for r in ranks),
                 "fetched_vs_stored": round(fetched / stored, 3),
                 "wall_seconds": round(wall, 3),
                 "reader_cpu_s_per_gb": round(cpu / max(returned / 1e9, 1e-9), 3),
@@ -358,8 +387,10 @@ def run_trainer_layout_bench(
                 f"  fetched {fetched / 1e6:.1f} MB ({fetched / stored:.2f}x stored), max per rank "
                 f"{max(ratios):.2f}x replayed, {wall:.2f} s, {result[name]['reader_cpu_s_per_gb']} core-s/GB"
             )
-        per_rank, broadcast = result["per_rank"], result["tp_broadcast"]
+        per_rank, broadcast, sp = result["per_rank"], result["tp_broadcast"], result["sequence_parallel"]
         result["goals"] = {
+            "sequence_parallel_fetch_le_1_25x_replayed": max(sp["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
+            "sequence_parallel_total_le_1_25x_stored": sp["fetched_bytes"] <= _GOAL_TOTAL * stored,
             "per_rank_fetch_le_1_25x_replayed": max(per_rank["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
             "tp_broadcast_fetch_le_1_25x_replayed": max(broadcast["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
             "per_rank_total_le_1_25x_stored_x_tp": per_rank["fetched_bytes"] <= _GOAL_TOTAL * stored * tp,
