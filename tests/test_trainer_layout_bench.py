@@ -22,16 +22,22 @@ def test_bench_small_run():
     assert result["group_major_arrays"] == result["arrays"] > 0
     json.dumps(result)
     assert result["bench"] == "trainer-layout" and result["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 2}
-    for name, readers in (("whole", 16), ("per_rank", 16), ("tp_broadcast", 8)):
+    for name, readers in (("whole", 16), ("per_rank", 16), ("tp_broadcast", 8), ("sequence_parallel", 16)):
         phase = result[name]
         assert phase["reading_ranks"] == len(phase["fetched_vs_replayed"]) == readers
         assert phase["fetched_bytes"] == phase["node_http_bytes"] > 0  # the ranks' counts are what the node served
         assert phase["wall_seconds"] > 0 and phase["reader_cpu_s_per_gb"] > 0
     # a slice returns exactly what the rank replays; whole reads return every layer and row
     assert result["per_rank"]["returned_bytes"] == result["per_rank"]["replayed_bytes"]
+    # under sequence parallel too, and the ranks' shares (stage x TP x CP) of a DP share tile it:
+    # over the whole trainer every stored row of every layer comes back exactly once
+    sp = result["sequence_parallel"]
+    assert sp["returned_bytes"] == sp["replayed_bytes"] == result["decoded_bytes"]
+    assert sp["fetched_bytes"] < result["per_rank"]["fetched_bytes"]
     assert result["whole"]["returned_bytes"] == result["decoded_bytes"] // 2 * 16
     assert result["whole"]["fetched_bytes"] > result["per_rank"]["fetched_bytes"] > result["tp_broadcast"]["fetched_bytes"]
     assert set(result["goals"]) == {
         "per_rank_fetch_le_1_25x_replayed", "tp_broadcast_fetch_le_1_25x_replayed", "per_rank_total_le_1_25x_stored_x_tp",
         "tp_broadcast_total_le_1_25x_stored", "reader_cpu_le_1_5_core_s_per_gb",
+        "sequence_parallel_fetch_le_1_25x_replayed", "sequence_parallel_total_le_1_25x_stored",
     }

@@ -236,7 +236,7 @@ class Finishing:
                     self._finisher = Finisher(sink)
                 self._finisher.put(deferred)
             return None
-        ids = self.table.gather(slots).cpu().numpy()
+        ids = self.table.gather_host(slots)
         record = make_record(ids, self.storage_dtype, meta)
         if self.sink is not None:
             self.sink.submit(record)

@@ -382,14 +382,16 @@ class RequestLedger:
         finally:
             if lane is not None:
                 self._release_lane(lane)
-        missing = np.flatnonzero(gens < 0) + start_row
-        if missing.size:
+        # One reduction each when all is well (the finishing request's path); the indices
+        # only to name what is wrong.
+        if gens.size and gens.min() < 0:
+            missing = np.flatnonzero(gens < 0) + start_row
             raise MissingRowsError(
                 f"request {request_id!r}: {missing.size} of {rows} positions were never computed "
                 f"(first: {missing[:8].tolist()}); prompt_len={prompt_len}, generated_len={generated_len}"
             )
-        stale = self.table.stale(slots, gens)
-        if stale.size:
+        if self.table.any_stale(slots, gens):
+            stale = self.table.stale(slots, gens)
             raise StaleSlotError(
                 f"request {request_id!r}: slots of positions {(stale[:8] + start_row).tolist()} were rewritten "
                 "by other tokens before the request finished (slot freed too early?)"

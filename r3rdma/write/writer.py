@@ -194,6 +194,7 @@ class RoutingWriter:
         prepare = getattr(store, "prepare", None)
         self._prepare = prepare if callable(prepare) and callable(getattr(store, "commit_async", None)) else None
         self._encoder = ThreadPoolExecutor(_ENCODING, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
+        self._staging = _ENCODING if self._prepare else 1  # batches taken ahead of the one written
         self._stopped: BaseException | None = None  # what ended the worker thread early (a bug, not a commit's failure)
         self._thread = threading.Thread(target=self._run_guarded, name="r3rdma-writer", daemon=True)
         self._thread.start()
@@ -373,7 +374,7 @@ class RoutingWriter:
             if batch is None:
                 return
             staged.append(self._stage(batch, size))
-            if len(staged) > _ENCODING:  # the oldest written while the newer ones encode
+            if len(staged) > self._staging:  # the oldest written while the newer ones encode
                 self._write(staged.popleft(), publishing)
 
     def _take_batch(self) -> tuple[list | None, int]:
