@@ -124,8 +124,8 @@ def encode_batch_array(
     ``group_major``: the chunks lie in the shard layer group by layer group, each group's row
     chunks in row order (format 4), else in the index's order (row chunk, then layer group).
 
-    Each chunk is gathered from its pieces in the encoding thread that compresses it (a chunk
-    inside one piece is a view of it): no whole-batch copy on the caller's thread.
+    The chunks' raw bytes are laid out once on the caller's thread (:func:`_raw_chunks`),
+    then compressed together, without the GIL (module docstring).
     """
     first = pieces[0][1]
     _, layers, top_k = first.shape
