@@ -13,6 +13,17 @@ from r3rdma.store import shard_writer
 from r3rdma.store.shard_writer import SHARD_KEY, encode_batch_array, write_batch_array, write_encoded, zarr_codecs
 
 
+def _pieces(seed, spans, rows):
+    """Records' rows ``(offset, random [n, 6, 4] uint8)`` for ``spans`` of ``(offset, n)``, and
+    the dense ``[rows, 6, 4]`` array they make with the fill value 0 elsewhere."""
+    rng = np.random.default_rng(seed)
+    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
+    arrays = []
+    for offset, n in spans:
+        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
+        dense[offset : offset + n] = arrays[-1][1]
+    return arrays, dense
+
 @pytest.mark.parametrize("rows,chunk_rows,level", [(1000, 128, 3), (1024, 128, 3), (5, 128, 1), (300, 64, 0), (1, 1, 3)])
 def test_same_bytes_as_zarr(tmp_path, rows, chunk_rows, level):
     rng = np.random.default_rng(rows)
@@ -34,17 +45,11 @@ def test_same_bytes_as_zarr(tmp_path, rows, chunk_rows, level):
 
 @pytest.mark.parametrize("level", [3, 0])
 def test_pieces_with_fill_rows_encode_as_the_dense_array(tmp_path, level):
-    """A batch is encoded from its records' own arrays (no whole-batch copy): chunks inside one
-    record, chunks shared by several, the fill rows between them and the last chunk's tail give
-    the bytes zarr writes for the dense array."""
-    rng = np.random.default_rng(7)
-    pieces = [(0, 30), (100, 150), (250, 50), (300, 60), (360, 20), (400, 100), (500, 1)]
+    """A batch is encoded from its records' own arrays: chunks inside one record, chunks shared
+    by several, the fill rows between them and the last chunk's tail give the bytes zarr writes
+    for the dense array."""
     rows = 501
-    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
-    arrays = []
-    for offset, n in pieces:
-        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
-        dense[offset : offset + n] = arrays[-1][1]
+    arrays, dense = _pieces(7, [(0, 30), (100, 150), (250, 50), (300, 60), (360, 20), (400, 100), (500, 1)], rows)
     encoded = encode_batch_array(arrays, rows, chunk_rows=100, zstd_level=level)
     write_encoded(tmp_path / "mine", encoded)
     places = write_batch_array(tmp_path / "dense", dense, chunk_rows=100, zstd_level=level)
@@ -62,14 +67,8 @@ def test_layer_groups_same_chunks_as_zarr(tmp_path, per, group_major):
     ``zarr.json``. Only the chunks' order differs where there are several groups (zarr lays
     them out in Morton order, this writer in the index's C order or layer group major (format
     4); the index says where each is)."""
-    rng = np.random.default_rng(per)
-    pieces = [(0, 40), (64, 100), (170, 20), (200, 1)]
     rows, chunk = 201, 64
-    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
-    arrays = []
-    for offset, n in pieces:
-        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
-        dense[offset : offset + n] = arrays[-1][1]
+    arrays, dense = _pieces(per, [(0, 40), (64, 100), (170, 20), (200, 1)], rows)
     encoded = encode_batch_array(arrays, rows, chunk_rows=chunk, zstd_level=3, layers_per_chunk=per, group_major=group_major)
     write_encoded(tmp_path / "mine", encoded)
     assert encoded.group_major == (group_major and per < 6)
@@ -113,14 +112,8 @@ def test_fill_rows_and_padded_layers_are_zero_whatever_the_buffer_held(monkeypat
     """The raw chunks go to an uninitialised (or reused) buffer, not zeroed first: rows no
     piece covers (gaps, the last chunk's tail) and layers past L in the last group must still
     read as the fill value, whatever the memory held before."""
-    rng = np.random.default_rng(11)
-    pieces = [(3, 40), (64, 100), (170, 20), (200, 1)]
     rows, chunk = 210, 64
-    dense = np.zeros((rows, 6, 4), dtype=np.uint8)
-    arrays = []
-    for offset, n in pieces:
-        arrays.append((offset, rng.integers(1, 64, size=(n, 6, 4), dtype=np.uint8)))
-        dense[offset : offset + n] = arrays[-1][1]
+    arrays, dense = _pieces(11, [(3, 40), (64, 100), (170, 20), (200, 1)], rows)
 
     def encode(parts, level):
         return encode_batch_array(parts, rows, chunk_rows=chunk, zstd_level=level, layers_per_chunk=per, group_major=group_major)
