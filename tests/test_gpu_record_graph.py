@@ -1,13 +1,17 @@
 """The vLLM plug-in's record path on a GPU, without vLLM (its wheel does not reach the GPU
 machines): :mod:`r3rdma.kernels.record_op` inside CUDA graphs captured at several padded sizes,
 eager and torch.compile'd, replayed over steps with changing requests, positions, KV slots and
-real-token counts, with the host driving the capturer exactly as the plug-in does
-(``begin_step(..., graphed=True)``, replay, ``end_step()``).
+real-token counts, with the host driving the capturer exactly as the plug-in does: inline
+(``begin_step(..., graphed=True)``, replay, ``end_step()``), and handed over to a
+:class:`~r3rdma.capture.capture_thread.CaptureThread` after the replay (the rows copied from the
+model's buffer on the stream, the capturer's calls on the thread), as the plug-in does now.
 
 What it covers: the op is captured into each graph against the fixed step buffer and repeats on
 every replay; rows a graph wrote for its padded size are never stored; stored rows equal an
 eager, hook-free reference computed on the real tokens only; and the step path does no host
-synchronisation (``torch.cuda.set_sync_debug_mode("error")`` around begin, replay and end).
+synchronisation (``torch.cuda.set_sync_debug_mode("error")`` around begin, replay and end, or
+replay and hand-over; the mode is process-wide, so the thread's work in that window is held to
+it too).
 What it does not cover: vLLM's own graph dispatch and padding rules (the CPU tests run the real
 engine, compiled, for those).
 
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 from r3rdma import RoutingCapturer
+from r3rdma.capture.capture_thread import CaptureThread
 from r3rdma.kernels.record_op import new_step_buffer, record_hook
 
 pytestmark = pytest.mark.gpu
@@ -87,14 +92,17 @@ def _capture_graphs(forward, x_static: torch.Tensor, capturer) -> dict[int, torc
     return graphs
 
 
+@pytest.mark.parametrize("handoff", ["inline", "thread"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-graphs", "compiled-graphs"])
-def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compiled):
+def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compiled, handoff):
     device = torch.device("cuda")
     model = ToyMoE().to(device)
     step_buf = new_step_buffer(max_tokens=max(SIZES), num_layers=L, top_k=K, num_experts=E, device=device)
     model.hooks = [record_hook(step_buf, layer) for layer in range(L)]
+    # Handed over, the capturer works on its own copy: the model's buffer belongs to the next forward.
     capturer = RoutingCapturer(layer_map=list(range(L)), top_k=K, num_experts=E, num_slots=1024, device=device,
-                               step_buffer=step_buf)
+                               step_buffer=step_buf if handoff == "inline" else torch.zeros_like(step_buf))
+    thread = CaptureThread(capturer) if handoff == "thread" else None
     forward = torch.compile(model, dynamic=False) if compiled else model
     x_static = torch.zeros(max(SIZES), H, device=device)
     graphs = _capture_graphs(forward, x_static, capturer)
@@ -133,9 +141,13 @@ def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compil
 
         torch.cuda.set_sync_debug_mode("error")
         try:
-            capturer.begin_step(running, starts, counts, np.asarray(slots), graphed=True)
-            graphs[size].replay()
-            capturer.end_step()
+            if thread is None:
+                capturer.begin_step(running, starts, counts, np.asarray(slots), graphed=True)
+                graphs[size].replay()
+                capturer.end_step()
+            else:
+                graphs[size].replay()
+                thread.step(running, np.asarray(starts), np.asarray(counts), np.asarray(slots), step_buf[:total])
         finally:
             torch.cuda.set_sync_debug_mode(0)
         replays_by_size[size] += 1
@@ -148,10 +160,16 @@ def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compil
             row += n
         # Finish requests past 12 positions: gather and compare.
         for r in [r for r, n in computed.items() if n >= 12]:
-            record = capturer.finish_request(r, prompt_len=computed[r], generated_len=1)
+            if thread is None:
+                record = capturer.finish_request(r, prompt_len=computed[r], generated_len=1)
+            else:
+                record = thread.call(lambda r=r: capturer.finish_request(r, prompt_len=computed[r], generated_len=1))
             np.testing.assert_array_equal(record.ids_TLK, np.stack(expected.pop(r)), err_msg=r)
             del computed[r]
             free_bases.append(bases.pop(r))
+    if thread is not None:
+        thread.close()
+        assert thread.calls > 60 and thread.error is None
     assert all(replays_by_size.values()), replays_by_size  # every captured size replayed, padded
     assert padded_rows > 0
     assert capturer.rows_captured == sum(1 for _ in features)  # real rows only, never padding

@@ -20,6 +20,7 @@ from r3rdma.errors import AuthenticationError, ConfigError, TransportError  # no
 from r3rdma.integrations.vllm.settings import routing_config  # noqa: E402
 from r3rdma.integrations.vllm.support import check_engine  # noqa: E402
 from r3rdma.integrations.vllm.worker import RunnerRecorder  # noqa: E402
+from r3rdma.kernels.record_op import new_step_buffer  # noqa: E402
 
 from .store_nodes import new_token, start_node  # noqa: E402
 
@@ -110,6 +111,12 @@ def test_routing_replay_is_off_unless_asked_for(tmp_path):
         routing_config(SimpleNamespace(additional_config={"routing_replay": {"local_dir": "/x"}}), env={})
 
 
+def _geometry(recorder):
+    """What bind_model fixes from a model: two MoE layers, top-2 of 8 experts, a step buffer."""
+    recorder.layer_map, recorder.top_k, recorder.num_experts = (0, 2), 2, 8
+    recorder.step_buf = new_step_buffer(max_tokens=16, num_layers=2, top_k=2, num_experts=8, device="cpu")
+
+
 def test_unreachable_store_node_fails_at_engine_start(tmp_path, monkeypatch):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -117,7 +124,7 @@ def test_unreachable_store_node_fails_at_engine_start(tmp_path, monkeypatch):
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())
     config = R3Config(routing_store_type="store_nodes", store_urls=(f"127.0.0.1:{port}",))
     recorder = RunnerRecorder(_runner(), config)
-    recorder.layer_map, recorder.top_k, recorder.num_experts = (0, 2), 2, 8
+    _geometry(recorder)
     with pytest.raises(TransportError, match=f"0 of 1 store nodes answered.*127.0.0.1:{port}"):
         recorder.build(_kv_config())
     assert recorder.capturer is None
@@ -128,7 +135,7 @@ def test_a_refused_secret_fails_at_engine_start(tmp_path, monkeypatch):
     try:
         monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
         recorder = RunnerRecorder(_runner(), R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,)))
-        recorder.layer_map, recorder.top_k, recorder.num_experts = (0, 2), 2, 8
+        _geometry(recorder)
         with pytest.raises(AuthenticationError, match="refused the push secret"):
             recorder.build(_kv_config())
         monkeypatch.setenv("R3_STORE_TOKEN", node.token)

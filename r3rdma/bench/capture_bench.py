@@ -17,6 +17,15 @@ each router's hook calls :func:`r3rdma.kernels.record_op.record_hook` (one custo
 a fixed step buffer the capturer was built with, ``step_buffer=``), so in a graph the op's one
 copy kernel per layer is captured, and every step begins ``graphed=True``.
 
+``--engine-step`` (with ``--record-path op`` and CUDA graphs) adds what an engine's step does
+around the forward and times the capturer's host path on the step's critical path: every step
+first finishes one request (``finish_request``, its rows gathered and committed by a real
+writer into a local store) and starts another in its batch row, and ends by reading the sampled
+tokens to the host (the synchronisation every engine step makes). Three settings interleave:
+capture off, the capturer called inline (as the vLLM plug-in did until it got its capture
+thread), and handed over to a :class:`~r3rdma.capture.capture_thread.CaptureThread` (as it does
+now). ``engine_step`` in the JSON: ms per step of each and the host time each adds.
+
 Host synchronisations are counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a
 separate pass of steps (each with capture on and off; the difference is the capturer's).
 
@@ -174,6 +183,122 @@ def _try_graph(loop, capturer, on: bool) -> str | None:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+class _EngineSteps:
+    """``--engine-step``: a request finishes and another starts each step, the sampled tokens are
+    read to the host; the capturer called inline or handed over to its thread (see the module doc)."""
+
+    def __init__(self, loop, step_buf, args, device, root) -> None:
+        import torch
+
+        from r3rdma.capture.capture_thread import CaptureThread
+        from r3rdma.capture.capturer import RoutingCapturer
+        from r3rdma.config import R3Config
+        from r3rdma.integrations.pipeline import build_writer
+
+        self.loop, self.step_buf, self.args = loop, step_buf, args
+        self.capturers = {}
+        for mode in ("inline", "thread"):
+            self.capturers[mode] = RoutingCapturer(
+                layer_map=list(range(step_buf.shape[1])),
+                top_k=args.top_k,
+                num_experts=args.experts,
+                num_slots=args.batch * loop.max_len,
+                device=device,
+                sink=build_writer(R3Config(local_store_dir=f"{root}/{mode}")),
+                owns_sink=True,
+                # Handed over, the capturer keeps its own copy of each step's rows.
+                step_buffer=step_buf if mode == "inline" else torch.zeros_like(step_buf),
+            )
+        self.thread = CaptureThread(self.capturers["thread"])
+        self.serial = 0
+
+    def run(self, mode: str | None) -> None:
+        """One round of ``args.steps`` steps: capture off (None), ``inline`` or ``thread``."""
+        import numpy as np
+
+        loop, B = self.loop, self.args.batch
+        cap = self.capturers.get(mode) if mode else None
+        # Each row's request counts its own positions from 0 (the model decodes the loop's
+        # static positions; the capturer only needs each request's own), in its row's KV slots.
+        first = np.zeros(B, dtype=np.int64)  # the step each row's request started at
+        base = np.arange(B, dtype=np.int64) * loop.max_len
+        names = [self._name() for _ in range(B)]
+        for s in range(self.args.steps):
+            row = s % B
+            if cap is not None and s > first[row]:
+                done = (names[row], int(s - first[row]))  # its positions 0 .. s - first - 1
+                if mode == "thread":
+                    self.thread.submit(_finish, cap, *done)
+                else:
+                    _finish(cap, *done)
+            names[row], first[row] = self._name(), s
+            starts = s - first
+            slots = base + starts
+            if mode == "inline":
+                assert cap is not None
+                cap.begin_step(names, starts, 1, slots, graphed=True)
+            loop.graphs[cap is not None].replay()
+            if mode == "inline":
+                assert cap is not None
+                cap.end_step()
+            elif mode == "thread":
+                self.thread.step(list(names), starts, 1, slots, self.step_buf[:B])
+            loop.ids.cpu()  # the engine reads the sampled tokens: the step's host synchronisation
+        if cap is not None:  # the round's requests leave: nothing carried into the next round
+            for rid in names:
+                self.thread.submit(cap.abort_request, rid) if mode == "thread" else cap.abort_request(rid)
+
+    def _name(self) -> str:
+        self.serial += 1
+        return f"q{self.serial}"
+
+    def close(self) -> None:
+        self.thread.close()
+        for cap in self.capturers.values():
+            cap.close()
+
+
+def _finish(cap, rid: str, positions: int) -> None:
+    cap.finish_request(rid, prompt_len=1, generated_len=positions, rollout_id="bench")  # rows 0 .. positions - 1
+
+
+def _engine_step_rounds(loop, step_buf, args, device, log) -> dict:
+    import tempfile
+
+    import torch
+
+    times: dict[str, list[float]] = {"off": [], "inline": [], "thread": []}
+    with tempfile.TemporaryDirectory(prefix="r3-capture-bench-") as root:
+        steps = _EngineSteps(loop, step_buf, args, device, root)
+        try:
+            for r in range(args.rounds + 1):  # the first round warms up
+                order = ("off", "inline", "thread") if r % 2 == 0 else ("thread", "inline", "off")
+                for mode in order:
+                    loop.reset()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        steps.run(None if mode == "off" else mode)
+                    torch.cuda.synchronize()
+                    if r:
+                        times[mode].append((time.perf_counter() - start) * 1e3 / args.steps)
+                log(f"engine step round {r}: " + ", ".join(f"{m} {v[-1]:.3f}" for m, v in times.items() if v and r))
+            steps.capturers["inline"].flush()
+            steps.thread.call(steps.capturers["thread"].flush)  # the thread's capturer is the thread's to call
+        finally:
+            steps.close()
+    ms = {m: statistics.median(v) for m, v in times.items()}
+    return {
+        "step_ms": {m: round(v, 4) for m, v in ms.items()},
+        "host_us_inline": round((ms["inline"] - ms["off"]) * 1e3, 1),
+        "host_us_thread": round((ms["thread"] - ms["off"]) * 1e3, 1),
+        "pct_inline": round((ms["inline"] - ms["off"]) / ms["off"] * 100, 3),
+        "pct_thread": round((ms["thread"] - ms["off"]) / ms["off"] * 100, 3),
+        "thread_busy_us_per_step": round(steps.thread.busy_seconds * 1e6 / (len(times["thread"]) + 1) / args.steps, 1),
+        "step_ms_all": {m: [round(x, 4) for x in v] for m, v in times.items()},
+    }
+
+
 def _count_syncs(fn) -> int:
     import torch
 
@@ -289,6 +414,12 @@ def run_capture_bench(args: argparse.Namespace) -> dict:
         syncs_off = _count_syncs(steps(False)) / n
         syncs_on = _count_syncs(steps(True)) / n
         torch.cuda.synchronize()
+    engine_step = None
+    if args.engine_step:
+        if not (op_path and graphed):
+            raise SystemExit("--engine-step needs --record-path op and CUDA graphs")
+        set_capture(False)
+        engine_step = _engine_step_rounds(loop, step_buf, args, device, log)
     set_capture(False)
 
     step_off = statistics.median(off_ms)
@@ -315,6 +446,7 @@ def run_capture_bench(args: argparse.Namespace) -> dict:
         "step_ms_off_all": [round(x, 4) for x in off_ms],
         "step_ms_on_all": [round(x, 4) for x in on_ms],
         "rows_captured": capturer.rows_captured,
+        "engine_step": engine_step,
     }
     return result
 
@@ -342,6 +474,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="hook",
         help="hook: capturer.record from a Python hook; op: the vLLM plug-in's record op into a fixed "
         "step buffer (r3rdma.kernels.record_op)",
+    )
+    parser.add_argument(
+        "--engine-step",
+        action="store_true",
+        help="also time an engine-like step (a request finishing per step, the sampled tokens read to the host) "
+        "with the capturer inline vs on its capture thread (needs --record-path op and CUDA graphs)",
     )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test only; no timing meaning)")
     parser.add_argument("--quiet", dest="verbose", action="store_false")

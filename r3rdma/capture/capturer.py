@@ -252,6 +252,11 @@ class RoutingCapturer:
         return self._table.table_SLK
 
     @property
+    def step_buffer(self) -> torch.Tensor | None:
+        """The fixed step buffer the model's routers write (``step_buffer=``), or None."""
+        return self._table.step_buf if self._table.fixed_step_rows else None
+
+    @property
     def steps(self) -> int:
         """Steps ended with at least one token."""
         return self._steps.steps

@@ -14,14 +14,21 @@ request stored once". The mapping onto the capturer's calls:
   layers are simply absent from the layer map. The same op runs eagerly, inside
   torch.compile's graph (an opaque custom op) and in a replayed CUDA graph; rows a graph
   writes for its padded size are never stored.
+- The capturer runs on its own thread (:class:`~r3rdma.capture.capture_thread.CaptureThread`):
+  the step path only snapshots what the engine will overwrite (the step's request order,
+  positions and KV slots from ``_prepare_inputs``, the rows the model wrote, copied after the
+  forward) and hands it over with the lifecycle calls, in order; the capturer's bookkeeping and
+  finished requests' gathers then run beside the engine instead of on its step path. Ordering
+  keeps it exact: a finished request is gathered before any later step can rewrite its slots.
 - ``begin_step`` (``graphed=True``: the forward writes the step buffer itself): from the
   runner's persistent input batch as ``_prepare_inputs`` reads it: the request order, each
   request's computed tokens (the step's first position) and the scheduler's token counts; KV
   slots from the host block table (``block * block_size + offset``, the slot mapping vLLM
   computes on the device, computed here on the host so the step needs no device read). All of
   it array operations over the batch: no Python loop per running request.
-- ``end_step`` right after the runner's ``_model_forward``. Forwards outside it (profiling,
-  warm-up, graph capture, dummy batches) write the buffer and are never stored.
+- ``end_step`` right after the runner's ``_model_forward`` (handed over then, with the step's
+  rows). Forwards outside it (profiling, warm-up, graph capture, dummy batches) write the
+  buffer and are never stored.
 - Speculative decoding (synchronous scheduling): a step's tokens are each request's last
   token and its drafts, all written to their KV slots, as vLLM writes their KV. A rejected
   draft's position is computed again with the corrected token in the next step, which rewrites
@@ -59,6 +66,7 @@ from r3rdma.integrations.vllm.support import check_engine
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 
 if TYPE_CHECKING:
+    from r3rdma.capture.capture_thread import CaptureThread
     from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.write.writer import CommitFailure, RoutingWriter
 
@@ -85,6 +93,7 @@ class RunnerRecorder:
         self.runner = runner
         self.config = config
         self.capturer: RoutingCapturer | None = None  # built once vLLM sized its KV cache; None again after close
+        self._thread: CaptureThread | None = None  # runs the capturer's calls, built with it
         self._sink: _ReportingSink | None = None  # the capturer's sink, kept typed for its failure reports
         self.layer_map: tuple[int, ...] = ()
         self.top_k = 0
@@ -92,12 +101,9 @@ class RunnerRecorder:
         self.step_buf: torch.Tensor | None = None  # the fixed buffer the model's routers write
         self._check_next_step = True  # the first real step proves every hooked layer writes
         self._sentinel: int | None = None  # the value that step's rows were filled with
-        self._step_tokens: int | None = None  # tokens of the open step (None: no step open)
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots, entering) from _prepare_inputs
+        self._open: tuple | None = None  # the step begin() opened: (req_ids, starts, counts, slots, before, after)
         self._rows = np.arange(256)  # a decode step's batch rows (a slice of it)
-        # Prefix hits on KV the same forward computes (request, positions, slots), attached once
-        # the step wrote those slots (see begin).
-        self._attach_after_step: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._early: set[str] = set()  # finished by a flush before their scheduler output came
         self.requests_failed = 0
         self.requests_stored = 0
@@ -177,8 +183,11 @@ class RunnerRecorder:
             )
         block_size = int(groups[0].kv_cache_spec.block_size)
         num_slots = int(kv_cache_config.num_blocks) * block_size
+        from r3rdma.capture.capture_thread import CaptureThread
         from r3rdma.capture.capturer import RoutingCapturer
 
+        if self.step_buf is None:
+            raise ConfigError("r3rdma: the capturer is built after the model is bound (bind_model), not before")
         writer = build_writer(self.config)
         try:
             check = getattr(writer.store, "check", None)
@@ -196,12 +205,15 @@ class RunnerRecorder:
                 pin_memory=self.config.pin_host_table,
                 transfer_mode=self.config.transfer_mode,
                 owns_sink=True,
-                step_buffer=self.step_buf,
+                # The capture thread's own copy: the model's buffer is rewritten by the next
+                # forward while the thread still works on this step.
+                step_buffer=torch.zeros_like(self.step_buf),
             )
         except BaseException:
             writer.close()
             raise
         self._sink = sink
+        self._thread = CaptureThread(self.capturer)
         log.info(
             "r3rdma: capturing into %s (rollout %r), slot table %d slots",
             self.config.routing_store_type,
@@ -246,13 +258,15 @@ class RunnerRecorder:
         return slots
 
     def begin(self) -> None:
-        """Open the step ``prepare`` snapshotted, right before its forward: attach newly cached positions, ``begin_step``."""
+        """Open the step ``prepare`` snapshotted, right before its forward: find the newly
+        cached positions of requests entering the batch (the block table is read now)."""
         pending, self._pending = self._pending, None
         if pending is None or self.capturer is None:
             return
         t0 = time.perf_counter()
         req_ids, starts, counts, slots, entering = pending
-        cap = self.capturer
+        before: list[tuple[str, np.ndarray, np.ndarray]] = []
+        after: list[tuple[str, np.ndarray, np.ndarray]] = []
         index = self.runner.input_batch.req_id_to_index
         for rid in entering:
             i = index.get(rid)
@@ -267,13 +281,12 @@ class RunnerRecorder:
                 # step as the one computing a prompt (n > 1 samples, a shared system prompt)
                 # hits blocks this very forward writes (each layer writes the whole batch's KV
                 # before any attention reads it). Their rows exist once the step has ended.
-                self._attach_after_step.append((rid, positions, hit))
+                after.append((rid, positions, hit))
             else:
-                cap.attach_cached(rid, positions, hit)
+                before.append((rid, positions, hit))
             self.positions_attached += int(positions.size)
-        cap.begin_step(req_ids, starts, counts, slots, graphed=True)
+        self._open = (req_ids, starts, counts, slots, before, after)
         total = int(slots.size)
-        self._step_tokens = total
         buf = self.step_buf  # set by bind_model, before the capturer is built
         if self._check_next_step and total and buf is not None:
             self._sentinel = unwritten_sentinel(buf, self.num_experts)
@@ -282,27 +295,29 @@ class RunnerRecorder:
         self.host_seconds += time.perf_counter() - t0
 
     def end(self, ok: bool) -> None:
-        """Close the open step after its forward: ``end_step`` if the forward returned (``ok``), else ``cancel_step``."""
-        if self._step_tokens is None:
+        """Close the open step after its forward: hand it, with the rows the model wrote, to the
+        capture thread if the forward returned (``ok``); else drop it (only the positions cached
+        before it are handed over)."""
+        if self._open is None:
             return
         t0 = time.perf_counter()
-        total, self._step_tokens = self._step_tokens, None
-        cap = self.capturer
-        if cap is None:  # begin() opens a step only with a capturer, and the engine closes its workers after the last step
+        (req_ids, starts, counts, slots, before, after), self._open = self._open, None
+        thread = self._thread
+        if thread is None:  # begin() opens a step only with a capturer, and the engine closes its workers after the last step
             raise ConfigError("r3rdma: a vLLM step ended after the recorder was closed")
-        attach, self._attach_after_step = self._attach_after_step, []
         if not ok:
-            cap.cancel_step()
+            if before and self.capturer is not None:
+                thread.submit(_attach_all, self.capturer, before)
             return
+        total = int(slots.size)
         if self._check_next_step and total:
             self._check_next_step = False
-            self._check_layers_wrote(cap, total)
-        cap.end_step()
-        for rid, positions, slots in attach:
-            cap.attach_cached(rid, positions, slots)
+            self._check_layers_wrote(total)
+        assert self.step_buf is not None  # set by bind_model, before the capturer is built
+        thread.step(req_ids, starts, counts, slots, self.step_buf[:total], before=before, after=after)
         self.host_seconds += time.perf_counter() - t0
 
-    def _check_layers_wrote(self, cap: RoutingCapturer, total: int) -> None:
+    def _check_layers_wrote(self, total: int) -> None:
         """Once, at the first real step: every hooked MoE layer wrote its rows (one host read).
 
         A layer that did not means a forward path the hook is not on (a model that routes
@@ -314,7 +329,6 @@ class RunnerRecorder:
         unwritten = (buf[:total] == self._sentinel).all(dim=-1).any(dim=0).tolist()
         missing = [layer for layer, bad in zip(self.layer_map, unwritten) if bad]
         if missing:
-            cap.cancel_step()
             raise ConfigError(
                 f"r3rdma: MoE layers {missing} of {list(self.layer_map)} did not record their routing in the first step "
                 "(the forward does not call the router hook r3rdma installed: a model whose MoE routes outside vLLM's "
@@ -324,19 +338,20 @@ class RunnerRecorder:
     # -- request lifecycle -------------------------------------------------------------------
 
     def lifecycle(self, scheduler_output: Any) -> None:
-        """Finish, abort and preempt, as the scheduler decided since the last step."""
-        cap = self.capturer
-        if cap is None:
+        """Finish, abort and preempt, as the scheduler decided since the last step (handed to
+        the capture thread, ahead of this step)."""
+        cap, thread = self.capturer, self._thread
+        if cap is None or thread is None:
             return
         t0 = time.perf_counter()
         try:
-            self._lifecycle(cap, scheduler_output)
+            self._lifecycle(cap, thread, scheduler_output)
         finally:
             self.host_seconds += time.perf_counter() - t0
 
-    def _lifecycle(self, cap: RoutingCapturer, scheduler_output: Any) -> None:
+    def _lifecycle(self, cap: RoutingCapturer, thread: CaptureThread, scheduler_output: Any) -> None:
         for rid in scheduler_output.preempted_req_ids or ():
-            cap.preempt_request(rid)
+            thread.submit(cap.preempt_request, rid)
         if not scheduler_output.finished_req_ids:
             return
         info = getattr(scheduler_output, "r3_finished", None) or {}
@@ -344,19 +359,20 @@ class RunnerRecorder:
             if rid in self._early:
                 self._early.discard(rid)
                 continue
-            self._finish(cap, rid, info.get(rid))
+            thread.submit(self._finish, cap, rid, info.get(rid))
 
     def finish_early(self, finished: dict[str, FinishedRequest]) -> None:
         """Requests the scheduler freed but has not sent in a step yet (a flush asked): finish
         them now; their later scheduler output skips them."""
-        cap = self.capturer
-        if cap is None:
+        cap, thread = self.capturer, self._thread
+        if cap is None or thread is None:
             return
         for rid, fin in finished.items():
             self._early.add(rid)
-            self._finish(cap, rid, fin)
+            thread.submit(self._finish, cap, rid, fin)
 
     def _finish(self, cap: RoutingCapturer, rid: str, fin: FinishedRequest | None) -> None:
+        """One request leaves the engine (on the capture thread): stored, or forgotten if aborted."""
         if fin is None or fin.stored_id is None:
             cap.abort_request(rid)
             self.requests_aborted += 1
@@ -376,26 +392,33 @@ class RunnerRecorder:
     # -- flush / close -----------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait until every finished request is durable in the store, or its commit failed;
-        return :meth:`counters`. A failed commit is not raised: the writer logged it when it
-        failed, and the counters name it (``failed``, ``failures``)."""
-        if self.capturer is not None and self._sink is not None:
-            self.capturer.flush(timeout)
-            try:
-                self._sink.flush(timeout)
-            except R3Error as e:
-                # Requests whose commit failed (the writer raises them once): in the counters,
-                # not an error that would stop the engine's caller.
-                if getattr(e, "failed_request_ids", None) is None:
-                    raise
+        """Wait until the capture thread ran everything handed to it and every finished
+        request is durable in the store, or its commit failed; return :meth:`counters`. A
+        failed commit is not raised: the writer logged it when it failed, and the counters
+        name it (``failed``, ``failures``)."""
+        if self._thread is not None:
+            self._thread.call(self._flush_on_thread, timeout, timeout=timeout)
         return self.counters()
+
+    def _flush_on_thread(self, timeout: float | None) -> None:
+        if self.capturer is None or self._sink is None:
+            return
+        self.capturer.flush(timeout)
+        try:
+            self._sink.flush(timeout)
+        except R3Error as e:
+            # Requests whose commit failed (the writer raises them once): in the counters,
+            # not an error that would stop the engine's caller.
+            if getattr(e, "failed_request_ids", None) is None:
+                raise
 
     def counters(self) -> dict[str, Any]:
         """Cumulative since the engine started, JSON-friendly: ``stored`` (finished requests
         handed to the writer), ``aborted``, ``failed`` (requests whose routing is not stored:
         rows that could not be gathered, or a commit that failed) and ``failures`` (each of
         those as ``{"rollout_id", "request_id", "reason"}``), ``preempted``,
-        ``cached_positions``, ``active``, ``steps``, ``host_seconds``."""
+        ``cached_positions``, ``active``, ``steps``, ``host_seconds`` (on the engine's step
+        path) and ``capture_thread_seconds`` (the capturer's own work, on its thread)."""
         cap = self.capturer
         failures: list[CommitFailure] = self._sink.failures() if cap is not None and self._sink is not None else []
         return {
@@ -407,14 +430,29 @@ class RunnerRecorder:
             "active": cap.active_requests if cap is not None else 0,
             "steps": cap.steps if cap is not None else 0,
             "host_seconds": self.host_seconds,
+            "capture_thread_seconds": self._thread.busy_seconds if self._thread is not None else 0.0,
             "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason} for f in failures],
         }
 
     def close(self) -> None:
-        """Close the capturer (every finished request made durable, the writer and its store closed); idempotent."""
+        """Run what the capture thread holds, then close the capturer (every finished request
+        made durable, the writer and its store closed); idempotent. Everything is closed even
+        when the thread stopped on an error; the first error is raised."""
         cap, self.capturer = self.capturer, None
+        thread, self._thread = self._thread, None
+        errors: list[BaseException] = []
+        if thread is not None:
+            try:
+                thread.close()
+            except BaseException as e:
+                errors.append(e)
         if cap is not None:
-            cap.close()
+            try:
+                cap.close()  # on this thread: the capture thread has stopped
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class _ReportingSink:
@@ -455,6 +493,11 @@ class _ReportingSink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
+
+
+def _attach_all(cap: RoutingCapturer, attaches: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    for rid, positions, slots in attaches:
+        cap.attach_cached(rid, positions, slots)
 
 
 def _max_forward_tokens(runner: Any) -> int:
