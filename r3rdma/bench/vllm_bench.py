@@ -9,8 +9,10 @@ machine hits both alike; each round is the same prompts (a long-tailed mix of pr
 lengths), ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
 per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
 ``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
-own clock around every hook: snapshot of the step, begin/end, lifecycle), also as a share of
-the step, and how long each round waited after ``generate`` for the routing to be durable
+own clock around every hook on the engine's thread: snapshot of the step, hand-over to the
+capture thread, lifecycle; ``host_us_per_step``), also as a share of the step, the capture
+thread's own time per step (``capture_thread_us_per_step``: the capturer's bookkeeping,
+gathers and records, beside the engine's step), and how long each round waited after ``generate`` for the routing to be durable
 (``flush_routing``, counted in the "on" time). The writer compresses and writes on its own
 thread, on the same cores as the engine: on a small CPU machine that competes with the model's
 forward, on a GPU host it does not. One JSON line last.
@@ -127,7 +129,7 @@ def _run_mode(
         "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store, **replay}}),
     }
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
-    host_s, steps = 0.0, 0
+    host_s, thread_s, steps = 0.0, 0.0, 0
     flush_s: list[float] = []
     try:
         for rnd in rounds_bar(rounds + 1, f"vllm {mode}"):
@@ -156,6 +158,7 @@ def _run_mode(
                 tok_s[side].append(generated / elapsed)
                 if side == "on":
                     host_s, steps = counters["host_seconds"], counters["steps"]
+                    thread_s = counters["capture_thread_seconds"]
     finally:
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
@@ -171,7 +174,8 @@ def _run_mode(
         "ratio": on / off,
         "flush_seconds_rounds": flush_s,  # the "on" side's wait, after generate, until durable
         "engine_steps": steps,
-        "host_us_per_step": 1e6 * host_s / max(steps, 1),
+        "host_us_per_step": 1e6 * host_s / max(steps, 1),  # on the engine's step path
+        "capture_thread_us_per_step": 1e6 * thread_s / max(steps, 1),  # the capturer's work, beside it
         "host_share_of_step": (host_s / max(steps, 1)) / step_s if step_s > 0 else None,
     }
 
