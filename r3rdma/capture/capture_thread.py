@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from r3rdma.capture.capturer import RoutingCapturer
-from r3rdma.errors import CaptureStateError, ConfigError
+from r3rdma.errors import CaptureStateError, ConfigError, R3TimeoutError
 
 __all__ = ["CaptureThread"]
 
@@ -122,14 +122,14 @@ class CaptureThread:
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` on the thread after everything handed over before; return its
         result or raise its error. ``timeout`` (seconds) bounds the wait for the calls before it
-        and this one."""
+        and this one (:class:`~r3rdma.errors.R3TimeoutError` past it; the call still runs)."""
         self._check()
         done: list[Any] = []
         event = threading.Event()
         self._room.acquire()
         self._queue.put((fn, args, {}, (done, event)))
         if not event.wait(timeout):
-            raise CaptureStateError(
+            raise R3TimeoutError(
                 f"the capture thread did not run {getattr(fn, '__name__', fn)!s} within {timeout} s "
                 f"({self._queue.qsize()} calls still queued)"
             )
@@ -147,9 +147,7 @@ class CaptureThread:
         self._queue.put((_STOP, (), {}, None))
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise CaptureStateError(
-                f"the capture thread did not finish its {self._queue.qsize()} queued calls within {timeout} s"
-            )
+            raise R3TimeoutError(f"the capture thread did not finish its {self._queue.qsize()} queued calls within {timeout} s")
         error, self._error = self._error, None
         if error is not None:
             raise error
