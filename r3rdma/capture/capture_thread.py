@@ -18,7 +18,7 @@ on that same stream, so device order follows hand-over order too.
 
 What it saves depends on the engine's step. Measured on an H100 (``bench capture
 --engine-step``, b64, a request finishing per step into a local store): the capturer inline
-added ~1.4-1.5 ms per step, handed over ~0.8-0.9 ms while the engine read its sampled tokens
+added ~1.4-1.5 ms per step, handed over ~0.7-0.9 ms while the engine read its sampled tokens
 with a synchronous copy (the thread's CUDA calls wait until that copy returns, whatever stream
 they use, and the engine waits for the GIL while the thread holds it) and ~0.25 ms when the
 engine polled an event for its copy instead (no blocking CUDA call). On the CPU VM's vLLM, where the forward itself needs the GIL
