@@ -92,17 +92,21 @@ def _capture_graphs(forward, x_static: torch.Tensor, capturer) -> dict[int, torc
     return graphs
 
 
-@pytest.mark.parametrize("handoff", ["inline", "thread"])
+@pytest.mark.parametrize("handoff", ["inline", "thread", "thread-host"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-graphs", "compiled-graphs"])
 def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compiled, handoff):
     device = torch.device("cuda")
     model = ToyMoE().to(device)
     step_buf = new_step_buffer(max_tokens=max(SIZES), num_layers=L, top_k=K, num_experts=E, device=device)
     model.hooks = [record_hook(step_buf, layer) for layer in range(L)]
-    # Handed over, the capturer works on its own copy: the model's buffer belongs to the next forward.
-    capturer = RoutingCapturer(layer_map=list(range(L)), top_k=K, num_experts=E, num_slots=1024, device=device,
-                               step_buffer=step_buf if handoff == "inline" else torch.zeros_like(step_buf))
-    thread = CaptureThread(capturer) if handoff == "thread" else None
+    # Handed over, the capturer works on its own copy: the model's buffer belongs to the next
+    # forward. "thread-host": the capturer on the host, as the vLLM plug-in builds it (each
+    # step's rows leave the device in one copy; the thread makes no other CUDA call).
+    table = torch.device("cpu") if handoff == "thread-host" else device
+    own = torch.zeros(step_buf.shape, dtype=step_buf.dtype, device=table)
+    capturer = RoutingCapturer(layer_map=list(range(L)), top_k=K, num_experts=E, num_slots=1024, device=table,
+                               step_buffer=step_buf if handoff == "inline" else own)
+    thread = None if handoff == "inline" else CaptureThread(capturer)
     forward = torch.compile(model, dynamic=False) if compiled else model
     x_static = torch.zeros(max(SIZES), H, device=device)
     graphs = _capture_graphs(forward, x_static, capturer)

@@ -22,9 +22,9 @@ around the forward and times the capturer's host path on the step's critical pat
 first finishes one request (``finish_request``, its rows gathered and committed by a real
 writer into a local store) and starts another in its batch row, and ends by reading the sampled
 tokens to the host (the synchronisation every engine step makes). Three settings interleave:
-capture off, the capturer called inline (as the vLLM plug-in did until it got its capture
-thread), and handed over to a :class:`~r3rdma.capture.capture_thread.CaptureThread` (as it does
-now). ``engine_step`` in the JSON: ms per step of each and the host time each adds.
+capture off, the capturer called inline on the GPU (as the vLLM plug-in did until it got its
+capture thread), and a capturer on the host handed over to a
+:class:`~r3rdma.capture.capture_thread.CaptureThread` (as it does now). ``engine_step`` in the JSON: ms per step of each and the host time each adds.
 
 Host synchronisations are counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a
 separate pass of steps (each with capture on and off; the difference is the capturer's).
@@ -198,16 +198,18 @@ class _EngineSteps:
         self.loop, self.step_buf, self.args = loop, step_buf, args
         self.capturers = {}
         for mode in ("inline", "thread"):
+            # Handed over, the capturer is on the host, as the vLLM plug-in builds it: each
+            # step's rows leave the device in one copy, its own copy.
+            table = device if mode == "inline" else torch.device("cpu")
             self.capturers[mode] = RoutingCapturer(
                 layer_map=list(range(step_buf.shape[1])),
                 top_k=args.top_k,
                 num_experts=args.experts,
                 num_slots=args.batch * loop.max_len,
-                device=device,
+                device=table,
                 sink=build_writer(R3Config(local_store_dir=f"{root}/{mode}")),
                 owns_sink=True,
-                # Handed over, the capturer keeps its own copy of each step's rows.
-                step_buffer=step_buf if mode == "inline" else torch.zeros_like(step_buf),
+                step_buffer=step_buf if mode == "inline" else torch.zeros(step_buf.shape, dtype=step_buf.dtype),
             )
         self.thread = CaptureThread(self.capturers["thread"])
         self.serial = 0

@@ -49,11 +49,13 @@ import numpy as np
 import torch
 
 from r3rdma.capture.capturer import RoutingCapturer
+from r3rdma.capture.transfer import StagedRows, stage_to_host
 from r3rdma.errors import CaptureStateError, ConfigError, R3TimeoutError
 
 __all__ = ["CaptureThread"]
 
 _STOP = object()
+_POLL_S = 50e-6  # how often the thread looks whether a step's rows have left the device
 
 
 class CaptureThread:
@@ -64,6 +66,12 @@ class CaptureThread:
     rows into it on the thread. Everything else goes through :meth:`submit` (fire and forget,
     in order) or :meth:`call` (in order, waits for the result). After :meth:`close` nothing
     more is taken.
+
+    A capturer on the host (``device="cpu"``) may take the steps of a model on the GPU: each
+    step's rows then leave the device in one asynchronous copy into pinned memory, issued by
+    :meth:`step` on the engine's stream, and the thread polls that copy's event. It then makes
+    no other CUDA call: bookkeeping, scatters and gathers are numpy over a host table (what the
+    vLLM plug-in does, :mod:`r3rdma.integrations.vllm.worker`).
     """
 
     def __init__(self, capturer: RoutingCapturer, *, max_pending: int = 64, name: str = "r3rdma-capture") -> None:
@@ -102,13 +110,19 @@ class CaptureThread:
         """Hand over one ended step: ``begin_step`` / ``end_step`` of the capturer, with the
         step's rows ``rows_TLK`` (``[T, L, K]``, as the model wrote them) in its step buffer.
 
-        ``rows_TLK`` is copied here (on CUDA: on the current stream, asynchronously), so the
-        caller may overwrite its buffer at once; the other arguments are taken as they are and
+        ``rows_TLK`` is copied here (on CUDA: on the current stream, asynchronously; into
+        pinned host memory when the capturer is on the host), so the caller may overwrite its
+        buffer at once; the other arguments are taken as they are and
         must not change afterwards. ``before`` / ``after``: ``attach_cached`` calls
         ``(request_id, positions, slots)`` to make before and after the step.
         """
-        rows = rows_TLK.clone()
-        stream = torch.cuda.current_stream(rows.device) if rows.is_cuda else None
+        rows: torch.Tensor | StagedRows
+        stream = None
+        if rows_TLK.is_cuda and not self._buf.is_cuda:
+            rows = stage_to_host(rows_TLK)  # the step's rows leave the device in one copy
+        else:
+            rows = rows_TLK.clone()
+            stream = torch.cuda.current_stream(rows.device) if rows.is_cuda else None
         self.submit(self._step, request_ids, start_positions, num_tokens, slots_T, rows, stream, before, after)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -171,7 +185,7 @@ class CaptureThread:
         starts: np.ndarray,
         counts: np.ndarray | int,
         slots: np.ndarray,
-        rows: torch.Tensor,
+        rows: torch.Tensor | StagedRows,
         stream: Any,
         before: Sequence[tuple[str, np.ndarray, np.ndarray]],
         after: Sequence[tuple[str, np.ndarray, np.ndarray]],
@@ -181,6 +195,12 @@ class CaptureThread:
             self._stream = stream
         for rid, positions, hit in before:
             cap.attach_cached(rid, positions, hit)
+        if isinstance(rows, StagedRows):
+            while not rows.ready():
+                # Polled, not waited on: a thread blocked in a CUDA synchronisation can hold up
+                # the engine thread's CUDA calls (as the engine's own blocking copies hold up ours).
+                time.sleep(_POLL_S)
+            rows = rows.host
         self._buf[: rows.shape[0]].copy_(rows)
         cap.begin_step(request_ids, starts, counts, slots, graphed=True)
         try:

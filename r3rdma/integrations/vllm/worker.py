@@ -194,6 +194,7 @@ class RunnerRecorder:
             if callable(check):
                 check()  # store nodes: connect and authenticate now, not at the end of the rollout
             sink = _ReportingSink(writer)
+            table = self._table_device()
             self.capturer = RoutingCapturer(
                 layer_map=self.layer_map,
                 top_k=self.top_k,
@@ -201,13 +202,13 @@ class RunnerRecorder:
                 num_slots=num_slots,
                 sink=sink,
                 rollout_id=self.config.rollout_id,
-                device=self.runner.device,
+                device=table,
                 pin_memory=self.config.pin_host_table,
                 transfer_mode=self.config.transfer_mode,
                 owns_sink=True,
                 # The capture thread's own copy: the model's buffer is rewritten by the next
                 # forward while the thread still works on this step.
-                step_buffer=torch.zeros_like(self.step_buf),
+                step_buffer=torch.zeros(self.step_buf.shape, dtype=self.step_buf.dtype, device=table),
             )
         except BaseException:
             writer.close()
@@ -215,11 +216,26 @@ class RunnerRecorder:
         self._sink = sink
         self._thread = CaptureThread(self.capturer)
         log.info(
-            "r3rdma: capturing into %s (rollout %r), slot table %d slots",
+            "r3rdma: capturing into %s (rollout %r), slot table %d slots on %s",
             self.config.routing_store_type,
             self.config.rollout_id,
             num_slots,
+            table,
         )
+
+    def _table_device(self) -> torch.device:
+        """Where the capturer's slot table lives: on the host, also for a model on the GPU
+        (each step's rows leave the device in one asynchronous copy, and the capture thread
+        then makes no CUDA call: measured, its CUDA calls waited whenever the engine thread sat
+        in a synchronous copy), unless the config asks for the GPU (``slot_table_device``
+        ``cuda``, ``pin_host_table``, or ``transfer_mode`` ``gpu_direct``, which pushes device rows)."""
+        device = torch.device(self.runner.device)
+        cfg = self.config
+        if device.type != "cuda":
+            return device
+        if cfg.slot_table_device.startswith("cuda") or cfg.pin_host_table or cfg.transfer_mode == "gpu_direct":
+            return device
+        return torch.device("cpu")
 
     # -- the step ----------------------------------------------------------------------------
 
