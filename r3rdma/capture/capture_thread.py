@@ -16,13 +16,14 @@ step's scatter can rewrite its freed slots, because that step was handed over la
 each step's rows are copied on the engine's current stream and the thread issues its own work
 on that same stream, so device order follows hand-over order too.
 
-What it saves depends on the engine's step. Measured on an H100 (``bench capture
---engine-step``, b64, a request finishing per step into a local store): the capturer inline
-added ~1.4-1.5 ms per step, handed over ~0.7-0.9 ms while the engine read its sampled tokens
-with a synchronous copy (the thread's CUDA calls wait until that copy returns, whatever stream
-they use, and the engine waits for the GIL while the thread holds it) and ~0.25 ms when the
-engine polled an event for its copy instead (no blocking CUDA call). On the CPU VM's vLLM, where the forward itself needs the GIL
-between kernels, it neither gains nor loses (BENCHMARKS.md).
+What it saves, measured on an H100 (``bench capture --engine-step``: a graphed decode step that
+finishes a request per step into a local store and reads its sampled tokens synchronously):
+the capturer inline on the GPU added 1.8 ms per step at b64 (7.2-7.5%); on this thread over a
+host table (a capturer with ``device="cpu"``, the rows copied off the device once per step,
+below) 0.29-0.35 ms (1.2-1.4%). On the thread over a GPU table it was 0.72-0.86 ms: the
+thread's CUDA calls waited whenever the engine thread sat in a synchronous copy, whatever
+stream they were on. On the CPU VM's vLLM, where the forward needs the GIL between its
+kernels, it neither gains nor loses throughput (BENCHMARKS.md).
 
 Nothing is lost or reordered under load: at most ``max_pending`` calls wait (then the engine
 thread waits, as it would have waited inline). An exception escaping a call stops the thread's

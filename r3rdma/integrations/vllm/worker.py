@@ -20,6 +20,9 @@ request stored once". The mapping onto the capturer's calls:
   forward) and hands it over with the lifecycle calls, in order; the capturer's bookkeeping and
   finished requests' gathers then run beside the engine instead of on its step path. Ordering
   keeps it exact: a finished request is gathered before any later step can rewrite its slots.
+  For a model on the GPU the capturer's slot table is in host memory (see ``_table_device``):
+  the step's rows leave the device in one asynchronous copy and the thread makes no other
+  CUDA call.
 - ``begin_step`` (``graphed=True``: the forward writes the step buffer itself): from the
   runner's persistent input batch as ``_prepare_inputs`` reads it: the request order, each
   request's computed tokens (the step's first position) and the scheduler's token counts; KV
