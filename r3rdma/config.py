@@ -120,7 +120,9 @@ class R3Config:
         slot_table_device: where the capturer's slot table and step buffers live, when
             :func:`~r3rdma.integrations.pipeline.build_capturer` is given no ``device``:
             ``auto`` (the model's device when built with ``model=``; else CUDA when available,
-            else CPU), ``cpu``, ``cuda`` or ``cuda:<n>``.
+            else CPU), ``cpu``, ``cuda`` or ``cuda:<n>``. The vLLM plug-in keeps it on the host
+            for a model on the GPU too (its capture thread then makes no CUDA call,
+            :mod:`r3rdma.capture.capture_thread`) unless this says ``cuda``.
         pin_host_table: the capturer keeps its (CUDA) slot table in pinned host memory mapped
             into the device instead of HBM (``RoutingCapturer(pin_memory=True)``): no HBM for
             the table, slower scatters and gathers. Needs a CUDA slot table.
