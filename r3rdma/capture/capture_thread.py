@@ -39,8 +39,8 @@ semaphore ~0.7 us (measured on the CPU VM), and a step hands over one to three c
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +57,7 @@ __all__ = ["CaptureThread"]
 
 _STOP = object()
 _POLL_S = 50e-6  # how often the thread looks whether a step's rows have left the device
+_IDLE_S = 1e-3  # how often an idle thread looks for calls (a decode step takes 10-30 ms)
 
 
 class CaptureThread:
@@ -83,8 +84,13 @@ class CaptureThread:
             raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
         self.capturer = capturer
         self._buf = buf
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._room = threading.BoundedSemaphore(max_pending)  # calls handed over and not yet run
+        # Handed-over calls, in order. The engine thread only appends (no lock, no wake-up: a
+        # wake-up per step cost the engine thread tens of us, the woken thread taking the core
+        # and the GIL mid-hand-over); the thread looks every _IDLE_S when idle, at once for a
+        # call() or close() that waits.
+        self._queue: collections.deque[Any] = collections.deque()
+        self._max_pending = max_pending
+        self._wake = threading.Event()
         self._error: BaseException | None = None
         self._closed = False
         # The engine's stream on CUDA: each step's rows are copied on it, and the thread issues
@@ -103,7 +109,7 @@ class CaptureThread:
         start_positions: np.ndarray,
         num_tokens: np.ndarray | int,
         slots_T: np.ndarray,
-        rows_TLK: torch.Tensor,
+        rows_TLK: torch.Tensor | np.ndarray,
         *,
         before: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
         after: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
@@ -113,13 +119,17 @@ class CaptureThread:
 
         ``rows_TLK`` is copied here (on CUDA: on the current stream, asynchronously; into
         pinned host memory when the capturer is on the host), so the caller may overwrite its
-        buffer at once; the other arguments are taken as they are and
+        buffer at once. Host rows may come as a numpy array (a view of a CPU step buffer): the
+        copy then stays in numpy, which keeps the GIL for a small step, where torch's copy
+        lets the capture thread take it in the middle of the engine's hand-over; the other arguments are taken as they are and
         must not change afterwards. ``before`` / ``after``: ``attach_cached`` calls
         ``(request_id, positions, slots)`` to make before and after the step.
         """
-        rows: torch.Tensor | StagedRows
+        rows: torch.Tensor | np.ndarray | StagedRows
         stream = None
-        if rows_TLK.is_cuda and not self._buf.is_cuda:
+        if isinstance(rows_TLK, np.ndarray):
+            rows = rows_TLK.copy()
+        elif rows_TLK.is_cuda and not self._buf.is_cuda:
             rows = stage_to_host(rows_TLK)  # the step's rows leave the device in one copy
         else:
             rows = rows_TLK.clone()
@@ -131,8 +141,9 @@ class CaptureThread:
 
         Raises the error that stopped the thread, if one did."""
         self._check()
-        self._room.acquire()
-        self._queue.put((fn, args, kwargs, None))
+        if len(self._queue) >= self._max_pending:
+            self._wait_for_room()
+        self._queue.append((fn, args, kwargs, None))
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` on the thread after everything handed over before; return its
@@ -141,12 +152,12 @@ class CaptureThread:
         self._check()
         done: list[Any] = []
         event = threading.Event()
-        self._room.acquire()
-        self._queue.put((fn, args, {}, (done, event)))
+        self._queue.append((fn, args, {}, (done, event)))
+        self._wake.set()
         if not event.wait(timeout):
             raise R3TimeoutError(
                 f"the capture thread did not run {getattr(fn, '__name__', fn)!s} within {timeout} s "
-                f"({self._queue.qsize()} calls still queued)"
+                f"({len(self._queue)} calls still queued)"
             )
         ok, value = done
         if not ok:
@@ -159,10 +170,11 @@ class CaptureThread:
         if self._closed:
             return
         self._closed = True
-        self._queue.put((_STOP, (), {}, None))
+        self._queue.append((_STOP, (), {}, None))
+        self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise R3TimeoutError(f"the capture thread did not finish its {self._queue.qsize()} queued calls within {timeout} s")
+            raise R3TimeoutError(f"the capture thread did not finish its {len(self._queue)} queued calls within {timeout} s")
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -171,6 +183,12 @@ class CaptureThread:
     def error(self) -> BaseException | None:
         """The exception that stopped the thread's work, if one did."""
         return self._error
+
+    def _wait_for_room(self) -> None:
+        """Backpressure: ``max_pending`` calls wait already; wait until the thread took one."""
+        self._wake.set()
+        while len(self._queue) >= self._max_pending and self._thread.is_alive():
+            time.sleep(_POLL_S)
 
     def _check(self) -> None:
         if self._error is not None:
@@ -186,7 +204,7 @@ class CaptureThread:
         starts: np.ndarray,
         counts: np.ndarray | int,
         slots: np.ndarray,
-        rows: torch.Tensor | StagedRows,
+        rows: torch.Tensor | np.ndarray | StagedRows,
         stream: Any,
         before: Sequence[tuple[str, np.ndarray, np.ndarray]],
         after: Sequence[tuple[str, np.ndarray, np.ndarray]],
@@ -202,6 +220,8 @@ class CaptureThread:
                 # the engine thread's CUDA calls (as the engine's own blocking copies hold up ours).
                 time.sleep(_POLL_S)
             rows = rows.host
+        elif isinstance(rows, np.ndarray):
+            rows = torch.from_numpy(rows)
         self._buf[: rows.shape[0]].copy_(rows)
         cap.begin_step(request_ids, starts, counts, slots, graphed=True)
         try:
@@ -213,9 +233,14 @@ class CaptureThread:
             cap.attach_cached(rid, positions, hit)
 
     def _run(self) -> None:
-        get, clock = self._queue.get, time.perf_counter
+        pop, clock, wake = self._queue.popleft, time.perf_counter, self._wake
         while True:
-            fn, args, kwargs, reply = get()
+            try:
+                fn, args, kwargs, reply = pop()
+            except IndexError:  # nothing handed over: look again soon, or when a waiter wakes us
+                wake.wait(_IDLE_S)
+                wake.clear()
+                continue
             if fn is _STOP:
                 return
             t0 = clock()
@@ -240,7 +265,6 @@ class CaptureThread:
             finally:
                 self.busy_seconds += clock() - t0
                 self.calls += 1
-                self._room.release()
                 if reply is not None:
                     reply[1].set()
 

@@ -102,6 +102,7 @@ class RunnerRecorder:
         self.top_k = 0
         self.num_experts = 0
         self.step_buf: torch.Tensor | None = None  # the fixed buffer the model's routers write
+        self._step_np: np.ndarray | None = None  # a CPU step buffer's numpy view (see _step_rows)
         self._check_next_step = True  # the first real step proves every hooked layer writes
         self._sentinel: int | None = None  # the value that step's rows were filled with
         self._pending: tuple | None = None  # (req_ids, starts, counts, slots, entering) from _prepare_inputs
@@ -332,9 +333,20 @@ class RunnerRecorder:
         if self._check_next_step and total:
             self._check_next_step = False
             self._check_layers_wrote(total)
-        assert self.step_buf is not None  # set by bind_model, before the capturer is built
-        thread.step(req_ids, starts, counts, slots, self.step_buf[:total], before=before, after=after)
+        thread.step(req_ids, starts, counts, slots, self._step_rows(total), before=before, after=after)
         self.host_seconds += time.perf_counter() - t0
+
+    def _step_rows(self, total: int) -> torch.Tensor | np.ndarray:
+        """The rows the model wrote this step: a numpy view on the CPU (the hand-over then copies
+        in numpy, holding the GIL), the device buffer's first rows on the GPU."""
+        buf = self.step_buf
+        if buf is None:  # set by bind_model, before the capturer is built
+            raise ConfigError("r3rdma: a vLLM step ended before the model was bound")
+        if buf.is_cuda:
+            return buf[:total]
+        if self._step_np is None:
+            self._step_np = buf.numpy()
+        return self._step_np[:total]
 
     def _check_layers_wrote(self, total: int) -> None:
         """Once, at the first real step: every hooked MoE layer wrote its rows (one host read).
