@@ -14,16 +14,17 @@ The capturer's work then overlaps the next forward (which releases the GIL in it
 Ordering is all it takes to stay exact: a finished request's gather runs before any later
 step's scatter can rewrite its freed slots, because that step was handed over later. On CUDA
 each step's rows are copied on the engine's current stream and the thread issues its own work
-on that same stream, so device order follows hand-over order too.
+on that same stream, so device order follows hand-over order too (a capturer on the host: the
+rows are copied off the device on that stream, and the thread waits for the copy's event).
 
 What it saves, measured on an H100 (``bench capture --engine-step``: a graphed decode step that
 finishes a request per step into a local store and reads its sampled tokens synchronously):
-the capturer inline on the GPU added 1.8 ms per step at b64 (7.2-7.5%); on this thread over a
+the capturer inline on the GPU added 1.5-1.8 ms per step at b64 (6-7.5%); on this thread over a
 host table (a capturer with ``device="cpu"``, the rows copied off the device once per step,
-below) 0.29-0.35 ms (1.2-1.4%). On the thread over a GPU table it was 0.72-0.86 ms: the
-thread's CUDA calls waited whenever the engine thread sat in a synchronous copy, whatever
-stream they were on. On the CPU VM's vLLM, where the forward needs the GIL between its
-kernels, it neither gains nor loses throughput (BENCHMARKS.md).
+below) 0.19 ms (0.75%). On the thread over a GPU table it was 0.72-0.86 ms: the thread's CUDA
+calls waited whenever the engine thread sat in a synchronous copy, whatever stream they were
+on. In the CPU VM's vLLM (64 running requests) the engine thread's share fell from ~380-410 to
+~135 us per step (BENCHMARKS.md).
 
 Nothing is lost or reordered under load: at most ``max_pending`` calls wait (then the engine
 thread waits, as it would have waited inline). An exception escaping a call stops the thread's
@@ -33,8 +34,12 @@ failures the caller handles inside its call (a request whose rows cannot be gath
 here.
 
 Hand-written rather than ``concurrent.futures.ThreadPoolExecutor(max_workers=1)``: its
-``submit`` costs ~12 us per call (a Future, a lock, a work item), a ``SimpleQueue.put`` plus a
-semaphore ~0.7 us (measured on the CPU VM), and a step hands over one to three calls.
+``submit`` costs ~12 us per call on the CPU VM (a Future, a lock, a work item) and wakes the
+worker every time. Waking it per step was itself the cost: with a ``SimpleQueue`` and a
+semaphore (0.7 us alone), the woken thread took the core and the GIL in the middle of the
+engine's hand-over, and the engine thread's share in vLLM was ~340 us per step; appending to a
+deque that the thread polls (every ``_IDLE_S`` when idle; at once for :meth:`CaptureThread.call`
+and :meth:`CaptureThread.close`) brought it to ~135 us.
 """
 
 from __future__ import annotations
