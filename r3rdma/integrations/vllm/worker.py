@@ -338,7 +338,7 @@ class RunnerRecorder:
 
     def _step_rows(self, total: int) -> torch.Tensor | np.ndarray:
         """The rows the model wrote this step: a numpy view on the CPU (the hand-over then copies
-        in numpy, holding the GIL), the device buffer's first rows on the GPU."""
+        them with numpy, without torch's dispatch), the device buffer's first rows on the GPU."""
         buf = self.step_buf
         if buf is None:  # set by bind_model, before the capturer is built
             raise ConfigError("r3rdma: a vLLM step ended before the model was bound")
