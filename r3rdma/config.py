@@ -121,8 +121,15 @@ class R3Config:
             :func:`~r3rdma.integrations.pipeline.build_capturer` is given no ``device``:
             ``auto`` (the model's device when built with ``model=``; else CUDA when available,
             else CPU), ``cpu``, ``cuda`` or ``cuda:<n>``. The vLLM plug-in keeps it on the host
-            for a model on the GPU too (its capture thread then makes no CUDA call,
-            :mod:`r3rdma.capture.capture_thread`) unless this says ``cuda``.
+            for a model on the GPU too when its capturer runs on a thread (``capture_thread``;
+            the thread then makes no CUDA call, :mod:`r3rdma.capture.capture_thread`) unless
+            this says ``cuda``.
+        capture_thread: where an engine plug-in (vLLM) runs the capturer's work:
+            ``on`` (a thread of its own, beside the engine's step path:
+            :class:`~r3rdma.capture.capture_thread.CaptureThread`), ``off`` (inline, on the
+            engine's thread: :class:`~r3rdma.capture.capture_thread.InlineCapture`) or
+            ``auto`` (on for a model on the GPU, whose engine thread waits on the device while
+            cores are free; off for a model on the CPU, whose forward keeps every core busy).
         pin_host_table: the capturer keeps its (CUDA) slot table in pinned host memory mapped
             into the device instead of HBM (``RoutingCapturer(pin_memory=True)``): no HBM for
             the table, slower scatters and gathers. Needs a CUDA slot table.
@@ -161,6 +168,7 @@ class R3Config:
     store_token_file: str | None = None
     store_replicas: Annotated[int, Field(ge=0)] = 0
     slot_table_device: str = "auto"
+    capture_thread: Literal["auto", "on", "off"] = "auto"
     pin_host_table: bool = False
     transfer_mode: Literal["auto", "staged", "gpu_direct"] = "auto"
     flush_bytes: Annotated[int, Field(gt=0)] = 8 << 20

@@ -1,5 +1,6 @@
 """The capture thread: a capturer's calls handed over from the engine's thread store exactly
-what the same calls made inline store, errors reach the engine, nothing queued is lost."""
+what the same calls made inline store, errors reach the engine, nothing queued is lost; and
+InlineCapture, the same hand-over calls run at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3rdma.capture.capture_thread import CaptureThread
+from r3rdma.capture.capture_thread import CaptureThread, InlineCapture
 from r3rdma.capture.capturer import RoutingCapturer
 from r3rdma.errors import CaptureStateError, ConfigError, OutOfRangeError
 from r3rdma.kernels.record_op import new_step_buffer
@@ -67,10 +68,10 @@ def _run_threaded(thread: CaptureThread, script, model_buf: torch.Tensor):
     for item in script:
         if item[0] == "step":
             _, ids, starts, counts, slots, rows, before, after = item
-            model_buf[: rows.shape[0]].copy_(rows)  # what the model's routers wrote this step
+            model_buf[: rows.shape[0]] = rows.numpy() if isinstance(model_buf, np.ndarray) else rows  # what the routers wrote
             counts = counts if isinstance(counts, int) else np.asarray(counts)
             thread.step(ids, np.asarray(starts), counts, slots, model_buf[: rows.shape[0]], before=before, after=after)
-            model_buf.fill_(7)  # the next forward rewrites the model's buffer at once
+            model_buf[:] = 7  # the next forward rewrites the model's buffer at once
         elif item[0] == "finish":
             thread.submit(thread.capturer.finish_request, item[1], **item[2])
         else:
@@ -81,17 +82,24 @@ def _records(sink: list) -> dict:
     return {r.request_id: r.ids_TLK for r in sink}
 
 
-def test_handed_over_calls_store_what_inline_calls_store():
+@pytest.mark.parametrize("runner", ["thread", "inline", "inline-numpy"])
+def test_handed_over_calls_store_what_inline_calls_store(runner):
     script = _script()
     a, b = _Sink(), _Sink()
     _run_inline(_capturer(a), script)
     threaded = _capturer(b)
     model_buf = new_step_buffer(max_tokens=16, num_layers=L, top_k=K, num_experts=E, device="cpu")
-    thread = CaptureThread(threaded, max_pending=2)  # backpressure on the engine's side, nothing lost
-    _run_threaded(thread, script, model_buf)
+    if runner == "thread":
+        thread = CaptureThread(threaded, max_pending=2)  # backpressure on the engine's side, nothing lost
+    else:
+        thread = InlineCapture(threaded)
+    _run_threaded(thread, script, model_buf.numpy() if runner == "inline-numpy" else model_buf)
     thread.call(threaded.flush)
-    assert thread.calls == len(script) + 1 and thread.busy_seconds > 0
+    assert thread.calls == len(script) + 1
+    assert thread.threaded == (runner == "thread") and (thread.busy_seconds > 0) == thread.threaded
     thread.close()
+    with pytest.raises(CaptureStateError, match="closed"):
+        thread.submit(threaded.abort_request, "a")
     assert sorted(_records(a)) == sorted(_records(b)) == ["b", "c"]
     for rid, routing in _records(a).items():
         np.testing.assert_array_equal(routing, _records(b)[rid])
@@ -148,7 +156,19 @@ def test_close_runs_everything_handed_over():
     assert done == [0, 1, 2, 3, 4]
 
 
-def test_a_capturer_without_a_fixed_step_buffer_is_refused():
+def test_inline_errors_are_raised_by_the_call_that_made_them():
+    cap = _capturer()
+    inline = InlineCapture(cap)
+    rows = torch.zeros((2, L, K), dtype=torch.int16)
+    with pytest.raises(OutOfRangeError, match=f"slots must be in 0..{SLOTS - 1}"):
+        inline.step(["a", "b"], np.array([0, 0]), 1, np.array([0, SLOTS + 5]), rows)
+    assert cap.steps == 0 and inline.error is None
+    inline.step(["a", "b"], np.array([0, 0]), 1, np.array([0, 1]), rows)  # the capturer goes on
+    assert cap.steps == 1
+
+
+@pytest.mark.parametrize("runner", [CaptureThread, InlineCapture])
+def test_a_capturer_without_a_fixed_step_buffer_is_refused(runner):
     cap = RoutingCapturer(layer_map=[0], top_k=K, num_experts=E, num_slots=SLOTS)
     with pytest.raises(ConfigError, match="fixed step_buffer"):
-        CaptureThread(cap)
+        runner(cap)

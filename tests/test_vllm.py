@@ -58,7 +58,10 @@ def llm(mode, model_dir, store_dir):
         gpu_memory_utilization=0.3, seed=0,
         block_size=BLOCK, num_gpu_blocks_override=28, max_num_batched_tokens=64, max_num_seqs=8,
         additional_config={"routing_replay": {"local_store_dir": store_dir, "rollout_id": "default-rollout",
-                                              "flush_interval_s": 0.01}},
+                                              "flush_interval_s": 0.01,
+                                              # On the CPU the capturer runs inline by default; the
+                                              # eager engine runs it on its thread (the GPU default).
+                                              "capture_thread": "on" if mode == "eager" else "auto"}},
     )
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -95,7 +98,7 @@ def _check(llm, store_dir, reference, outputs, rollout=None):
     return counters, checked
 
 
-def test_continuous_batching_and_chunked_prefill(llm, store_dir, reference):
+def test_continuous_batching_and_chunked_prefill(llm, mode, store_dir, reference):
     from vllm import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -106,6 +109,7 @@ def test_continuous_batching_and_chunked_prefill(llm, store_dir, reference):
     outs = llm.generate(_prompts(rng, lengths), params, use_tqdm=False)
     counters, checked = _check(llm, store_dir, reference, outs, rollout="batch")
     assert checked == len(lengths)
+    assert (counters["capture_thread_seconds"] > 0) == (mode == "eager")  # the thread ran (eager) or nothing did
     assert [o.kv_transfer_params["r3_routing"]["request_id"] for o in outs] == [f"s{i}" for i in range(6)]
 
 

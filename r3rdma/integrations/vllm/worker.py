@@ -14,7 +14,8 @@ request stored once". The mapping onto the capturer's calls:
   layers are simply absent from the layer map. The same op runs eagerly, inside
   torch.compile's graph (an opaque custom op) and in a replayed CUDA graph; rows a graph
   writes for its padded size are never stored.
-- The capturer runs on its own thread (:class:`~r3rdma.capture.capture_thread.CaptureThread`):
+- For a model on the GPU the capturer runs on its own thread
+  (:class:`~r3rdma.capture.capture_thread.CaptureThread`; ``capture_thread`` in the config):
   the step path only snapshots what the engine will overwrite (the step's request order,
   positions and KV slots from ``_prepare_inputs``, the rows the model wrote, copied after the
   forward) and hands it over with the lifecycle calls, in order; the capturer's bookkeeping and
@@ -22,7 +23,9 @@ request stored once". The mapping onto the capturer's calls:
   keeps it exact: a finished request is gathered before any later step can rewrite its slots.
   For a model on the GPU the capturer's slot table is in host memory (see ``_table_device``):
   the step's rows leave the device in one asynchronous copy and the thread makes no other
-  CUDA call.
+  CUDA call. For a model on the CPU the same calls run inline
+  (:class:`~r3rdma.capture.capture_thread.InlineCapture`): vLLM's CPU forward keeps every core
+  busy in its OpenMP pool, and a thread beside it slowed the engine (measured there).
 - ``begin_step`` (``graphed=True``: the forward writes the step buffer itself): from the
   runner's persistent input batch as ``_prepare_inputs`` reads it: the request order, each
   request's computed tokens (the step's first position) and the scheduler's token counts; KV
@@ -69,7 +72,7 @@ from r3rdma.integrations.vllm.support import check_engine
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 
 if TYPE_CHECKING:
-    from r3rdma.capture.capture_thread import CaptureThread
+    from r3rdma.capture.capture_thread import CaptureThread, InlineCapture
     from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.write.writer import CommitFailure, RoutingWriter
 
@@ -96,7 +99,7 @@ class RunnerRecorder:
         self.runner = runner
         self.config = config
         self.capturer: RoutingCapturer | None = None  # built once vLLM sized its KV cache; None again after close
-        self._thread: CaptureThread | None = None  # runs the capturer's calls, built with it
+        self._thread: CaptureThread | InlineCapture | None = None  # runs the capturer's calls, built with it
         self._sink: _ReportingSink | None = None  # the capturer's sink, kept typed for its failure reports
         self.layer_map: tuple[int, ...] = ()
         self.top_k = 0
@@ -187,7 +190,7 @@ class RunnerRecorder:
             )
         block_size = int(groups[0].kv_cache_spec.block_size)
         num_slots = int(kv_cache_config.num_blocks) * block_size
-        from r3rdma.capture.capture_thread import CaptureThread
+        from r3rdma.capture.capture_thread import CaptureThread, InlineCapture
         from r3rdma.capture.capturer import RoutingCapturer
 
         if self.step_buf is None:
@@ -198,7 +201,8 @@ class RunnerRecorder:
             if callable(check):
                 check()  # store nodes: connect and authenticate now, not at the end of the rollout
             sink = _ReportingSink(writer)
-            table = self._table_device()
+            threaded = self._threaded()
+            table = self._table_device(threaded)
             self.capturer = RoutingCapturer(
                 layer_map=self.layer_map,
                 top_k=self.top_k,
@@ -210,32 +214,46 @@ class RunnerRecorder:
                 pin_memory=self.config.pin_host_table,
                 transfer_mode=self.config.transfer_mode,
                 owns_sink=True,
-                # The capture thread's own copy: the model's buffer is rewritten by the next
-                # forward while the thread still works on this step.
+                # The capturer's own copy: the model's buffer is rewritten by the next forward
+                # while a capture thread still works on this step (and on the host, a GPU
+                # model's rows are copied off the device).
                 step_buffer=torch.zeros(self.step_buf.shape, dtype=self.step_buf.dtype, device=table),
             )
         except BaseException:
             writer.close()
             raise
         self._sink = sink
-        self._thread = CaptureThread(self.capturer)
+        self._thread = CaptureThread(self.capturer) if threaded else InlineCapture(self.capturer)
         log.info(
-            "r3rdma: capturing into %s (rollout %r), slot table %d slots on %s",
+            "r3rdma: capturing into %s (rollout %r), slot table %d slots on %s, capturer %s",
             self.config.routing_store_type,
             self.config.rollout_id,
             num_slots,
             table,
+            "on its own thread" if threaded else "inline",
         )
 
-    def _table_device(self) -> torch.device:
-        """Where the capturer's slot table lives: on the host, also for a model on the GPU
-        (each step's rows leave the device in one asynchronous copy, and the capture thread
-        then makes no CUDA call: measured, its CUDA calls waited whenever the engine thread sat
-        in a synchronous copy), unless the config asks for the GPU (``slot_table_device``
-        ``cuda``, ``pin_host_table``, or ``transfer_mode`` ``gpu_direct``, which pushes device rows)."""
+    def _threaded(self) -> bool:
+        """Whether the capturer runs on a thread of its own (``capture_thread``; ``auto``: for a
+        model on the GPU). On the CPU, vLLM's forward runs in an OpenMP pool bound to every
+        core: a thread beside it takes a core from the pool mid-region and the whole forward
+        waits (measured: :class:`~r3rdma.capture.capture_thread.InlineCapture`)."""
+        mode = self.config.capture_thread
+        if mode != "auto":
+            return mode == "on"
+        return torch.device(self.runner.device).type == "cuda"
+
+    def _table_device(self, threaded: bool) -> torch.device:
+        """Where the capturer's slot table lives: for a model on the GPU whose capturer runs on
+        a thread, on the host (each step's rows leave the device in one asynchronous copy, and
+        the thread then makes no CUDA call: measured, its CUDA calls waited whenever the engine
+        thread sat in a synchronous copy), unless the config asks for the GPU
+        (``slot_table_device`` ``cuda``, ``pin_host_table``, or ``transfer_mode``
+        ``gpu_direct``, which pushes device rows). Inline, on the model's device (the step
+        path then stays kernels, with no host sync)."""
         device = torch.device(self.runner.device)
         cfg = self.config
-        if device.type != "cuda":
+        if device.type != "cuda" or not threaded:
             return device
         if cfg.slot_table_device.startswith("cuda") or cfg.pin_host_table or cfg.transfer_mode == "gpu_direct":
             return device
@@ -380,7 +398,7 @@ class RunnerRecorder:
         finally:
             self.host_seconds += time.perf_counter() - t0
 
-    def _lifecycle(self, cap: RoutingCapturer, thread: CaptureThread, scheduler_output: Any) -> None:
+    def _lifecycle(self, cap: RoutingCapturer, thread: CaptureThread | InlineCapture, scheduler_output: Any) -> None:
         for rid in scheduler_output.preempted_req_ids or ():
             thread.submit(cap.preempt_request, rid)
         if not scheduler_output.finished_req_ids:
