@@ -9,11 +9,13 @@ machine hits both alike; each round is the same prompts (a long-tailed mix of pr
 lengths), ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
 per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
 ``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
-own clock around every hook on the engine's thread: snapshot of the step, hand-over to the
-capture thread, lifecycle; ``host_us_per_step``), also as a share of the step, the capture
+own clock around every hook on the engine's thread: snapshot of the step, the capturer's work
+or its hand-over, lifecycle; ``host_us_per_step``), also as a share of the step, the capture
 thread's own time per step (``capture_thread_us_per_step``: the capturer's bookkeeping,
-gathers and records, beside the engine's step), and how long each round waited after ``generate`` for the routing to be durable
-(``flush_routing``, counted in the "on" time). The writer compresses and writes on its own
+gathers and records, beside the engine's step; 0 inline), and how long each round waited after
+``generate`` for the routing to be durable (``flush_routing``, counted in the "on" time).
+``--capture-thread``: the plug-in's ``capture_thread`` (``auto``: inline on this CPU engine, on
+a thread of its own on a GPU; ``on`` measures the thread here). The writer compresses and writes on its own
 thread, on the same cores as the engine: on a small CPU machine that competes with the model's
 forward, on a GPU host it does not. One JSON line last.
 """
@@ -58,6 +60,7 @@ def run_vllm_bench(
     seed: int = 0,
     modes: tuple[str, ...] = ("compiled", "eager"),
     flush_interval_s: float | None = None,
+    capture_thread: str = "auto",
 ) -> dict:
     """Both modes' measurements (:func:`_run_mode`) and the ratios side by side."""
     import vllm
@@ -85,7 +88,9 @@ def run_vllm_bench(
         )
         prompts, new_lens = _workload(requests, max_new, seed)
         engine = dict(model=model, seed=seed, max_num_seqs=running)  # max_num_seqs: requests the engine runs at once
-        replay: dict[str, Any] = {} if flush_interval_s is None else {"flush_interval_s": flush_interval_s}
+        replay: dict[str, Any] = {"capture_thread": capture_thread}
+        if flush_interval_s is not None:
+            replay["flush_interval_s"] = flush_interval_s
         per_mode = {mode: _run_mode(mode, engine, f"{work}/store-{mode}", prompts, new_lens, rounds, replay) for mode in modes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -99,6 +104,7 @@ def run_vllm_bench(
         "rounds": rounds,
         "goal_compiled_ratio": 0.97,
         "flush_interval_s": flush_interval_s,  # None: R3Config's default
+        "capture_thread": capture_thread,  # auto: inline for this CPU engine, a thread on a GPU
     }
     for mode, measured in per_mode.items():
         result[f"{mode}_ratio"] = measured["ratio"]
@@ -194,6 +200,12 @@ def add_arguments(parser) -> None:
         help="the writer's flush_interval_s for the plug-in-on engine (default: R3Config's, 0.05)",
     )
     parser.add_argument(
+        "--capture-thread",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the plug-in's capture_thread setting (auto: inline on the CPU, on its own thread on a GPU)",
+    )
+    parser.add_argument(
         "--mode",
         choices=["both", "compiled", "eager"],
         default="both",
@@ -205,7 +217,14 @@ def main(args) -> int:
     sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
     sizes.update({k: getattr(args, k) for k in ("requests", "max_new", "running") if getattr(args, k) is not None})
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)
-    result = run_vllm_bench(rounds=args.rounds, seed=args.seed, modes=modes, flush_interval_s=args.flush_interval_s, **sizes)
+    result = run_vllm_bench(
+        rounds=args.rounds,
+        seed=args.seed,
+        modes=modes,
+        flush_interval_s=args.flush_interval_s,
+        capture_thread=args.capture_thread,
+        **sizes,
+    )
     for mode, m in result["modes"].items():
         print(
             f"vLLM {result['vllm']} {mode}: {m['tokens_per_s_off']:.0f} tok/s off, {m['tokens_per_s_on']:.0f} tok/s on "
