@@ -4,7 +4,9 @@ eager and torch.compile'd, replayed over steps with changing requests, positions
 real-token counts, with the host driving the capturer exactly as the plug-in does: inline
 (``begin_step(..., graphed=True)``, replay, ``end_step()``), and handed over to a
 :class:`~r3rdma.capture.capture_thread.CaptureThread` after the replay (the rows copied from the
-model's buffer on the stream, the capturer's calls on the thread), as the plug-in does now.
+model's buffer on the stream, the capturer's calls on the thread), as the plug-in does now for
+a model on the GPU, and to an :class:`~r3rdma.capture.capture_thread.InlineCapture` (the same
+calls at once, ``capture_thread="off"``).
 
 What it covers: the op is captured into each graph against the fixed step buffer and repeats on
 every replay; rows a graph wrote for its padded size are never stored; stored rows equal an
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 from r3rdma import RoutingCapturer
-from r3rdma.capture.capture_thread import CaptureThread
+from r3rdma.capture.capture_thread import CaptureThread, InlineCapture
 from r3rdma.kernels.record_op import new_step_buffer, record_hook
 
 pytestmark = pytest.mark.gpu
@@ -92,7 +94,7 @@ def _capture_graphs(forward, x_static: torch.Tensor, capturer) -> dict[int, torc
     return graphs
 
 
-@pytest.mark.parametrize("handoff", ["inline", "thread", "thread-host"])
+@pytest.mark.parametrize("handoff", ["inline", "thread", "thread-host", "inline-capture"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-graphs", "compiled-graphs"])
 def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compiled, handoff):
     device = torch.device("cuda")
@@ -102,11 +104,16 @@ def test_record_op_in_cuda_graphs_stores_real_rows_only_with_no_host_sync(compil
     # Handed over, the capturer works on its own copy: the model's buffer belongs to the next
     # forward. "thread-host": the capturer on the host, as the vLLM plug-in builds it (each
     # step's rows leave the device in one copy; the thread makes no other CUDA call).
+    # "inline-capture": InlineCapture over the GPU table (the plug-in with capture_thread="off").
     table = torch.device("cpu") if handoff == "thread-host" else device
     own = torch.zeros(step_buf.shape, dtype=step_buf.dtype, device=table)
     capturer = RoutingCapturer(layer_map=list(range(L)), top_k=K, num_experts=E, num_slots=1024, device=table,
                                step_buffer=step_buf if handoff == "inline" else own)
-    thread = None if handoff == "inline" else CaptureThread(capturer)
+    thread: CaptureThread | InlineCapture | None = None
+    if handoff == "inline-capture":
+        thread = InlineCapture(capturer)
+    elif handoff != "inline":
+        thread = CaptureThread(capturer)
     forward = torch.compile(model, dynamic=False) if compiled else model
     x_static = torch.zeros(max(SIZES), H, device=device)
     graphs = _capture_graphs(forward, x_static, capturer)

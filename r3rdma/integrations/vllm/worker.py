@@ -69,6 +69,7 @@ from r3rdma.errors import ConfigError, R3Error
 from r3rdma.integrations.pipeline import build_writer
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
 from r3rdma.integrations.vllm.support import check_engine
+from r3rdma.integrations.vllm.threads import threads_beside_the_model
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 
 if TYPE_CHECKING:
@@ -190,11 +191,16 @@ class RunnerRecorder:
             )
         block_size = int(groups[0].kv_cache_spec.block_size)
         num_slots = int(kv_cache_config.num_blocks) * block_size
+        if self.step_buf is None:
+            raise ConfigError("r3rdma: the capturer is built after the model is bound (bind_model), not before")
+        with threads_beside_the_model():  # the writer's and the store's threads start in here
+            self._build(num_slots)
+
+    def _build(self, num_slots: int) -> None:
         from r3rdma.capture.capture_thread import CaptureThread, InlineCapture
         from r3rdma.capture.capturer import RoutingCapturer
 
-        if self.step_buf is None:
-            raise ConfigError("r3rdma: the capturer is built after the model is bound (bind_model), not before")
+        assert self.step_buf is not None  # checked by build()
         writer = build_writer(self.config)
         try:
             check = getattr(writer.store, "check", None)
