@@ -15,8 +15,21 @@ def test_bench_small_run():
     # 64-row chunks of 4 layers (--chunk-rows, --layers-per-chunk), --slice-layout: requests of
     # 300-400 rows span several row chunks, so every array lies layer group major (format 4).
     result = run_trainer_layout_bench(
-        requests=8, min_rows=300, max_rows=400, batch_mb=0.2, processes=2, dp=2, tp=2, pp=2, cp=2,
-        layers=8, micro_batch=2, progress=False, chunk_rows=64, layers_per_chunk=4, slice_layout=True,
+        requests=8,
+        min_rows=300,
+        max_rows=400,
+        batch_mb=0.2,
+        processes=2,
+        dp=2,
+        tp=2,
+        pp=2,
+        cp=2,
+        layers=8,
+        micro_batch=2,
+        progress=False,
+        chunk_rows=64,
+        layers_per_chunk=4,
+        slice_layout=True,
     )
     assert result["chunk_rows"] == [64] and result["layers_per_chunk"] == [4] and result["slice_layout"]
     assert result["group_major_arrays"] == result["arrays"] > 0
@@ -35,9 +48,18 @@ def test_bench_small_run():
     assert sp["returned_bytes"] == sp["replayed_bytes"] == result["decoded_bytes"]
     assert sp["fetched_bytes"] < result["per_rank"]["fetched_bytes"]
     assert result["whole"]["returned_bytes"] == result["decoded_bytes"] // 2 * 16
+    yard = result["yardstick"]  # the same reads by r3rdma's reader and by tensorstore return the same bytes
+    assert yard["r3rdma"]["whole_bytes"] == yard["tensorstore"]["whole_bytes"] > 0  # DP rank 0's share
+    assert yard["r3rdma"]["slice_bytes"] == yard["tensorstore"]["slice_bytes"] > 0
+    assert yard["r3rdma"]["whole_bytes"] > 2 * yard["r3rdma"]["slice_bytes"]  # half the layers (PP=2), about half the rows (CP=2)
+    assert all(yard[r][f"{k}_cpu_s_per_gb"] > 0 for r in ("r3rdma", "tensorstore") for k in ("whole", "slice"))
     assert result["whole"]["fetched_bytes"] > result["per_rank"]["fetched_bytes"] > result["tp_broadcast"]["fetched_bytes"]
     assert set(result["goals"]) == {
-        "per_rank_fetch_le_1_25x_replayed", "tp_broadcast_fetch_le_1_25x_replayed", "per_rank_total_le_1_25x_stored_x_tp",
-        "tp_broadcast_total_le_1_25x_stored", "reader_cpu_le_1_5_core_s_per_gb",
-        "sequence_parallel_fetch_le_1_25x_replayed", "sequence_parallel_total_le_1_25x_stored",
+        "per_rank_fetch_le_1_25x_replayed",
+        "tp_broadcast_fetch_le_1_25x_replayed",
+        "per_rank_total_le_1_25x_stored_x_tp",
+        "tp_broadcast_total_le_1_25x_stored",
+        "reader_cpu_le_1_5_core_s_per_gb",
+        "sequence_parallel_fetch_le_1_25x_replayed",
+        "sequence_parallel_total_le_1_25x_stored",
     }

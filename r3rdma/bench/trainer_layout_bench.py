@@ -42,7 +42,10 @@ layout); ``--chunk-rows`` and ``--layers-per-chunk`` fix the chunk shape.
 Goals (issue #34), as booleans: every reading rank fetches <= 1.25x what it replays; total
 fetched <= 1.25 x stored x TP (``per_rank``, no SP) or <= 1.25 x stored (``tp_broadcast``,
 ``sequence_parallel``);
-reader CPU <= 1.5 core-seconds per GB returned. ``--quick`` fits a 2-core machine in < 60 s.
+reader CPU <= 1.5 core-seconds per GB returned. ``yardstick``: the reader CPU per GB of one
+rank's reads made in the bench's own process by r3rdma's reader and by tensorstore (a C++ Zarr
+reader, when installed) on the same node, one after the other. ``--quick`` fits a 2-core
+machine in < 60 s.
 """
 
 from __future__ import annotations
@@ -387,6 +390,8 @@ def run_trainer_layout_bench(
                 f"  fetched {fetched / 1e6:.1f} MB ({fetched / stored:.2f}x stored), max per rank "
                 f"{max(ratios):.2f}x replayed, {wall:.2f} s, {result[name]['reader_cpu_s_per_gb']} core-s/GB"
             )
+        say("yardstick: one rank's reads in this process, r3rdma's reader against tensorstore")
+        result["yardstick"] = _yardstick(node, base / "node0", rollout_id, shares[0], rows, range(0, per), cp)
         per_rank, broadcast, sp = result["per_rank"], result["tp_broadcast"], result["sequence_parallel"]
         result["goals"] = {
             "sequence_parallel_fetch_le_1_25x_replayed": max(sp["fetched_vs_replayed"]) <= _GOAL_PER_RANK,
@@ -403,6 +408,82 @@ def run_trainer_layout_bench(
         return result
     finally:
         stop_all(workers, node_procs, base)
+
+
+def _yardstick(
+    node: Any, root: Path, rollout_id: str, share: list[str], rows: dict[str, int], stage: range, cp: int
+) -> dict[str, Any]:
+    """Reader CPU per GB returned for one rank's reads (DP rank 0's share: ``whole``, and
+    ``slice``: pipeline stage 0's layers x CP rank 0's rows), made in this process one after
+    the other by r3rdma's reader and by tensorstore (C++, reading the batch arrays as FORMAT.md
+    describes them, from the index parts on disk), over the same node. What a native Zarr
+    reader costs on the same bytes: the yardstick for ``reader_cpu_s_per_gb``."""
+    import json
+
+    import numpy as np
+
+    from r3rdma.read.reader import RoutingReader
+
+    slices = {rid: cp_spans(rows[rid], cp, 0) for rid in share}
+    out: dict[str, Any] = {"reads": "DP rank 0's share: whole, and stage 0's layers x CP rank 0's rows (slice)"}
+
+    def timed(fn) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for name, sliced in (("whole", False), ("slice", True)):
+            gc.collect()
+            c0 = time.process_time()
+            returned = fn(sliced)
+            result[f"{name}_cpu_s_per_gb"] = round((time.process_time() - c0) / max(returned / 1e9, 1e-9), 3)
+            result[f"{name}_bytes"] = returned
+        return result
+
+    with RoutingReader([node.http_url], token=node.read_token, progress=False) as reader:
+        reader.info(rollout_id)
+
+        def ours(sliced: bool) -> int:
+            n = 0
+            for i in range(0, len(share), 16):
+                part = share[i : i + 16]
+                got = reader.get_numpy(
+                    rollout_id, part, layers=stage if sliced else None, rows={r: slices[r] for r in part} if sliced else None
+                )
+                n += sum(a.nbytes for a in got.values())
+            return n
+
+        out["r3rdma"] = timed(ours)
+    try:
+        import tensorstore as ts
+    except ImportError:
+        out["tensorstore"] = "not installed (pip install tensorstore, or the test extra)"
+        return out
+    segments: dict[str, list[dict[str, Any]]] = {}
+    for part_file in sorted((root / rollout_id).glob("i*/zarr.json")):
+        for rid, entry in json.loads(part_file.read_text())["attributes"]["r3rdma"]["requests"].items():
+            segments[rid] = entry["segments"]
+    kvstore = {"driver": "http", "base_url": f"{node.http_url}/zarr/", "headers": [f"Authorization: Bearer {node.read_token}"]}
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    arrays: dict[str, Any] = {}
+
+    def theirs(sliced: bool) -> int:
+        futures = []
+        for rid in share:
+            spans = slices[rid] if sliced else [(0, rows[rid])]
+            for seg in segments[rid]:
+                array = arrays.get(seg["array"])
+                if array is None:
+                    spec = {"driver": "zarr3", "kvstore": {**kvstore, "path": f"{rollout_id}/{seg['array']}/"}}
+                    array = arrays[seg["array"]] = ts.open(spec, context=context).result()
+                first, count = seg.get("start_row", 0), seg["rows"]
+                for lo, hi in spans:
+                    lo, hi = max(lo, first), min(hi, first + count)
+                    if lo < hi:
+                        at = seg["offset"] - first
+                        cells = array[at + lo : at + hi, stage.start : stage.stop] if sliced else array[at + lo : at + hi]
+                        futures.append(cells.read())
+        return sum(np.asarray(f.result()).nbytes for f in futures)
+
+    out["tensorstore"] = timed(theirs)
+    return out
 
 
 # -- command line ---------------------------------------------------------------------------------
