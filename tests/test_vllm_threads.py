@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,15 +26,14 @@ def test_threads_started_inside_run_beside_the_pinned_model_and_the_caller_keeps
     # a thread inside the block: the thread gets the parent's (this process's) other cores.
     cores = sorted(os.sched_getaffinity(0))
     child = textwrap.dedent(f"""
-        import os, threading
+        import json, os, threading
         from r3rdma.integrations.vllm.threads import threads_beside_the_model
         os.sched_setaffinity(0, {{{cores[0]}}})
         seen = []
         with threads_beside_the_model():
             t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
             t.start(); t.join()
-        print(seen[0], sorted(os.sched_getaffinity(0)))
+        print(json.dumps({{"thread": seen[0], "caller": sorted(os.sched_getaffinity(0))}}))
     """)
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split("] [")
-    assert out[0] + "]" == str(cores[1:])
-    assert "[" + out[1].strip() == str(cores[:1])
+    out = json.loads(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout)
+    assert out == {"thread": cores[1:], "caller": cores[:1]}
