@@ -86,7 +86,7 @@ class CaptureThread:
     vLLM plug-in does, :mod:`r3rdma.integrations.vllm.worker`).
     """
 
-    threaded = True
+    threaded = True  # its calls run on its own thread (InlineCapture: False)
 
     def __init__(self, capturer: RoutingCapturer, *, max_pending: int = 64, name: str = "r3rdma-capture") -> None:
         buf = capturer.step_buffer
@@ -277,8 +277,8 @@ class InlineCapture:
     model in an OpenMP pool bound to every core, so a capture thread beside it has no core of
     its own. Each of its runs then takes a core from the pool in the middle of a parallel
     region, and the whole region waits for it (measured, vLLM CPU, 64 running requests,
-    in-process engine, CPU VM: a round took 4.4-4.8 s with the thread against 3.4 s inline and
-    3.2-3.4 s with the plug-in off; the thread itself ran only 0.18 s of it). Inline, the same
+    in-process engine, CPU VM: a round took 4.4-4.8 s with the thread against 3.3-3.5 s inline
+    and 3.2-3.5 s with the plug-in off; the thread itself ran only 0.18 s of it). Inline, the same
     work runs between the forward's parallel regions, on the engine's thread.
 
     Errors are raised by the call that made them, as calls on the capturer itself raise them.
