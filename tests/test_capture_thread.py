@@ -82,18 +82,23 @@ def _records(sink: list) -> dict:
     return {r.request_id: r.ids_TLK for r in sink}
 
 
-@pytest.mark.parametrize("runner", ["thread", "inline", "inline-numpy"])
+@pytest.mark.parametrize("runner", ["thread", "inline", "inline-numpy", "inline-shared", "inline-shared-numpy"])
 def test_handed_over_calls_store_what_inline_calls_store(runner):
+    """``inline-shared``: the model writes the capturer's own step buffer (the vLLM plug-in
+    inline), so a step's rows are already in place and nothing is copied."""
     script = _script()
     a, b = _Sink(), _Sink()
     _run_inline(_capturer(a), script)
     threaded = _capturer(b)
-    model_buf = new_step_buffer(max_tokens=16, num_layers=L, top_k=K, num_experts=E, device="cpu")
+    if runner.startswith("inline-shared"):
+        model_buf = threaded.step_buffer
+    else:
+        model_buf = new_step_buffer(max_tokens=16, num_layers=L, top_k=K, num_experts=E, device="cpu")
     if runner == "thread":
         thread = CaptureThread(threaded, max_pending=2)  # backpressure on the engine's side, nothing lost
     else:
         thread = InlineCapture(threaded)
-    _run_threaded(thread, script, model_buf.numpy() if runner == "inline-numpy" else model_buf)
+    _run_threaded(thread, script, model_buf.numpy() if runner.endswith("numpy") else model_buf)
     thread.call(threaded.flush)
     assert thread.calls == len(script) + 1
     assert thread.threaded == (runner == "thread") and (thread.busy_seconds > 0) == thread.threaded

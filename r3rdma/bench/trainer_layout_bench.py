@@ -201,15 +201,19 @@ def _commit_step(
     layers_per_chunk: int | None = None,
     chunk_rows: int | None = None,
     slice_layout: bool = False,
+    zstd_level: int = 3,
 ) -> None:
     """The rollout committed in a random order (as requests finish) in ``batch_mb`` batches;
-    ``chunk_rows``: every batch array's rows per inner chunk (None: the store's rule)."""
+    ``chunk_rows``: every batch array's rows per inner chunk (None: the store's rule);
+    ``zstd_level``: the store's (0: chunks stored uncompressed)."""
     from r3rdma.store.local_store import LocalRoutingStore
 
     order = list(range(len(rollout)))
     random.Random(seed).shuffle(order)
     rows: dict[str, Any] = {} if chunk_rows is None else {"chunk_rows": chunk_rows, "min_chunk_rows": chunk_rows}
-    with LocalRoutingStore(path, layers_per_chunk=layers_per_chunk, slice_layout=slice_layout, **rows) as store:
+    with LocalRoutingStore(
+        path, layers_per_chunk=layers_per_chunk, slice_layout=slice_layout, zstd_level=zstd_level, **rows
+    ) as store:
         commit_in_batches(store, rollout, order, int(batch_mb * (1 << 20)))
 
 
@@ -259,6 +263,7 @@ def run_trainer_layout_bench(
     layers_per_chunk: int | None = None,
     chunk_rows: int | None = None,
     slice_layout: bool = False,
+    zstd_level: int = 3,
 ) -> dict[str, Any]:
     """Commit the step, serve it, run the three read phases (module docstring); the JSON dict."""
     from r3rdma.bench.synthetic import TiledRollout
@@ -290,7 +295,7 @@ def run_trainer_layout_bench(
             seed=seed,
         )
         say(f"committing {requests} requests, {rollout.total_bytes / 1e6:.1f} MB decoded")
-        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk, chunk_rows, slice_layout)
+        _commit_step(rollout, base / "node0", batch_mb, seed, layers_per_chunk, chunk_rows, slice_layout, zstd_level)
         node_procs = spawn_nodes([base / "node0"], token, "--http-workers", str(http_workers))
         node = node_procs[0]
         urls = [node.http_url]
@@ -356,6 +361,7 @@ def run_trainer_layout_bench(
             "decoded_bytes": rollout.total_bytes,
             "stored_bytes": stored,
             "slice_layout": slice_layout,
+            "zstd_level": zstd_level,
             **_chunk_layout(base / "node0", rollout_id),
             "processes": processes,
         }
@@ -513,6 +519,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slice-layout",
         action="store_true",
         help="store the step as r3rdma-store --slice-layout does (chunks for CP pieces, long requests layer group major)",
+    )
+    parser.add_argument(
+        "--zstd-level",
+        type=int,
+        default=3,
+        help="the store's zstd level (r3rdma-store --zstd-level; 0: chunks stored uncompressed, nothing to decode)",
     )
 
 

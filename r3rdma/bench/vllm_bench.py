@@ -14,6 +14,11 @@ or its hand-over, lifecycle; ``host_us_per_step``), also as a share of the step,
 thread's own time per step (``capture_thread_us_per_step``: the capturer's bookkeeping,
 gathers and records, beside the engine's step; 0 inline), and how long each round waited after
 ``generate`` for the routing to be durable (``flush_routing``, counted in the "on" time).
+Between rounds the bench waits ``_SETTLE_S`` (not timed): vLLM's processes busy-poll their
+shared-memory queues for a second after their last message (``SpinCondition``'s
+``busy_loop_s``), and on a CPU host both engines' workers are bound to the same cores, so the
+engine that just finished would otherwise spin beside the next round's forward, a contention no
+deployment of one engine has (it made the rounds' spread as large as the plug-in's cost).
 ``--capture-thread``: the plug-in's ``capture_thread`` (``auto``: inline on this CPU engine, on
 a thread of its own on a GPU; ``on`` measures the thread here). The writer compresses and writes on its own
 thread, on the same cores as the engine: on a small CPU machine that competes with the model's
@@ -37,6 +42,11 @@ if TYPE_CHECKING:  # vllm is imported where it runs: `--help` and the other benc
     from vllm.inputs import TokensPrompt
 
 __all__ = ["run_vllm_bench"]
+
+# vLLM 0.32's shm_broadcast.SpinCondition: readers spin (sched_yield) for busy_loop_s = 1 s after
+# their last read, then wait on a socket. Waiting a little longer between rounds lets the engine
+# that is not measured go quiet before the other one starts.
+_SETTLE_S = 1.25
 
 
 def _workload(n: int, max_new: int, seed: int) -> tuple[list[TokensPrompt], list[int]]:
@@ -150,6 +160,7 @@ def _run_mode(
                     )
                     for i, m in enumerate(new_lens)
                 ]
+                time.sleep(_SETTLE_S)  # the other engine's busy-poll ends (above)
                 t0 = time.perf_counter()
                 outs = engines[side].generate(prompts, params, use_tqdm=False)
                 t1 = time.perf_counter()

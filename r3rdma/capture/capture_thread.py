@@ -352,8 +352,10 @@ def _capture_step(
     for rid, positions, hit in before:
         cap.attach_cached(rid, positions, hit)
     if isinstance(rows, np.ndarray):
-        rows = torch.from_numpy(rows)
-    buf[: rows.shape[0]].copy_(rows)
+        if rows.ctypes.data != buf.data_ptr():  # else the rows already lie in the step buffer (inline)
+            buf[: rows.shape[0]].copy_(torch.from_numpy(rows))
+    elif rows.data_ptr() != buf.data_ptr():
+        buf[: rows.shape[0]].copy_(rows)
     cap.begin_step(request_ids, starts, counts, slots, graphed=True)
     try:
         cap.end_step()

@@ -220,10 +220,13 @@ class RunnerRecorder:
                 pin_memory=self.config.pin_host_table,
                 transfer_mode=self.config.transfer_mode,
                 owns_sink=True,
-                # The capturer's own copy: the model's buffer is rewritten by the next forward
-                # while a capture thread still works on this step (and on the host, a GPU
-                # model's rows are copied off the device).
-                step_buffer=torch.zeros(self.step_buf.shape, dtype=self.step_buf.dtype, device=table),
+                # On a thread, the capturer's own copy: the model's buffer is rewritten by the
+                # next forward while the thread still works on this step (and on the host, a GPU
+                # model's rows are copied off the device). Inline, the model's buffer itself:
+                # the step is scattered before the next forward runs, so there is nothing to copy.
+                step_buffer=torch.zeros(self.step_buf.shape, dtype=self.step_buf.dtype, device=table)
+                if threaded
+                else self.step_buf,
             )
         except BaseException:
             writer.close()
