@@ -6,8 +6,9 @@ without, in each mode measured: ``compiled`` (vLLM's default compilation, as RL 
 torch.compile traces the model and the plug-in's record op) and ``eager`` (``enforce_eager``).
 One mode's pair runs at a time, then shuts down; ``--pairs N`` runs N fresh pairs one after the
 other and pools their rounds (a pair's two engines may differ by a few percent whatever the
-plug-in does: :func:`_pooled`). Rounds alternate off / on so drift of the machine hits both alike; each round is the same prompts (a long-tailed mix of prompt and output
-lengths), ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
+plug-in does: :func:`_pooled`). Rounds alternate off / on so drift of the machine hits both
+alike; each round is the same prompts (a long-tailed mix of prompt and output lengths),
+``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
 per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
 ``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
 own clock around every hook on the engine's thread: snapshot of the step, the capturer's work
@@ -21,9 +22,9 @@ shared-memory queues for a second after their last message (``SpinCondition``'s
 engine that just finished would otherwise spin beside the next round's forward, a contention no
 deployment of one engine has (it made the rounds' spread as large as the plug-in's cost).
 ``--capture-thread``: the plug-in's ``capture_thread`` (``auto``: inline on this CPU engine, on
-a thread of its own on a GPU; ``on`` measures the thread here). The writer compresses and writes on its own
-thread, on the same cores as the engine: on a small CPU machine that competes with the model's
-forward, on a GPU host it does not. One JSON line last.
+a thread of its own on a GPU; ``on`` measures the thread here). The writer compresses and
+writes on its own threads, on the same cores as the engine: on a small CPU machine that
+competes with the engine's processes, on a GPU host it does not. One JSON line last.
 """
 
 from __future__ import annotations
