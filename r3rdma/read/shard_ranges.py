@@ -12,8 +12,7 @@ ranges need is planned first (:func:`plan_read`), chunks that lie close together
 are fetched as one ranged GET (:func:`fetch_run`: ``store.get`` with a byte range, r3rdma's
 HTTP client, obstore, local files, any zarr store), a read's GETs at once, and chunks are
 checked (CRC-32C) and decoded (zstd, releasing the GIL) by :mod:`r3rdma.read.jobs`' workers
-(uncompressed chunks, only checked and copied, on the event loop as they arrive),
-each chunk's rows copied once, into the array the caller returns. Exactly the layout r3rdma
+(a short span's on the event loop, as it arrives), each chunk's rows copied once, into the array the caller returns. Exactly the layout r3rdma
 writes (sharded on tokens, ``bytes`` [+ ``zstd``] + ``crc32c`` inner codecs, index at the
 start or end); anything else goes through zarr.
 
@@ -61,8 +60,6 @@ _DTYPES = {"uint8": "<u1", "uint16": "<u2", "int32": "<i4"}
 _GAP = 1 << 20  # chunks closer than this in the file are fetched in one GET (fewer requests win)
 _SPAN = 1 << 62  # any gap: a shard's wanted chunks in one GET
 _JOB_BYTES = 1 << 19
-import os as _os
-_INLINE_ALL = _os.environ.get('R3_INLINE_DECODE') == '1'  # EXPERIMENT
 _NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
@@ -314,7 +311,8 @@ async def plan_read(
 
 async def fetch_run(read: ArrayRead, run: tuple[str, int, list[tuple[int, int, int]]], batch: JobBatch, prototype: Any) -> None:
     """One GET of ``read``'s ``run``; its chunks are then checked and decoded by ``batch``'s
-    workers (uncompressed ones here, at once). Failures (the GET's, a decode's) are recorded on ``read``, not raised."""
+    workers (a span of one job's worth here, at once). Failures (the GET's, a decode's) are
+    recorded on ``read``, not raised."""
     if read.error is not None:
         return  # the array failed already: its read is over
     key, shard_no, items = run
@@ -332,14 +330,16 @@ async def fetch_run(read: ArrayRead, run: tuple[str, int, list[tuple[int, int, i
             )
         )
         return
-    if not read.layout.zstd or _INLINE_ALL:
-        # Nothing to decompress: a CRC and a copy per chunk (a few us each) cost less here than
-        # handing the span to a worker and being told back (uncompressed slice reads, CPU VM:
-        # reader CPU 5.0-5.9 -> 4.0-4.3 core-s/GB; 1.5-2.0 -> 1.4-1.7 with 500-8000-row requests).
+    # Decode jobs of about _JOB_BYTES decoded bytes: a long span's chunks decode on all cores
+    # at once. A span of one job's worth (a trainer rank's slice is a GET of ~100-400 KB) is
+    # decoded here as it arrives: handing it to a worker and being told back cost more CPU
+    # than the parallelism won. Measured with bench trainer-layout at full size (H100 host,
+    # 16 cores, 8 reader processes): a rank's slice 5.4 -> 4.0 core-s/GB with zstd, 3.4 ->
+    # 2.5 uncompressed, and no longer to read.
+    per_job = max(1, _JOB_BYTES // read.layout.chunk_bytes)
+    if len(items) <= per_job:
         _decode(read, data, start, items)
         return
-    # Decode jobs of about _JOB_BYTES decoded bytes: a GET's chunks decode on all cores at once.
-    per_job = max(1, _JOB_BYTES // read.layout.chunk_bytes)
     for i in range(0, len(items), per_job):
         batch.put(_decode, read, data, start, items[i : i + per_job])
 
