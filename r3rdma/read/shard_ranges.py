@@ -334,8 +334,9 @@ async def fetch_run(read: ArrayRead, run: tuple[str, int, list[tuple[int, int, i
     # at once. A span of one job's worth (a trainer rank's slice is a GET of ~100-400 KB) is
     # decoded here as it arrives: handing it to a worker and being told back cost more CPU
     # than the parallelism won. Measured with bench trainer-layout at full size (H100 host,
-    # 16 cores, 8 reader processes): a rank's slice 5.4 -> 4.0 core-s/GB with zstd, 3.4 ->
-    # 2.5 uncompressed, and no longer to read.
+    # 16 cores, 8 reader processes, 2026-11-27): a rank's slice 5.4 -> 4.0 core-s/GB
+    # (--slice-layout, zstd 3), 8.8 -> 6.6 (the default layout), whole reads 4.8 -> 4.3; and
+    # the reads took no longer.
     per_job = max(1, _JOB_BYTES // read.layout.chunk_bytes)
     if len(items) <= per_job:
         _decode(read, data, start, items)
