@@ -6,7 +6,9 @@ thread, and a ``call_soon_threadsafe`` back that wakes the event loop. A trainer
 one GET per inner chunk (~80 KB): on the CPU VM those hand-offs cost the event loop and the
 pool more CPU than the zstd decode they carried (#34). Here the event loop puts jobs on one
 C-level queue that long-lived workers drain (no future per job, no wake-up when a worker is
-busy), and a read (:class:`JobBatch`) is told once, when the last of its jobs is done.
+busy), and a read (:class:`JobBatch`) is told once, when the last of its jobs is done. A span
+of one job's worth skips even that and is decoded on the event loop as it arrives
+(:func:`r3rdma.read.shard_ranges.fetch_run`): only long spans come here.
 
 The workers (one per core, daemon threads) start with the first job, not at import; a forked
 child starts its own.
