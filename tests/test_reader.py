@@ -92,6 +92,32 @@ def test_corrupted_chunk_detected(tmp_path, make_record):
         zarr.open_array(tmp_path / "roll-0" / "b00000001", mode="r")[:]
 
 
+@pytest.mark.parametrize("job_bytes", [1 << 19, 1], ids=["on-the-loop", "on-workers"])
+def test_spans_decoded_on_the_loop_or_by_workers(tmp_path, make_record, monkeypatch, job_bytes):
+    """A fetched span of one decode job's worth is checked and decoded on the reader's event
+    loop, a longer one by the decode workers (job_bytes=1: every span of two or more chunks):
+    the same rows either way, slices included, and a damaged chunk is named either way."""
+    from r3rdma.read import shard_ranges
+
+    monkeypatch.setattr(shard_ranges, "_JOB_BYTES", job_bytes)
+    recs = [make_record(f"r{i}", rows=200 + 37 * i, layers=6, k=4, num_experts=64) for i in range(4)]
+    with LocalRoutingStore(tmp_path, chunk_rows=16) as store:
+        store.commit(recs)
+    reader = RoutingReader(tmp_path)
+    got = reader.get_numpy("roll-0", [r.request_id for r in recs])
+    for rec in recs:
+        np.testing.assert_array_equal(got[rec.request_id], rec.ids_TLK)
+    part = reader.get_numpy("roll-0", ["r1", "r2"], layers=[1, 4], rows={"r1": [(3, 90)], "r2": [(17, 18), (100, 230)]})
+    np.testing.assert_array_equal(part["r1"], recs[1].ids_TLK[3:90][:, [1, 4]])
+    np.testing.assert_array_equal(part["r2"], np.concatenate([recs[2].ids_TLK[17:18], recs[2].ids_TLK[100:230]])[:, [1, 4]])
+    shard = next((tmp_path / "roll-0").glob("b*/c/0/0/0"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside some chunk's bytes (the index comes first, then the chunks)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError, match=r"chunk \d+ fails its crc32c"):
+        RoutingReader(tmp_path).get_numpy("roll-0", [r.request_id for r in recs])
+
+
 def test_index_checksum_catches_what_zarr_cannot(tmp_path, make_record, monkeypatch):
     rec = make_record("a")
     with LocalRoutingStore(tmp_path) as store:

@@ -12,9 +12,10 @@ ranges need is planned first (:func:`plan_read`), chunks that lie close together
 are fetched as one ranged GET (:func:`fetch_run`: ``store.get`` with a byte range, r3rdma's
 HTTP client, obstore, local files, any zarr store), a read's GETs at once, and chunks are
 checked (CRC-32C) and decoded (zstd, releasing the GIL) by :mod:`r3rdma.read.jobs`' workers
-(a short span's on the event loop, as it arrives), each chunk's rows copied once, into the array the caller returns. Exactly the layout r3rdma
-writes (sharded on tokens, ``bytes`` [+ ``zstd``] + ``crc32c`` inner codecs, index at the
-start or end); anything else goes through zarr.
+(a short span's on the event loop, as it arrives), each chunk's rows copied once, into the
+array the caller returns. Exactly the layout r3rdma writes (sharded on tokens, ``bytes``
+[+ ``zstd``] + ``crc32c`` inner codecs, index at the start or end); anything else goes through
+zarr.
 
 Layer groups (format 3): an inner chunk holds ``chunk_rows`` rows of ``layer_chunk`` layers
 (one shard spans every layer, the last group padded with the fill value). A read may name
