@@ -1,14 +1,13 @@
 """Replicas (issue 19): each request on R store nodes, durable only once all R acked; a lost
 node loses nothing; readers take any replica and fail over. Real store nodes on 127.0.0.1."""
 
+import logging
 import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from r3rdma.store.retention import delete_rollout
-from r3rdma.transport import TransportLimits
 
 from r3rdma import RoutingReader, RoutingWriter
 from r3rdma.errors import (
@@ -17,6 +16,8 @@ from r3rdma.errors import (
     TransportError,
     UnknownRolloutError,
 )
+from r3rdma.store.retention import delete_rollout
+from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient, rendezvous_order
 
 from .store_nodes import new_token, start_node
@@ -150,16 +151,21 @@ def test_push_fails_typed_when_fewer_live_nodes_than_replicas(three_nodes, make_
         assert client.requests_pushed == 0
 
 
-def test_a_node_down_at_push_time_fails_over_to_two_live_copies(three_nodes, make_record):
+def test_a_node_down_at_push_time_fails_over_to_two_live_copies(three_nodes, make_record, caplog):
     a, b, c = three_nodes
     urls = [n.push_url for n in three_nodes]
     c.stop(signal.SIGKILL)
     recs = records(make_record, 20)
     with StoreNodesClient(urls, secret=a.token, replicas=2, limits=LIMITS, down_cooldown_s=60) as client:
-        assert any(c.push_url in client.replica_set(r) for r in recs)  # some must move
-        stats = client.commit(recs)
+        moved = sum(c.push_url in client.replica_set(r) for r in recs)
+        assert moved  # some must move
+        with caplog.at_level(logging.WARNING, logger="r3rdma"):
+            stats = client.commit(recs)
         assert stats.requests == 20 and stats.copies == 40 and stats.failovers == 1
         assert client.nodes_down() == [c.push_url]
+    # The failover is logged once, naming the node and how many requests moved.
+    (line,) = [r.getMessage() for r in caplog.records if "failed a push" in r.getMessage()]
+    assert f"store node {c.push_url} failed a push of {moved} requests" in line and "tried last for 60 s" in line
     on_a, on_b = held_by(a), held_by(b)
     ids = {r.request_id for r in recs}
     assert on_a == ids and on_b == ids  # two live nodes: both hold every request

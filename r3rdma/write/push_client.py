@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from r3rdma.transport import UcxxClient
 
 __all__ = ["StoreNodesClient", "rendezvous_order", "parse_node_url", "placement_key"]
+
+log = logging.getLogger("r3rdma")
 
 
 def parse_node_url(url: str) -> tuple[str, int]:
@@ -272,6 +275,15 @@ class StoreNodesClient:
                     self._down_until[node] = time.monotonic() + self._cooldown
                     errors.append(f"{node}: {result}")
                     failovers += 1
+                    log.warning(
+                        "r3rdma: store node %s failed a push of %d requests (%s: %s); they go to the next nodes "
+                        "of their order, and the node is tried last for %.0f s",
+                        node,
+                        len(idx),
+                        type(result).__name__,
+                        result,
+                        self._cooldown,
+                    )
                 elif isinstance(result, BaseException):
                     self.failovers += failovers
                     raise result  # typed store errors (duplicate, shape...) are not retried
