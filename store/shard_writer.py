@@ -79,9 +79,9 @@ _compressors = threading.local()  # per thread: {level: ZstdCompressor} (an inst
 _empty = np.empty  # where a batch's raw chunks are allocated (a test fills it with garbage first)
 # Buffers one writev takes (POSIX guarantees 16; Linux has 1024).
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
-# zarr.json of each (dtype, layers, top_k, chunk rows, layers per chunk, zstd level), as zarr
-# writes it; a batch's own differs only in its row counts (see _metadata).
-_metadata_templates: dict[tuple[str, int, int, int, int, int], str] = {}
+# zarr.json of each (dtype, layers, top_k, layers per chunk, zstd level), as zarr
+# writes it; a batch's own differs only in its row counts and chunk rows (see _metadata).
+_metadata_templates: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def zarr_codecs(zstd_level: int) -> list[Any]:
@@ -354,13 +354,15 @@ def _metadata(dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, c
 
     Why not ``zarr.create_array`` per batch: it cost ~3 ms of each commit (on the CPU VM),
     serial work between two batches' compressions. zarr writes the document once per
-    geometry here (into memory); a batch's own differs in its row count and its shard's
-    (``count * chunk``) rows only. The document is serialized as zarr does once per geometry,
-    with two marker numbers in those places, and each batch's is that text with its numbers
-    in place of the markers (serializing it per batch, indented as zarr writes it, took
-    ~0.3 ms of Python's pure-Python JSON encoder per commit).
+    geometry here (into memory); a batch's own differs in its row count, its inner chunks'
+    rows (``chunk``: a batch smaller than ``chunk_rows`` is one chunk of its own rows) and its
+    shard's (``count * chunk``) rows only. The document is serialized as zarr does once per
+    geometry, with three marker numbers in those places, and each batch's is that text with
+    its numbers in place of the markers (serializing it per batch, indented as zarr writes it,
+    took ~0.3 ms of Python's pure-Python JSON encoder per commit; a template per row count of
+    a small batch made most small commits build one, ~2 ms of Python each on the CPU VM).
     """
-    key = (np.dtype(dtype).str, layers, top_k, chunk, per, zstd_level)
+    key = (np.dtype(dtype).str, layers, top_k, per, zstd_level)
     template = _metadata_templates.get(key)
     if template is None:
         array = zarr.create_array(
@@ -379,13 +381,21 @@ def _metadata(dtype: np.dtype, rows: int, layers: int, top_k: int, chunk: int, c
         doc = json.loads(array.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
         doc["shape"][0] = _ROWS_MARK
         doc["chunk_grid"]["configuration"]["chunk_shape"][0] = _SHARD_ROWS_MARK
+        (sharding,) = [c for c in doc["codecs"] if c["name"] == "sharding_indexed"]
+        sharding["configuration"]["chunk_shape"][0] = _CHUNK_ROWS_MARK
         text = json.dumps(doc, allow_nan=True, indent=zarr.config.get("json_indent"))
-        if text.count(str(_ROWS_MARK)) != 1 or text.count(str(_SHARD_ROWS_MARK)) != 1:
+        if any(text.count(str(mark)) != 1 for mark in (_ROWS_MARK, _SHARD_ROWS_MARK, _CHUNK_ROWS_MARK)):
             raise AssertionError("zarr.json template: a marker number is not unique in the document")
         template = _metadata_templates[key] = text
-    return template.replace(str(_ROWS_MARK), str(rows)).replace(str(_SHARD_ROWS_MARK), str(count * chunk)).encode()
+    return (
+        template.replace(str(_ROWS_MARK), str(rows))
+        .replace(str(_SHARD_ROWS_MARK), str(count * chunk))
+        .replace(str(_CHUNK_ROWS_MARK), str(chunk))
+        .encode()
+    )
 
 
 # Numbers no zarr.json holds otherwise: where a batch's row counts go in the template.
 _ROWS_MARK = 918273645546372819
 _SHARD_ROWS_MARK = 918273645546372818
+_CHUNK_ROWS_MARK = 918273645546372817

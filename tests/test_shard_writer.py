@@ -24,7 +24,9 @@ def _pieces(seed, spans, rows):
         dense[offset : offset + n] = arrays[-1][1]
     return arrays, dense
 
-@pytest.mark.parametrize("rows,chunk_rows,level", [(1000, 128, 3), (1024, 128, 3), (5, 128, 1), (300, 64, 0), (1, 1, 3)])
+# (37, 128, 3): a batch smaller than its chunk rows after larger ones of the same geometry
+# (one zarr.json template for both, its chunk rows filled in per batch).
+@pytest.mark.parametrize("rows,chunk_rows,level", [(1000, 128, 3), (1024, 128, 3), (37, 128, 3), (5, 128, 1), (300, 64, 0), (1, 1, 3)])
 def test_same_bytes_as_zarr(tmp_path, rows, chunk_rows, level):
     rng = np.random.default_rng(rows)
     data = rng.integers(0, 64, size=(rows, 6, 4), dtype=np.uint8)
