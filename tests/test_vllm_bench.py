@@ -29,3 +29,4 @@ def test_bench_vllm_pools_fresh_pairs():
     # of at least 4 tokens: a prefill and 3 decodes), and the plug-in's clock ran on each step path.
     assert m["engine_steps"] >= 2 * 2 * 4 and m["host_us_per_step"] > 0
     assert m["capture_thread_us_per_step"] == 0  # capture_thread "auto" on a CPU engine: inline
+    assert m["commits_per_round"] >= 1  # every round's routing committed (flushed durable at its end)

@@ -172,7 +172,7 @@ def _run_mode(
         "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store, **replay}}),
     }
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
-    host_s, thread_s, steps = 0.0, 0.0, 0
+    host_s, thread_s, steps, commits = 0.0, 0.0, 0, 0
     flush_s: list[float] = []
     try:
         for rnd in rounds_bar(rounds + 1, f"vllm {mode}, {label}"):
@@ -201,7 +201,7 @@ def _run_mode(
                     continue  # warm-up round on both engines
                 tok_s[side].append(generated / elapsed)
                 if side == "on":
-                    host_s, steps = counters["host_seconds"], counters["steps"]
+                    host_s, steps, commits = counters["host_seconds"], counters["steps"], counters["commits"]
                     thread_s = counters["capture_thread_seconds"]
     finally:
         for llm in engines.values():
@@ -212,6 +212,7 @@ def _run_mode(
         "on": tok_s["on"],
         "flush_s": flush_s,
         "steps": steps,  # the "on" engine's, warm-up round included
+        "commits": commits,  # its writer's batches, warm-up round included
         "host_s": host_s,
         "thread_s": thread_s,
     }
@@ -242,6 +243,9 @@ def _pooled(pairs: list[dict], tokens_per_round: int, rounds: int) -> dict:
         "pair_ratios": [statistics.median(p["on"]) / statistics.median(p["off"]) for p in pairs],
         "flush_seconds_rounds": [x for p in pairs for x in p["flush_s"]],  # the "on" side's wait, after generate, until durable
         "engine_steps": steps,
+        # The writer's batches per round: each is a store commit with a fixed CPU cost (files,
+        # fsyncs), on this VM taken from the engine's cores.
+        "commits_per_round": sum(p["commits"] for p in pairs) / (len(pairs) * (rounds + 1)),
         "host_us_per_step": 1e6 * host_s / max(steps, 1),  # on the engine's step path
         "capture_thread_us_per_step": 1e6 * thread_s / max(steps, 1),  # the capturer's work, beside it
         "host_share_of_step": (host_s / max(steps, 1)) / step_s if step_s > 0 else None,

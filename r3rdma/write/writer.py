@@ -183,6 +183,7 @@ class RoutingWriter:
         self._first_enqueued = 0.0
         self.requests_committed = 0
         self.bytes_committed = 0
+        self.commits = 0  # batches committed (each a store commit: its fixed cost is paid per batch)
         self.commit_failures = 0  # commits that raised and lost records (r3rdma.metrics exports it)
         self.requests_failed = 0
         # A store that encodes apart from writing (LocalRoutingStore.prepare) has the next
@@ -487,6 +488,7 @@ class RoutingWriter:
         with self._cond:
             self._inflight_bytes -= job.size
             self._done += len(job.batch)
+            self.commits += 1
             self.requests_committed += len(job.batch) - sum(len(items) for *_, items in failures)
             self.bytes_committed += job.size - sum(x.nbytes for *_, items in failures for x in items)
             self._cond.notify_all()

@@ -475,7 +475,8 @@ class RunnerRecorder:
         handed to the writer), ``aborted``, ``failed`` (requests whose routing is not stored:
         rows that could not be gathered, or a commit that failed) and ``failures`` (each of
         those as ``{"rollout_id", "request_id", "reason"}``), ``preempted``,
-        ``cached_positions``, ``active``, ``steps``, ``host_seconds`` (on the engine's step
+        ``cached_positions``, ``active``, ``steps``, ``commits`` (batches the writer handed
+        to the store), ``host_seconds`` (on the engine's step
         path) and ``capture_thread_seconds`` (the capturer's own work, on its thread)."""
         cap = self.capturer
         failures: list[CommitFailure] = self._sink.failures() if cap is not None and self._sink is not None else []
@@ -487,6 +488,7 @@ class RunnerRecorder:
             "cached_positions": self.positions_attached,
             "active": cap.active_requests if cap is not None else 0,
             "steps": cap.steps if cap is not None else 0,
+            "commits": self._sink.commits if cap is not None and self._sink is not None else 0,
             "host_seconds": self.host_seconds,
             "capture_thread_seconds": self._thread.busy_seconds if self._thread is not None else 0.0,
             "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason} for f in failures],
