@@ -16,7 +16,7 @@ still open fails in ~0.02 s instead, so a failover takes either. With every node
 commit takes that long to fail; the pytest timeouts below leave room for two or three such
 stalls per test. A node that failed is tried last for the client's cool-down
 (``StoreNodesClient(down_cooldown_s=)``, 5 s): the test of restarted nodes waits it out before
-it asks every node to hold some of the later requests.
+it checks that each later request is on the two nodes of its rendezvous order.
 """
 
 from __future__ import annotations
