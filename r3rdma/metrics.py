@@ -36,7 +36,7 @@ _CAPTURER_GAUGES = [
 _WRITER_COUNTERS = [
     ("requests_committed", "r3rdma_writer_requests_committed", "Requests made durable by the store"),
     ("bytes_committed", "r3rdma_writer_bytes_committed", "Routing bytes made durable by the store"),
-    ("commits", "r3rdma_writer_commits", "Batches of finished requests handed to the store, committed or failed (flush_bytes / flush_interval_s)"),
+    ("commits", "r3rdma_writer_commits", "Batches handed to the store, committed or failed"),
     ("commit_failures", "r3rdma_writer_commit_failures", "Batches whose commit failed (error raised to the engine)"),
 ]
 _WRITER_GAUGES = [

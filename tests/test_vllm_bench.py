@@ -30,3 +30,16 @@ def test_bench_vllm_pools_fresh_pairs():
     assert m["engine_steps"] >= 2 * 2 * 4 and m["host_us_per_step"] > 0
     assert m["capture_thread_us_per_step"] == 0  # capture_thread "auto" on a CPU engine: inline
     assert m["commits_per_round"] >= 1  # every round's routing committed (flushed durable at its end)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_vllm_null_runs_both_engines_without_the_plug_in():
+    result = run_vllm_bench(
+        requests=4, max_new=8, running=4, rounds=1, layers=2, experts=8, top_k=2, hidden=64, modes=("eager",), null=True
+    )
+    json.dumps(result)
+    m = result["modes"]["eager"]
+    assert result["null"] and m["ratio"] > 0 and len(m["tokens_per_s_on_rounds"]) == 1
+    # Nothing recorded: no plug-in clock, no commits, no flush waited for.
+    assert m["host_us_per_step"] == 0 and m["commits_per_round"] == 0 and m["flush_seconds_rounds"] == []

@@ -22,7 +22,9 @@ shared-memory queues for a second after their last message (``SpinCondition``'s
 engine that just finished would otherwise spin beside the next round's forward, a contention no
 deployment of one engine has (it made the rounds' spread as large as the plug-in's cost).
 ``--capture-thread``: the plug-in's ``capture_thread`` (``auto``: inline on this CPU engine, on
-a thread of its own on a GPU; ``on`` measures the thread here). The writer compresses and
+a thread of its own on a GPU; ``on`` measures the thread here). ``--null``: an A/A run, both
+engines without the plug-in, the same pairs and rounds: its ratios are what the bench reads
+on this machine when the plug-in costs nothing, the floor a measured ratio is judged against. The writer compresses and
 writes on its own threads, on the same cores as the engine: on a small CPU machine that
 competes with the engine's processes, on a GPU host it does not. One JSON line last.
 """
@@ -74,9 +76,11 @@ def run_vllm_bench(
     flush_interval_s: float | None = None,
     capture_thread: str = "auto",
     pairs: int = 1,
+    null: bool = False,
 ) -> dict:
     """Both modes' measurements (:func:`_run_mode`, ``pairs`` engine pairs each, pooled by
-    :func:`_pooled`) and the ratios side by side."""
+    :func:`_pooled`) and the ratios side by side. ``null``: the "on" engine too runs without
+    the plug-in (an A/A run: the ratios then measure the bench's own noise, nothing else)."""
     if pairs < 1 or rounds < 1:
         raise ValueError(f"need pairs >= 1 and rounds >= 1, got pairs={pairs} rounds={rounds}")
     import vllm
@@ -111,7 +115,14 @@ def run_vllm_bench(
             mode: _pooled(
                 [
                     _run_mode(
-                        mode, engine, f"{work}/store-{mode}-{p}", prompts, new_lens, rounds, replay, f"pair {p + 1}/{pairs}"
+                        mode,
+                        engine,
+                        f"{work}/store-{mode}-{p}",
+                        prompts,
+                        new_lens,
+                        rounds,
+                        None if null else replay,
+                        f"pair {p + 1}/{pairs}" + (" (A/A)" if null else ""),
                     )
                     for p in range(pairs)
                 ],
@@ -134,6 +145,7 @@ def run_vllm_bench(
         "goal_compiled_ratio": 0.97,
         "flush_interval_s": flush_interval_s,  # None: R3Config's default
         "capture_thread": capture_thread,  # auto: inline for this CPU engine, a thread on a GPU
+        "null": null,  # True: both engines without the plug-in (the ratios are the bench's noise)
     }
     for mode, measured in per_mode.items():
         result[f"{mode}_ratio"] = measured["ratio"]
@@ -148,12 +160,13 @@ def _run_mode(
     prompts: list[TokensPrompt],
     new_lens: list[int],
     rounds: int,
-    replay: dict[str, Any],
+    replay: dict[str, Any] | None,
     label: str,
 ) -> dict:
     """Plug-in off and on for one compilation mode: two engines (``engine``: their model, seed
-    and ``max_num_seqs``), rounds interleaved; ``replay``: more ``routing_replay`` settings.
-    What one pair measured, for :func:`_pooled`."""
+    and ``max_num_seqs``), rounds interleaved; ``replay``: more ``routing_replay`` settings
+    (None: the "on" engine runs without the plug-in, an A/A pair). What one pair measured,
+    for :func:`_pooled`."""
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
 
@@ -167,10 +180,8 @@ def _run_mode(
         max_model_len=512,
         gpu_memory_utilization=0.15,
     )
-    engines = {
-        "off": LLM(**common),
-        "on": LLM(**common, additional_config={"routing_replay": {"local_store_dir": store, **replay}}),
-    }
+    plugin: dict[str, Any] = {} if replay is None else {"routing_replay": {"local_store_dir": store, **replay}}
+    engines = {"off": LLM(**common), "on": LLM(**common, additional_config=plugin)}
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     host_s, thread_s, steps, commits = 0.0, 0.0, 0, 0
     flush_s: list[float] = []
@@ -191,16 +202,16 @@ def _run_mode(
                 t0 = time.perf_counter()
                 outs = engines[side].generate(prompts, params, use_tqdm=False)
                 t1 = time.perf_counter()
-                if side == "on":
+                if side == "on" and replay is not None:
                     counters = flush_routing(engines["on"])  # durable: part of the measured work
                 elapsed = time.perf_counter() - t0
-                if side == "on" and rnd:
+                if side == "on" and rnd and replay is not None:
                     flush_s.append(time.perf_counter() - t1)
                 generated = sum(len(o.outputs[0].token_ids) for o in outs)
                 if rnd == 0:
                     continue  # warm-up round on both engines
                 tok_s[side].append(generated / elapsed)
-                if side == "on":
+                if side == "on" and replay is not None:
                     host_s, steps, commits = counters["host_seconds"], counters["steps"], counters["commits"]
                     thread_s = counters["capture_thread_seconds"]
     finally:
@@ -278,6 +289,11 @@ def add_arguments(parser) -> None:
         help="the plug-in's capture_thread setting (auto: inline on the CPU, on its own thread on a GPU)",
     )
     parser.add_argument(
+        "--null",
+        action="store_true",
+        help="an A/A run: the 'on' engine too without the plug-in, so the ratios show the bench's own noise on this machine",
+    )
+    parser.add_argument(
         "--mode",
         choices=["both", "compiled", "eager"],
         default="both",
@@ -296,6 +312,7 @@ def main(args) -> int:
         flush_interval_s=args.flush_interval_s,
         capture_thread=args.capture_thread,
         pairs=args.pairs,
+        null=args.null,
         **sizes,
     )
     for mode, m in result["modes"].items():
