@@ -183,7 +183,7 @@ class RoutingWriter:
         self._first_enqueued = 0.0
         self.requests_committed = 0
         self.bytes_committed = 0
-        self.commits = 0  # batches committed (each a store commit: its fixed cost is paid per batch)
+        self.commits = 0  # batches handed to the store, committed or failed (each pays a commit's fixed cost)
         self.commit_failures = 0  # commits that raised and lost records (r3rdma.metrics exports it)
         self.requests_failed = 0
         # A store that encodes apart from writing (LocalRoutingStore.prepare) has the next
