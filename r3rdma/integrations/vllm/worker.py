@@ -56,8 +56,10 @@ request stored once". The mapping onto the capturer's calls:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.write.writer import CommitFailure, RoutingWriter
 
-__all__ = ["RunnerRecorder", "FinishedRequest"]
+__all__ = ["RunnerRecorder", "FinishedRequest", "with_record_op"]
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -168,7 +170,9 @@ class RunnerRecorder:
             device=self.runner.device,
         )
         for moe, layer in enumerate(self.layer_map):
-            runners[layer][2].set_capture_fn(record_hook(self.step_buf, moe))
+            router = runners[layer][2]
+            setattr(router, _RECORD_ATTR, record_hook(self.step_buf, moe))
+            router.set_capture_fn(getattr(router, "capture_fn", None))  # with_record_op puts the op first
         log.info(
             "r3rdma: recording %d MoE layers %s, top-%d of %d experts, up to %d tokens per forward "
             "(compilation mode %s, cudagraph mode %s)",
@@ -553,6 +557,27 @@ class _ReportingSink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
+
+
+_RECORD_ATTR = "_r3_record_op"  # the record op bound to a router, kept first by every set_capture_fn
+
+
+def with_record_op(router: Any, capture_fn: Callable[[torch.Tensor], None] | None) -> Callable[[torch.Tensor], None] | None:
+    """The capture function ``router`` should hold when ``capture_fn`` is set on it: r3rdma's
+    record op first (when bound), then ``capture_fn`` (another capture: vLLM's own
+    ``enable_return_routed_experts`` binds one when the KV cache is sized, after the model
+    load where the record op was bound). Both captures then see the same ``topk_ids``; without
+    this the later one replaced the record op and the first step's check stopped the engine."""
+    ours = getattr(router, _RECORD_ATTR, None)
+    if ours is None or capture_fn is None or capture_fn is ours or getattr(capture_fn, "func", None) is _record_then:
+        return capture_fn if capture_fn is not None else ours
+    return functools.partial(_record_then, ours, capture_fn)
+
+
+def _record_then(record: Callable[[torch.Tensor], None], other: Callable[[torch.Tensor], None], topk_ids: torch.Tensor) -> None:
+    # A partial of a module function, like record_hook: dynamo inlines it to the two calls.
+    record(topk_ids)
+    other(topk_ids)
 
 
 def _attach_all(cap: RoutingCapturer, attaches: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
