@@ -277,6 +277,35 @@ def test_preempted_request_recomputed_in_other_slots():
     np.testing.assert_array_equal(cap.finish_request("b", prompt_len=4, generated_len=1).ids_TLK, truth("b", 0, 4))
 
 
+def test_preempted_request_keeps_the_rows_it_first_computed():
+    """A recompute that routes differently (low precision, another batch) does not replace the
+    rows of the forwards that sampled the request's tokens; rows past them are the recompute's.
+    Preempted twice: the first computation of each position wins. Aborted: nothing is kept."""
+    cap, _ = make()
+    step(cap, ["a"], [0], [3], [0, 1, 2])
+    step(cap, ["a"], [3], [1], [3])
+    cap.preempt_request("a")
+    recompute = {("a", p): "a-again" for p in range(8)}
+    step(cap, ["a"], [0], [5], [8, 9, 10, 11, 12], content=recompute)
+    cap.preempt_request("a")
+    step(cap, ["a"], [0], [6], [20, 21, 22, 23, 24, 25], content={("a", p): "a-third" for p in range(8)})
+    step(cap, ["a"], [6], [1], [26], content=recompute)
+    got = cap.finish_request("a", prompt_len=3, generated_len=5).ids_TLK
+    want = np.concatenate([truth("a", 0, 4), truth("a-again", 4, 5), truth("a-third", 5, 6), truth("a-again", 6, 7)])
+    np.testing.assert_array_equal(got, want)
+    # Speculative drafts: only the positions the engine says it had accepted are kept.
+    step(cap, ["b"], [0], [4], [0, 1, 2, 3])
+    cap.preempt_request("b", computed=2)
+    step(cap, ["b"], [0], [5], [30, 31, 32, 33, 34], content={("b", p): "b-again" for p in range(8)})
+    got = cap.finish_request("b", prompt_len=4, generated_len=2).ids_TLK
+    np.testing.assert_array_equal(got, np.concatenate([truth("b", 0, 2), truth("b-again", 2, 5)]))
+    step(cap, ["c"], [0], [4], [0, 1, 2, 3])
+    cap.preempt_request("c")
+    cap.abort_request("c")
+    step(cap, ["c"], [0], [4], [40, 41, 42, 43], content={("c", p): "c-again" for p in range(8)})
+    np.testing.assert_array_equal(cap.finish_request("c", prompt_len=4, generated_len=1).ids_TLK, truth("c-again", 0, 4))
+
+
 def test_preemption_not_announced_and_partial_recompute_is_detected():
     cap, _ = make()
     step(cap, ["a"], [0], [4], [0, 1, 2, 3])

@@ -280,6 +280,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         mlp_only_layers=[],
         max_position_embeddings=4096,
     ),
+    # A smoke-test shape that runs on a CPU in seconds (tests/test_vllm_bench.py).
+    "tiny": dict(
+        num_hidden_layers=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        hidden_size=128,
+        head_dim=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        vocab_size=256,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+    ),
 }
 
 # What each setting adds to the engine's arguments: nothing, r3rdma's plug-in (recording into a
@@ -316,12 +331,20 @@ def run_vllm_settings_bench(
     unknown = set(settings) - set(SETTINGS)
     if unknown or shape not in SHAPES:
         raise ValueError(f"settings must be among {SETTINGS} and shape among {sorted(SHAPES)}; got {settings}, {shape!r}")
+    if "native" in settings and not _has_native_capture():
+        raise ValueError(
+            f"setting 'native' needs vLLM's own routed-experts capture on the V1 model runner (vLLM 0.26-0.30); "
+            f"vLLM {vllm.__version__} has it on Model Runner V2 only"
+        )
     work = tempfile.mkdtemp(prefix="r3rdma-bench-vllm-gpu-")
     try:
         model = str(write_tiny_checkpoint(f"{work}/model", tokenizer=False, weights=False, **SHAPES[shape]))
         rng = np.random.default_rng(seed)
         prompts = {
-            n: [{"prompt_token_ids": rng.integers(3, 150000, size=prompt_len).tolist()} for _ in range(n)] for n in running
+            n: [
+                {"prompt_token_ids": rng.integers(3, SHAPES[shape]["vocab_size"] - 1, size=prompt_len).tolist()} for _ in range(n)
+            ]
+            for n in running
         }
         results: dict[str, dict] = {}
         for setting in settings:
@@ -416,6 +439,7 @@ def _run_setting(
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
+        _wait_for_gpu_memory(memory)
     measured: dict[str, Any] = {"engine_start_s": start_s}
     for n, m in levels.items():
         measured[n] = {
@@ -432,6 +456,27 @@ def _run_setting(
             **m,
         }
     return measured
+
+
+def _wait_for_gpu_memory(share: float, timeout_s: float = 60.0) -> None:
+    """Until the engine just shut down has given its GPU memory back (its processes exit
+    asynchronously), so the next engine's memory check sees the GPU free."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free >= share * total:
+            return
+        time.sleep(0.5)
+
+
+def _has_native_capture() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return hasattr(GPUModelRunner, "init_routed_experts_capturer")
 
 
 def _device_name() -> str:

@@ -235,6 +235,9 @@ class RoutingCapturer:
         self._suspended = 0
         if expert_map is not None:
             self.set_expert_map(expert_map)
+        # Request id -> its rows 0..n-1 as first computed, copied to the host when the engine
+        # preempted it (see preempt_request); used for those rows when it finishes.
+        self._first_rows: dict[str, np.ndarray] = {}
         self.rows_captured = 0
         self.requests_finished = 0
         self.requests_aborted = 0
@@ -431,6 +434,11 @@ class RoutingCapturer:
         :class:`StaleSlotError` if a slot was rewritten by another token or released since.
         The request's bookkeeping is released either way; the engine may then free its slots.
         """
+        first = self._first_rows.pop(request_id, None)
+        if first is not None and start_row < first.shape[0]:
+            return self._finish_with_first_rows(
+                request_id, first, prompt_len, generated_len, rollout_id, start_row, store_as, final, total_rows
+            )
         try:
             slots, gens = self._ledger.resolve_with_generations(
                 request_id, start_row=start_row, prompt_len=prompt_len, generated_len=generated_len
@@ -463,6 +471,50 @@ class RoutingCapturer:
             prefixes.remember(rollout, stored, slots[:prompt_rows], gens[:prompt_rows])
         self.requests_finished += 1
         return self._finishing.finish(slots, meta)
+
+    def _finish_with_first_rows(
+        self,
+        request_id: str,
+        first: np.ndarray,
+        prompt_len: int,
+        generated_len: int,
+        rollout_id: str | None,
+        start_row: int,
+        store_as: str | None,
+        final: bool,
+        total_rows: int | None,
+    ) -> RequestRecord | None:
+        """:meth:`finish_request` of a request preempted after computing rows ``0 .. len(first) - 1``:
+        those rows as first computed, the rest from the table. Stored whole (inline), and not
+        offered as a shared prefix: its table rows for the first positions are the recompute's."""
+        rows = num_routing_rows(prompt_len, generated_len)
+        kept = min(first.shape[0], rows)
+        try:
+            if rows > kept:
+                slots, _ = self._ledger.resolve_with_generations(
+                    request_id, start_row=kept, prompt_len=prompt_len, generated_len=generated_len
+                )
+                tail = self._table.gather_host(slots)
+            else:
+                self._ledger.forget(request_id)
+                tail = first[:0]
+        finally:
+            self._steps.retire(request_id)
+        self._ids.check(block=False)
+        if not self.pushes(store_as or request_id):
+            self.requests_finished += 1
+            return None
+        meta = dict(
+            rollout_id=rollout_id or self.rollout_id,
+            request_id=store_as or request_id,
+            layer_map=self.layer_map,
+            num_experts=self.num_experts,
+            start_row=start_row,
+            final=final,
+            total_rows=total_rows,
+        )
+        self.requests_finished += 1
+        return self._finishing.finish_rows(np.concatenate([first[start_row:kept], tail]), meta)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every finished request was handed to the sink (CUDA: its copy landed).
@@ -507,16 +559,32 @@ class RoutingCapturer:
 
     def abort_request(self, request_id: str) -> None:
         """Forget an aborted request; nothing is stored. Safe to call for unknown ids."""
+        self._first_rows.pop(request_id, None)
         if self._ledger.forget(request_id):
             self.requests_aborted += 1
         self._steps.retire(request_id)
 
-    def preempt_request(self, request_id: str) -> None:
-        """The engine preempted ``request_id`` and freed its KV: forget every position.
+    def preempt_request(self, request_id: str, *, computed: int | None = None) -> None:
+        """The engine preempted ``request_id`` and freed its KV: keep the rows it computed, forget its slots.
 
-        When it is rescheduled (recompute), its steps and prefix-cache hits announce the
-        positions again; positions it never recomputes are then missing, not stale.
+        The rows of positions ``0 .. n - 1`` (the run from position 0 the request computed or
+        attached, at most ``computed``: positions whose input was a real token, so an engine
+        with speculative drafts passes the positions it had accepted) are copied to the host
+        now, before the engine hands the slots to others, and stored for those positions when
+        it finishes: the routing of the forwards that sampled its tokens, not of the recompute
+        (which may order or pick experts differently in low precision). When it is
+        rescheduled, its steps and prefix-cache hits announce the positions again; positions
+        past ``n`` it never recomputes are then missing, not stale. From a device table the
+        copy is synchronous (preemption is rare; the vLLM plug-in keeps a GPU model's table
+        on the host).
         """
+        slots, _ = self._ledger.computed_prefix(request_id, computed)
+        if slots.size:
+            rows = self._table.gather_host(slots)
+            earlier = self._first_rows.get(request_id)
+            if earlier is not None:  # preempted before: those positions' first rows stay
+                rows = np.concatenate([earlier, rows[earlier.shape[0] :]]) if rows.shape[0] > earlier.shape[0] else earlier
+            self._first_rows[request_id] = rows
         if self._ledger.forget(request_id):
             self.requests_preempted += 1
         self._steps.retire(request_id)

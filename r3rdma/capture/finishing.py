@@ -242,6 +242,14 @@ class Finishing:
             self.sink.submit(record)
         return record
 
+    def finish_rows(self, ids: np.ndarray, meta: dict) -> RequestRecord:
+        """The record of rows already on the host (``ids``, the table's dtype), handed to the sink."""
+        self.raise_error()
+        record = make_record(ids, self.storage_dtype, meta)
+        if self.sink is not None:
+            self.sink.submit(record)
+        return record
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the finisher thread (if any) handed over everything queued; raise its first error."""
         if self._finisher is not None:

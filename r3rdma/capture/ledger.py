@@ -355,6 +355,23 @@ class RequestLedger:
         if num_positions:
             self._write(np.full(num_positions, child, np.int64), np.arange(num_positions, dtype=np.int64), dst, gens)
 
+    def computed_prefix(self, request_id: str, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Slots and generations of ``request_id``'s positions ``0 .. n - 1``: the longest run
+        from position 0 that is known and not rewritten since (at most ``limit``); the state stays.
+        Empty for a request without state."""
+        self._apply_log()
+        lane = self._lanes.get(request_id)  # .get: no lane is made for an unknown id
+        if lane is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        end = self._page_table.shape[1] << self._shift
+        if limit is not None:
+            end = min(end, max(int(limit), 0))
+        slots, gens = self._read(lane, 0, end)
+        bad = (gens < 0) | (self.table.gen[slots] != gens)  # never computed, or rewritten since
+        first_bad = np.flatnonzero(bad)
+        n = int(first_bad[0]) if first_bad.size else int(slots.size)
+        return slots[:n], gens[:n]
+
     def resolve_with_generations(
         self, request_id: str, *, start_row: int, prompt_len: int, generated_len: int
     ) -> tuple[np.ndarray, np.ndarray]:

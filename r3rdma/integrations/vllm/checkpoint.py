@@ -58,6 +58,7 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, tokenizer: bool = 
     if weights:
         build_model(config, seed=seed).save_pretrained(path)
     else:
+        config.architectures = ["Qwen3MoeForCausalLM"]  # set by the model class when weights are saved
         config.save_pretrained(path)
     if tokenizer:
         write_char_tokenizer(path)

@@ -49,7 +49,8 @@ request stored once". The mapping onto the capturer's calls:
 - Lifecycle, from the scheduler output at the start of the next ``execute_model``, before any
   slot is rewritten: finished requests (with the totals and stored id the scheduler side of the
   plug-in attached, :mod:`r3rdma.integrations.vllm.scheduler`) go to ``finish_request``;
-  aborted ones to ``abort_request``; preempted ones to ``preempt_request``.
+  aborted ones to ``abort_request``; preempted ones to ``preempt_request``, which keeps the
+  rows they computed (the forwards that sampled their tokens) for when they finish.
 - The first step is checked once (one host read, at start-up): every hooked layer must have
   written its rows, or the engine stops with a ``ConfigError`` instead of storing nothing.
 """
@@ -412,8 +413,20 @@ class RunnerRecorder:
             self.host_seconds += time.perf_counter() - t0
 
     def _lifecycle(self, cap: RoutingCapturer, thread: CaptureThread | InlineCapture, scheduler_output: Any) -> None:
-        for rid in scheduler_output.preempted_req_ids or ():
-            thread.submit(cap.preempt_request, rid)
+        preempted = scheduler_output.preempted_req_ids
+        if preempted:
+            # The rows a preempted request computed are kept as first computed (the forwards
+            # that sampled its tokens; vLLM's own capture returns those too). With speculative
+            # drafts only the positions accepted before its last step are known here (the input
+            # batch is not yet updated for this step); without, every position it computed.
+            batch = self.runner.input_batch
+            spec = self.runner.vllm_config.speculative_config is not None
+            for rid in preempted:
+                computed = None
+                if spec:
+                    i = batch.req_id_to_index.get(rid)
+                    computed = 0 if i is None else int(batch.num_computed_tokens_cpu[i])
+                thread.submit(cap.preempt_request, rid, computed=computed)
         if not scheduler_output.finished_req_ids:
             return
         info = getattr(scheduler_output, "r3_finished", None) or {}
