@@ -43,3 +43,28 @@ def test_bench_vllm_null_runs_both_engines_without_the_plug_in():
     assert result["null"] and m["ratio"] > 0 and len(m["tokens_per_s_on_rounds"]) == 1
     # Nothing recorded: no plug-in clock, no commits, no flush waited for.
     assert m["host_us_per_step"] == 0 and m["commits_per_round"] == 0 and m["flush_seconds_rounds"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_vllm_settings_one_engine_per_setting(tmp_path):
+    """The GPU bench's path on the CPU (the tiny shape): one engine, its levels measured, the
+    plug-in's counters per step, each finished setting appended to ``out``; a setting vLLM
+    cannot run (its own capture on 0.31+) is refused before any engine starts."""
+    import vllm
+
+    from r3rdma.bench.vllm_bench import _has_native_capture, run_vllm_settings_bench
+
+    out = tmp_path / "settings.jsonl"
+    result = run_vllm_settings_bench(
+        shape="tiny", settings=("r3rdma",), running=(2, 4), prompt_len=8, max_new=4, rounds=1,
+        gpu_memory_utilization=0.2, out=str(out),
+    )
+    json.dumps(result)
+    level = result["settings"]["r3rdma"]["4"]
+    assert level["tokens_per_s"] > 0 and level["host_us_per_step"] > 0 and len(level["tokens_per_s_rounds"]) == 1
+    assert [json.loads(line)["setting"] for line in out.read_text().splitlines()] == ["r3rdma"]
+    assert not any(k.endswith("_ratio_4") for k in result)  # no "off" to divide by
+    if not _has_native_capture():
+        with pytest.raises(ValueError, match=f"vLLM {vllm.__version__} has it on Model Runner V2 only"):
+            run_vllm_settings_bench(shape="tiny", settings=("off", "native"))

@@ -10,7 +10,8 @@ plug-in does: :func:`_pooled`). Rounds alternate off / on so drift of the machin
 alike; each round is the same prompts (a long-tailed mix of prompt and output lengths),
 ``ignore_eos`` so both engines generate exactly the same number of tokens. Reported
 per mode: output tokens/s of each side (median over rounds), their ratio (``compiled_ratio``,
-``eager_ratio``; goal >= 0.97 compiled), the host time the plug-in added per engine step (its
+``eager_ratio``; on a CPU host a smoke test: two identical engines read 0.964-1.004 there, so
+its goal is the GPU bench's, :func:`run_vllm_settings_bench`), the host time the plug-in added per engine step (its
 own clock around every hook on the engine's thread: snapshot of the step, the capturer's work
 or its hand-over, lifecycle; ``host_us_per_step``), also as a share of the step, the capture
 thread's own time per step (``capture_thread_us_per_step``: the capturer's bookkeeping,
@@ -142,7 +143,6 @@ def run_vllm_bench(
         "output_tokens_per_round": sum(new_lens),
         "rounds": rounds,
         "pairs": pairs,
-        "goal_compiled_ratio": 0.97,
         "flush_interval_s": flush_interval_s,  # None: R3Config's default
         "capture_thread": capture_thread,  # auto: inline for this CPU engine, a thread on a GPU
         "null": null,  # True: both engines without the plug-in (the ratios are the bench's noise)
