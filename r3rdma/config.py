@@ -191,8 +191,15 @@ class R3Config:
     def _urls_as_tuple(cls, value: Any) -> Any:
         # "host:port, host:port" is how R3_STORE_URLS and the commands' flags hold them.
         if isinstance(value, str):
-            return tuple(u.strip() for u in value.split(",") if u.strip())
-        return tuple(value) if isinstance(value, list) else value
+            value = tuple(u.strip() for u in value.split(",") if u.strip())
+        elif isinstance(value, list):
+            value = tuple(value)
+        for url in value if isinstance(value, tuple) else ():
+            if isinstance(url, str) and url.lower().startswith(("http://", "https://")):
+                # An easy mix-up with R3_STORE_HTTP_URLS; as a push address it failed only when
+                # the engine had loaded and compiled the model.
+                raise ConfigError(f"store_urls takes UCX host:port; HTTP URLs are for readers (R3_STORE_HTTP_URLS): got {url!r}")
+        return value
 
     @field_validator("store_token_file", mode="before")
     @classmethod
@@ -267,6 +274,7 @@ class R3Config:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> R3Config:
         """Build a config: ``overrides`` first, then ``R3_<FIELD>`` variables, then defaults."""
         env = os.environ if env is None else env
+        warn_unknown_variables(env)
         unknown = set(overrides) - set(_DEFAULTS)
         if unknown:
             raise ConfigError(f"unknown R3Config fields {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
@@ -311,6 +319,51 @@ class R3Config:
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(R3Config)}
+
+# Every R3_* variable r3rdma reads: one per field, and those read elsewhere (switches, secrets,
+# readers' addresses, the kernels' backend, the scripts' paths).
+KNOWN_VARIABLES = frozenset(
+    {"R3_" + name.upper() for name in _DEFAULTS}
+    | {
+        "R3_ENABLE_ROUTING_REPLAY",
+        "R3_ROUTING_REPLAY_CONFIG",
+        "R3_STORE_TOKEN",
+        "R3_STORE_HTTP_URLS",
+        "R3_STORE_READ_TOKEN_FILE",
+        "R3_KERNELS",
+        "R3_STORE_BIN",
+        "R3_DEMO_DIR",
+        "R3_ROOT",
+    }
+)
+_warned: set[str] = set()
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``R3_*`` names in ``env`` that r3rdma does not read, each with the known name it is
+    closest to (None when none is close): a mistyped variable is otherwise silently ignored."""
+    import difflib
+
+    found = []
+    for name in sorted(env):
+        if name.startswith("R3_") and name not in KNOWN_VARIABLES:
+            close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.75)
+            found.append((name, close[0] if close else None))
+    return found
+
+
+def warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """Log a warning (logger ``r3rdma``) once per process for each unknown ``R3_*`` variable."""
+    import logging
+
+    for name, close in unknown_variables(env):
+        if name in _warned:
+            continue
+        _warned.add(name)
+        hint = f"; did you mean {close}?" if close else ""
+        logging.getLogger("r3rdma").warning("r3rdma: %s is not a variable r3rdma reads, so it is ignored%s", name, hint)
+
+
 # Each field's type as pydantic checks it, its constraints (Annotated) set aside: what a
 # refusal says was expected, and how an R3_* string is read.
 _TYPES = typing.get_type_hints(R3Config)

@@ -14,6 +14,7 @@ __all__ = [
     "InvalidIdError",
     "ShapeMismatchError",
     "OutOfRangeError",
+    "RowCountMismatchError",
     "MissingRowsError",
     "SharedRowsMissingError",
     "StaleSlotError",
@@ -55,6 +56,31 @@ class OutOfRangeError(ShapeMismatchError):
     the ``expert_map``), a layer not in the ``layer_map``, a KV slot past ``num_slots``, a
     ``start_row`` past a request's rows. A :class:`ShapeMismatchError` subclass, so callers
     that catch that keep catching these."""
+
+
+class RowCountMismatchError(ShapeMismatchError):
+    """A request stores another number of rows than its sample has: the caller expected
+    ``expected`` rows (a sample's tokens - 1: every token but the last sampled one is a forward
+    input), the store holds ``stored``. The routing is not this sample's: another request's
+    routing stored under this id (a reused request id whose later commit the store refused), or
+    a commit that failed. Raised by reads given ``expected_rows`` before anything is read. A
+    :class:`ShapeMismatchError` subclass (so an ``R3Error`` and a ``ValueError``): callers that
+    caught the framework helpers' row-count refusals as that keep catching them.
+
+    ``rollout_id``, ``request_id``, ``expected``, ``stored``: the first request that differs
+    (None where the raiser did not say)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rollout_id: str | None = None,
+        request_id: str | None = None,
+        expected: int | None = None,
+        stored: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rollout_id, self.request_id, self.expected, self.stored = rollout_id, request_id, expected, stored
 
 
 class MissingRowsError(R3Error, ValueError):

@@ -325,12 +325,9 @@ def test_store_nodes_secret_from_the_environment_and_a_wrong_one_refused(node, t
 
     monkeypatch.delenv("R3_STORE_TOKEN_FILE")
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
-    # staged: on CUDA, auto would probe the node at build time and fail there (closing what it built).
     cfg = R3Config.from_json('{"routing_store_type": "rdma", "rollout_id": "wrong", "transfer_mode": "staged"}')
-    cap = build_capturer(cfg, **GEOMETRY, num_slots=64)
-    capture_two_requests(cap)
     with pytest.raises(AuthenticationError):
-        cap.close()  # the push error surfaces at close, after which the client is closed anyway
+        build_capturer(cfg, **GEOMETRY, num_slots=64)  # refused when built, not at the end of the rollout
     monkeypatch.delenv("R3_STORE_TOKEN")
     with pytest.raises(ConfigError, match="no transport secret"):
         build_capturer(R3Config.from_json('{"routing_store_type": "rdma"}'), **GEOMETRY, num_slots=64)
@@ -376,7 +373,7 @@ def test_store_replicas_reach_the_push_client(tmp_path, monkeypatch):
     urls = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
     base = {"routing_store_type": "store_nodes", "store_urls": urls, "store_token_file": str(token_file)}
     for replicas, expected in ((0, 2), (1, 1), (3, 3)):
-        writer = build_writer(R3Config.from_json({**base, "store_replicas": replicas}))
+        writer = build_writer(R3Config.from_json({**base, "store_replicas": replicas}), connect=False)  # no nodes there
         try:
             assert writer.store.replicas == expected
         finally:
@@ -399,3 +396,34 @@ def test_slice_layout_reaches_the_local_store(tmp_path):
             assert writer.store.slice_layout is want
         finally:
             writer.close()
+
+
+def test_http_store_urls_are_refused_naming_the_readers_variable():
+    with pytest.raises(ConfigError, match=r"store_urls takes UCX host:port; HTTP URLs are for readers \(R3_STORE_HTTP_URLS\)"):
+        R3Config(routing_store_type="store_nodes", store_urls=("http://127.0.0.1:8337",))
+    with pytest.raises(ConfigError, match="R3_STORE_HTTP_URLS"):
+        R3Config.from_env({"R3_STORE_URLS": "127.0.0.1:9000, https://node-1:8337"})
+
+
+def test_unreachable_store_nodes_fail_build_capturer(tmp_path, monkeypatch):
+    import socket
+
+    from r3rdma.errors import TransportError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("R3_STORE_TOKEN", new_token())
+    config = R3Config(routing_store_type="store_nodes", store_urls=(f"127.0.0.1:{port}",))
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        build_capturer(config, num_slots=64, layer_map=(0,), top_k=2, num_experts=8)
+
+
+def test_unknown_r3_variables_are_warned_about_naming_the_likely_one(caplog):
+    from r3rdma.config import unknown_variables
+
+    env = {"R3_ROLOUT_ID": "step-1", "R3_STORE_URL": "h:1", "R3_NOTHING_LIKE_IT": "1", "R3_ROLLOUT_ID": "x", "PATH": "/bin"}
+    assert unknown_variables(env) == [("R3_NOTHING_LIKE_IT", None), ("R3_ROLOUT_ID", "R3_ROLLOUT_ID"), ("R3_STORE_URL", "R3_STORE_URLS")]
+    with caplog.at_level("WARNING", logger="r3rdma"):
+        assert R3Config.from_env({"R3_ROLOUT_ID": "step-1"}).rollout_id == "default"
+    assert "R3_ROLOUT_ID is not a variable r3rdma reads, so it is ignored; did you mean R3_ROLLOUT_ID?" in caplog.text

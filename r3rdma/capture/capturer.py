@@ -134,7 +134,7 @@ class RoutingCapturer:
             off for other sinks and without one, which get every record whole.
         owns_sink: :meth:`close` also closes ``sink`` (which must then have ``close()``, taking
             the timeout when :meth:`close` is given one).
-            :meth:`R3Config.build_capturer <r3rdma.config.R3Config.build_capturer>` sets it for
+            :func:`~r3rdma.integrations.pipeline.build_capturer` sets it for
             the writer (and store) it builds; a sink the caller passes in stays the caller's to
             close unless it says otherwise.
 
@@ -526,8 +526,7 @@ class RoutingCapturer:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, stop the finisher thread (if one was started), then close the sink if the
-        capturer owns it (``owns_sink``: a capturer from :meth:`R3Config.build_capturer
-        <r3rdma.config.R3Config.build_capturer>`, whose writer then commits what it holds and
+        capturer owns it (``owns_sink``: a capturer from :func:`~r3rdma.integrations.pipeline.build_capturer`, whose writer then commits what it holds and
         closes its store). A sink the caller passed in is left open.
 
         Everything is released even when a step fails; the first error is raised. Calling it

@@ -17,7 +17,7 @@ entropy, nats, on fixed evenly spaced windows of the held-out stream) and the ex
 layer on those windows (top-k counts; ``chi2_over_df``: chi-square against a uniform load
 divided by its degrees of freedom, ~1 or below for routing that ignores its input).
 
-Output: ``model.save_pretrained(OUT)`` (config + safetensors, fp32), the byte tokenizer
+Output: ``model.save_pretrained(OUT)`` (config + safetensors, bfloat16), the byte tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``) and ``OUT/train_tiny.json`` (tokenizer, data
 split, seed, hyper-parameters, losses, load statistics, versions). ``r3rdma verify --model OUT``
 loads it with ``AutoModelForCausalLM.from_pretrained``; ``vllm.LLM(model=OUT)`` serves it (on
@@ -484,7 +484,9 @@ def _train(
     from r3rdma.integrations.hf_models import progress_bars_on_terminal_only
 
     progress_bars_on_terminal_only()  # "Writing model shards" only on a terminal
-    model.save_pretrained(out_dir)
+    # Saved in bfloat16, the dtype vLLM serves it in: fp32 weights made every vLLM start print a
+    # "loading float32 into bfloat16" line per weight. Trainers load it in fp32 (upcast, exact).
+    model.to(torch.bfloat16).save_pretrained(out_dir)
     from r3rdma.integrations.vllm.checkpoint import write_byte_tokenizer
 
     write_byte_tokenizer(out_dir, bos=BOS, eos=EOS, pad=PAD, vocab_size=VOCAB_SIZE)

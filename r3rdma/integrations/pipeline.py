@@ -37,7 +37,7 @@ _default_rollout_noted = False  # warned once per process (below), not per captu
 _default_rollout_lock = threading.Lock()
 
 
-def build_writer(config: R3Config) -> RoutingWriter:
+def build_writer(config: R3Config, *, connect: bool = True) -> RoutingWriter:
     """The writer and the store ``config`` names, the writer owning the store.
 
     A :class:`~r3rdma.write.writer.RoutingWriter` (``flush_bytes``, ``flush_interval_s``,
@@ -47,12 +47,18 @@ def build_writer(config: R3Config) -> RoutingWriter:
     ``store_token_file`` / ``$R3_STORE_TOKEN``). ``writer.close()`` commits what it holds,
     then closes the store (releasing the local root's lock, or the client's connections).
     Built whatever ``enable_routing_replay`` says: callers that honour it use
-    :func:`build_capturer`.
+    :func:`build_capturer`. Store nodes are connected to and authenticated with here
+    (``StoreNodesClient.check``; ``connect=False`` leaves it to the first push): a node that
+    cannot be reached, or refuses the secret, fails the build, naming it, not the first commit
+    at the end of a rollout.
     """
     from r3rdma.write.writer import RoutingWriter
 
     store = _open_store(config)
     try:
+        check = getattr(store, "check", None)
+        if connect and callable(check):
+            check()
         return RoutingWriter(
             store,
             flush_bytes=config.flush_bytes,

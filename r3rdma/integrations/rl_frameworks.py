@@ -50,20 +50,26 @@ Checks, each with a message that says what was expected and what arrived:
 - a request whose stored rows begin after position 0 (only later turns stored):
   :class:`MissingRowsError`; those positions would otherwise replay expert 0;
 - rows that do not match the token count (``prompt_len + response_len - 1``: the last sampled
-  token is never a forward input), ids wider than the target dtype, a layer map that does not
-  fit the trainer's layer count or MoE pattern, a top-k other than the trainer's:
-  :class:`ShapeMismatchError`.
+  token is never a forward input): :class:`RowCountMismatchError` (a
+  :class:`ShapeMismatchError`) naming the request; the routing is not the sample's (another
+  request's stored under a reused id, a failed commit) or the lengths are wrong. Where a
+  sample's exact count is known (slime always; verl unless its response was cut at
+  ``response_length`` or ``allow_unrouted_tail`` is set, where only bounds are), the read
+  passes it as ``RoutingReader.get_packed(expected_rows=...)``, so a wrong request is refused
+  from the index, before any row is read; the other bounds are checked on the rows read;
+- ids wider than the target dtype, a layer map that does not fit the trainer's layer count or
+  MoE pattern, a top-k other than the trainer's: :class:`ShapeMismatchError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from r3rdma.errors import MissingRowsError, ShapeMismatchError
+from r3rdma.errors import MissingRowsError, RowCountMismatchError, ShapeMismatchError
 from r3rdma.read.layers import layer_list
 from r3rdma.read.reader import PackedRouting, RoutingReader
 
@@ -109,7 +115,8 @@ def slime_rollout_routed_experts(
         reader: where the rollout was committed.
         rollout_id, request_ids: the samples to build (only these are read).
         token_lens: ``len(sample.tokens)`` of each sample (prompt + response); a sample must
-            have exactly ``token_len - 1`` stored rows, as slime asserts in ``fill_routing_replay``.
+            have exactly ``token_len - 1`` stored rows, as slime asserts in ``fill_routing_replay``
+            (checked from the index before reading: else :class:`RowCountMismatchError`).
         num_layers: ``args.num_layers``, every decoder layer, dense ones included.
         top_k: ``args.moe_router_topk``, checked against the stored top-k when given.
         moe_layer_freq: the model's ``moe_layer_freq``; when given, the stored layer map must
@@ -134,7 +141,14 @@ def slime_rollout_routed_experts(
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ShapeMismatchError(f"num_layers must be an int >= 1, got {num_layers!r}")
     stage = _stage(reader, rollout_id, layers, num_layers)
-    packed = _read_share(reader, rollout_id, request_ids, stage)
+    expected = {rid: n - 1 for rid, n in zip(request_ids, token_lens)}
+    try:
+        packed = _read_share(reader, rollout_id, request_ids, stage, expected)
+    except RowCountMismatchError as e:
+        rid, stored = e.request_id, e.stored
+        if rid is None or rid not in expected or stored is None:
+            raise
+        raise _slime_count_error(rid, rollout_id, stored, expected[rid]) from e
     layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed, stage)
     _check_top_k(stored_k, top_k)
     _check_layer_map(layer_map, num_layers, moe_layer_freq)
@@ -145,12 +159,8 @@ def slime_rollout_routed_experts(
     for i, rid in enumerate(request_ids):
         rows = _rows(packed, i, rollout_id)
         want = token_lens[i] - 1
-        if rows.shape[0] != want:
-            raise ShapeMismatchError(
-                f"request {rid!r} of rollout {rollout_id!r} has {rows.shape[0]} routing rows; slime needs "
-                f"len(tokens) - 1 = {want} (one per token that was a forward input: every token but the "
-                f"last sampled one). Wrong token_lens, or the sample was truncated/extended after routing was stored"
-            )
+        if rows.shape[0] != want:  # a reader-like object that does not take expected_rows
+            raise _slime_count_error(rid, rollout_id, rows.shape[0], want)
         if dense_fill is None:
             full = np.repeat(_spread(0, want, stored_k, num_experts)[:, None, :], width, axis=1).astype(np.int32)
         else:
@@ -212,6 +222,10 @@ def verl_routed_experts(
     A request with more rows than ``prompt_len + response_len - 1`` is refused, except when the
     response was cut at ``response_length``: verl then keeps the first
     ``prompt_len + response_length`` rows (single_turn_agent_loop.py 99-101), and so does this.
+    A refused count is a :class:`RowCountMismatchError` naming the request. A sample whose
+    count is exact (response shorter than ``response_length``, no ``allow_unrouted_tail``) is
+    checked from the index before anything is read (``get_packed(expected_rows=...)``); the
+    others (only bounds known) on the rows read.
     """
     share = _verl_share(
         reader,
@@ -222,18 +236,13 @@ def verl_routed_experts(
         num_layers,
         top_k,
         layers,
+        allow_unrouted_tail,
         prompt_length=prompt_length,
         response_length=response_length,
     )
     request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
     out = torch.zeros((len(request_ids), prompt_length + response_length, share.width, share.top_k), dtype=torch.int16)
     for i, rid in enumerate(request_ids):
-        if prompt_lens[i] > prompt_length or response_lens[i] > response_length:
-            raise ShapeMismatchError(
-                f"request {rid!r}: prompt {prompt_lens[i]} / response {response_lens[i]} tokens do not fit "
-                f"prompt_length {prompt_length} / response_length {response_length} (verl truncates the "
-                f"response to response_length and refuses a prompt longer than prompt_length)"
-            )
         rows = _verl_rows(
             packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail, share.num_experts
         )
@@ -265,15 +274,20 @@ def verl_routed_experts_unpadded(
     context-parallel ranks itself (module docstring).
     """
     share = _verl_share(
-        reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, layers, response_length=response_length
+        reader,
+        rollout_id,
+        request_ids,
+        prompt_lens,
+        response_lens,
+        num_layers,
+        top_k,
+        layers,
+        allow_unrouted_tail,
+        response_length=response_length,
     )
     request_ids, prompt_lens, response_lens, packed = share.request_ids, share.prompt_lens, share.response_lens, share.packed
     out = []
     for i, rid in enumerate(request_ids):
-        if response_lens[i] > response_length:
-            raise ShapeMismatchError(
-                f"request {rid!r}: response of {response_lens[i]} tokens exceeds response_length {response_length}"
-            )
         rows = _verl_rows(
             packed, i, rid, rollout_id, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail, share.num_experts
         )
@@ -298,17 +312,49 @@ class _VerlShare(NamedTuple):
 
 
 def _verl_share(
-    reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, layers, **sizes: int
+    reader, rollout_id, request_ids, prompt_lens, response_lens, num_layers, top_k, layers, allow_unrouted_tail, **sizes: int
 ) -> _VerlShare:
-    """Checked arguments and the caller's share of the rollout, read once (both verl layouts)."""
+    """Checked arguments and the caller's share of the rollout, read once (both verl layouts);
+    ``sizes``: ``response_length``, and ``prompt_length`` for the padded layout. Samples must
+    fit them (checked before the read). Samples whose row count is exact are read with it as
+    ``expected_rows``: a wrong request fails before anything is read."""
     request_ids = list(request_ids)
     prompt_lens = _lengths("prompt_lens", prompt_lens, len(request_ids), minimum=1)
     response_lens = _lengths("response_lens", response_lens, len(request_ids), minimum=0)
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
+    response_length, prompt_length = sizes["response_length"], sizes.get("prompt_length")
+    for rid, p, r in zip(request_ids, prompt_lens, response_lens):
+        if prompt_length is not None and (p > prompt_length or r > response_length):
+            raise ShapeMismatchError(
+                f"request {rid!r}: prompt {p} / response {r} tokens do not fit "
+                f"prompt_length {prompt_length} / response_length {response_length} (verl truncates the "
+                f"response to response_length and refuses a prompt longer than prompt_length)"
+            )
+        if r > response_length:
+            raise ShapeMismatchError(f"request {rid!r}: response of {r} tokens exceeds response_length {response_length}")
+    # Exact counts only: a response cut at response_length may store more rows (verl keeps a
+    # prefix), an unrouted tail fewer; those are bounds, checked on the rows read.
+    expected = {
+        rid: p + r - 1
+        for rid, p, r in zip(request_ids, prompt_lens, response_lens)
+        if r < response_length and not allow_unrouted_tail
+    }
     stage = _stage(reader, rollout_id, layers, num_layers)
-    packed = _read_share(reader, rollout_id, request_ids, stage)
+    try:
+        packed = _read_share(reader, rollout_id, request_ids, stage, expected)
+    except RowCountMismatchError as e:
+        rid, stored = e.request_id, e.stored
+        if rid is None or rid not in expected or stored is None:
+            raise
+        i = request_ids.index(rid)
+        problem = _verl_count_error(
+            rid, rollout_id, stored, prompt_lens[i], response_lens[i], response_length, allow_unrouted_tail
+        )
+        if problem is None:
+            raise
+        raise problem from e
     layer_map, stored_k, num_experts = _geometry(reader, rollout_id, packed, stage)
     _check_top_k(stored_k, top_k)
     columns = _verl_columns(layer_map, num_layers)
@@ -356,15 +402,65 @@ def _stage(reader: RoutingReader, rollout_id: str, layers: Iterable[int] | None,
     return _Stage(chosen, read, [chosen.index(layer) for layer in read], info.layer_map, info.top_k, info.num_experts)
 
 
-def _read_share(reader: RoutingReader, rollout_id: str, request_ids: list[str], stage: _Stage | None) -> PackedRouting | None:
+def _read_share(
+    reader: RoutingReader, rollout_id: str, request_ids: list[str], stage: _Stage | None, expected: dict[str, int]
+) -> PackedRouting | None:
     """The share's rows (None for no request): every layer, or the stage's MoE layers. A stage
     of dense layers alone still reads one layer, the least a read can fetch: the checks of each
-    sample's row count need its rows."""
+    sample's row count need its rows. ``expected``: the samples' exact row counts, checked by
+    the reader from its index before anything is read (a reader-like object that is not a
+    :class:`RoutingReader`, such as a test double, is asked without them: the callers check
+    the rows read)."""
     if not request_ids:
         return None
-    if stage is None:
-        return reader.get_packed(rollout_id, request_ids)
-    return reader.get_packed(rollout_id, request_ids, layers=stage.read_layers or stage.layer_map[:1])
+    kwargs: dict[str, Any] = {}
+    if stage is not None:
+        kwargs["layers"] = stage.read_layers or stage.layer_map[:1]
+    if expected and isinstance(reader, RoutingReader):
+        kwargs["expected_rows"] = expected
+    return reader.get_packed(rollout_id, request_ids, **kwargs)
+
+
+def _slime_count_error(rid: str, rollout_id: str, n: int, want: int) -> RowCountMismatchError:
+    """slime's refusal of a sample whose stored rows are not ``len(tokens) - 1``."""
+    return RowCountMismatchError(
+        f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows; slime needs "
+        f"len(tokens) - 1 = {want} (one per token that was a forward input: every token but the "
+        f"last sampled one). Not this sample's routing: another request's stored under this id (a reused "
+        f"request id), or a commit that failed; else wrong token_lens, or the sample was truncated/extended "
+        f"after routing was stored",
+        rollout_id=rollout_id,
+        request_id=rid,
+        expected=want,
+        stored=n,
+    )
+
+
+def _verl_count_error(
+    rid: str, rollout_id: str, n: int, prompt_len: int, response_len: int, response_length: int, allow_unrouted_tail: bool
+) -> RowCountMismatchError | None:
+    """verl's refusal of a sample storing ``n`` rows, or None where verl takes them: exactly
+    ``prompt_len + response_len - 1``, more when the response was cut at ``response_length``
+    (verl keeps a prefix), fewer with ``allow_unrouted_tail``."""
+    want = prompt_len + response_len - 1
+    if n > want and response_len != response_length:
+        text = (
+            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows, more than the "
+            f"prompt {prompt_len} + response {response_len} - 1 = {want} positions that were forward inputs "
+            f"(and the response was not cut at response_length {response_length}): wrong lengths or wrong request "
+            f"(another request's routing stored under this id, e.g. a reused request id)"
+        )
+    elif n < want and not allow_unrouted_tail:
+        text = (
+            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows; prompt {prompt_len} + response "
+            f"{response_len} tokens need {want} (every token but the last sampled one is a forward input). "
+            f"Another request's routing stored under this id (a reused request id), a commit that failed, or "
+            f"wrong lengths; or a multi-turn response ending with tool output, which has no rows for it: pass "
+            f"allow_unrouted_tail=True to give those positions a spread, duplicate-free fill (verl replays them)"
+        )
+    else:
+        return None
+    return RowCountMismatchError(text, rollout_id=rollout_id, request_id=rid, expected=want, stored=n)
 
 
 def _spread(first: int, count: int, top_k: int, num_experts: int) -> np.ndarray:
@@ -462,22 +558,11 @@ def _verl_rows(
     rows = _rows(packed, i, rollout_id)
     want = prompt_len + response_len - 1
     n = rows.shape[0]
-    if n > want:
-        if response_len == response_length:
-            # verl cut the response at response_length and keeps prompt + response_length rows
-            return rows[: prompt_len + response_length]
-        raise ShapeMismatchError(
-            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows, more than the "
-            f"prompt {prompt_len} + response {response_len} - 1 = {want} positions that were forward inputs "
-            f"(and the response was not cut at response_length {response_length}): wrong lengths or wrong request"
-        )
-    if n < want and not allow_unrouted_tail:
-        raise ShapeMismatchError(
-            f"request {rid!r} of rollout {rollout_id!r} has {n} routing rows; prompt {prompt_len} + response "
-            f"{response_len} tokens need {want} (every token but the last sampled one is a forward input). "
-            f"A multi-turn response ending with tool output has no rows for it: pass allow_unrouted_tail=True "
-            f"to give those positions a spread, duplicate-free fill (verl replays them)"
-        )
+    problem = _verl_count_error(rid, rollout_id, n, prompt_len, response_len, response_length, allow_unrouted_tail)
+    if problem is not None:
+        raise problem
+    if n > want:  # verl cut the response at response_length and keeps prompt + response_length rows
+        return rows[: prompt_len + response_length]
     if n < want:  # the unrouted tail: positions n .. want - 1, the spread fill in every stored layer
         tail = torch.from_numpy(_spread(n, want - n, rows.shape[2], num_experts))
         rows = torch.cat([rows.to(torch.int64), tail[:, None, :].expand(-1, rows.shape[1], -1)])

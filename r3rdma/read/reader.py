@@ -18,7 +18,8 @@ error) are not the data's fault; :class:`CorruptDataError` means bytes that arri
 their checksum or the format; :class:`UnknownRolloutError` / :class:`UnknownRequestError`: not
 committed (or deleted; right after the engine's response that names them, not committed yet:
 :meth:`RoutingReader.wait_committed` waits until they are). Bad id lists (unknown or repeated
-ids) fail before anything is read.
+ids) fail before anything is read; so does a request whose stored row count is not the one
+the caller expects (``expected_rows``: :class:`RowCountMismatchError`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from r3rdma.errors import (
     ConfigError,
     CorruptDataError,
     InvalidIdError,
+    MissingRowsError,
     R3TimeoutError,
+    RowCountMismatchError,
     StoreError,
     TransportError,
     UnknownRequestError,
@@ -202,6 +205,7 @@ class RoutingReader:
         *,
         layers: Iterable[int] | None = None,
         rows: Mapping[str, Iterable[Any]] | None = None,
+        expected_rows: Mapping[str, int] | None = None,
     ) -> dict[str, np.ndarray]:
         """Per-request routing ``[rows, L, K]`` in the stored dtype, keyed by request id.
 
@@ -218,9 +222,22 @@ class RoutingReader:
         only the row chunks holding them are fetched, each checked by its chunk CRC-32C.
         Requests not named are read whole. A span past a request's end raises
         :class:`ShapeMismatchError` naming it, before anything is read.
+
+        ``expected_rows``: ``{request id: rows}``, the rows each named request must store, all
+        of them (row 0 through its end, whatever ``rows`` and ``layers`` select): a sample's
+        token count - 1 (prompt + generated - 1; the last sampled token is never a forward
+        input). A request storing another count raises :class:`RowCountMismatchError` naming
+        it, both counts and the likely cause (another request's routing under this id, or a
+        failed commit); one stored from a later row on (only later turns), so that rows
+        ``0..`` of the expected ones have none, raises :class:`MissingRowsError`. Checked from
+        the index, before anything is read. A key not among ``request_ids``, or a count that is
+        not an int >= 0: :class:`ConfigError` (a ``ValueError``). Requests not named are not
+        checked; None (default): no check.
         """
         request_ids = _check_ids(request_ids)
+        expected = _expected_rows(expected_rows, request_ids)
         merged = self._require(rollout_id, request_ids)
+        _check_expected_rows(rollout_id, expected, merged)
         positions, _ = layer_selection(rollout_id, merged.geometry, layers)
         spans = row_spans(rows)
         check_rows(rollout_id, spans, request_ids, merged.entry)
@@ -233,10 +250,12 @@ class RoutingReader:
         *,
         layers: Iterable[int] | None = None,
         rows: Mapping[str, Iterable[Any]] | None = None,
+        expected_rows: Mapping[str, int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-request routing tensors ``[rows, L, K]`` (uint8, or int32 for wider ids);
-        ``layers`` and ``rows`` as in :meth:`get_numpy`."""
-        return {rid: to_torch(a) for rid, a in self.get_numpy(rollout_id, request_ids, layers=layers, rows=rows).items()}
+        ``layers``, ``rows`` and ``expected_rows`` as in :meth:`get_numpy`."""
+        arrays = self.get_numpy(rollout_id, request_ids, layers=layers, rows=rows, expected_rows=expected_rows)
+        return {rid: to_torch(a) for rid, a in arrays.items()}
 
     def get_packed(
         self,
@@ -245,13 +264,17 @@ class RoutingReader:
         *,
         layers: Iterable[int] | None = None,
         rows: Mapping[str, Iterable[Any]] | None = None,
+        expected_rows: Mapping[str, int] | None = None,
     ) -> PackedRouting:
         """Requests concatenated along tokens in the given order, with ``cu_seqlens``;
         ``layers`` as in :meth:`get_numpy` (the result's ``layer_map`` lists the layers read).
         ``rows`` as in :meth:`get_numpy`: ``cu_seqlens`` then counts the rows read of each
-        request (``start_rows`` stay the requests' first stored rows)."""
+        request (``start_rows`` stay the requests' first stored rows). ``expected_rows`` as in
+        :meth:`get_numpy` (each request's whole stored count, checked before anything is read)."""
         request_ids = _check_ids(request_ids)
+        expected = _expected_rows(expected_rows, request_ids)
         merged = self._require(rollout_id, request_ids)
+        _check_expected_rows(rollout_id, expected, merged)
         positions, geometry = layer_selection(rollout_id, merged.geometry, layers)
         spans = row_spans(rows)
         check_rows(rollout_id, spans, request_ids, merged.entry)
@@ -885,6 +908,68 @@ def _check_ids(request_ids: Iterable[str]) -> list[str]:
             + f" ({len(ids)} ids, {len(counts)} distinct); nothing was read"
         )
     return ids
+
+
+def _expected_rows(expected_rows: Mapping[str, int] | None, request_ids: list[str]) -> dict[str, int] | None:
+    """``expected_rows`` checked for shape (no index needed): requests among ``request_ids``
+    mapped to ints >= 0, else :class:`ConfigError` naming the first offenders; None: no check."""
+    if expected_rows is None:
+        return None
+    if not isinstance(expected_rows, Mapping):
+        raise ConfigError(f"expected_rows must map request ids to row counts, got {type(expected_rows).__name__}")
+    asked = set(request_ids)
+    stray = [rid for rid in expected_rows if rid not in asked]
+    if stray:
+        raise ConfigError(
+            f"expected_rows names requests not read: {stray[:5]!r}"
+            + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+            + "; nothing was read"
+        )
+    out: dict[str, int] = {}
+    for rid, n in expected_rows.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ConfigError(f"expected_rows[{rid!r}] must be an int >= 0 (the rows the request stores), got {n!r}")
+        out[rid] = int(n)
+    return out
+
+
+def _check_expected_rows(rollout_id: str, expected: dict[str, int] | None, merged: _MergedIndex) -> None:
+    """Every request of ``expected`` stores exactly its rows, from row 0 (its index entry says;
+    nothing is read), else :class:`RowCountMismatchError` (or, where only rows from a later row
+    on are stored and they end where expected, :class:`MissingRowsError`) naming the first."""
+    if not expected:
+        return
+    wrong = []
+    for rid, n in expected.items():
+        entry = merged.entry(rid)
+        if entry.rows != n or entry.start_row:
+            wrong.append((rid, n, entry))
+    if not wrong:
+        return
+    rid, n, entry = wrong[0]
+    more = ""
+    if len(wrong) > 1:
+        more = f"; {len(wrong) - 1} more of the {len(expected)} requests checked differ: " + ", ".join(
+            f"{r!r} (stores {e.rows}, expected {m})" for r, m, e in wrong[1:5]
+        )
+        more += f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+    if entry.start_row and entry.end_row == n:
+        raise MissingRowsError(
+            f"rollout {rollout_id!r} request {rid!r} is stored from row {entry.start_row} on (rows "
+            f"{entry.start_row}..{entry.end_row - 1}): rows 0..{entry.start_row - 1} of the {n} expected have no "
+            f"routing (only later turns were stored){more}; nothing was read"
+        )
+    where = f" (rows {entry.start_row}..{entry.end_row - 1}, none for rows 0..{entry.start_row - 1})" if entry.start_row else ""
+    raise RowCountMismatchError(
+        f"rollout {rollout_id!r} request {rid!r} stores {entry.rows} routing rows{where}, the caller expects {n}: "
+        f"this is not that sample's routing. Likely another request's routing stored under this id (a reused "
+        f"request id, whose later commit the store refused), or a commit that failed; else the expected count "
+        f"(the sample's tokens - 1) is wrong{more}; nothing was read",
+        rollout_id=rollout_id,
+        request_id=rid,
+        expected=n,
+        stored=entry.rows,
+    )
 
 
 @contextlib.contextmanager

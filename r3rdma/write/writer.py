@@ -129,7 +129,7 @@ class RoutingWriter:
         flush_interval_s: ... or once its first record waited this long.
         max_inflight_bytes: bytes queued or being committed; ``submit`` blocks beyond it.
         owns_store: :meth:`close` also closes ``store`` (which must have ``close()``); set by
-            :meth:`R3Config.build_writer <r3rdma.config.R3Config.build_writer>`. A store the
+            :func:`~r3rdma.integrations.pipeline.build_writer`. A store the
             caller passes in stays the caller's to close unless it says otherwise.
     """
 

@@ -17,9 +17,18 @@ Two jobs the engine processes cannot do, because only the front end knows:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
-from r3rdma.integrations.vllm.settings import INDEX_ARG, KEY_ARG, LOCATION_KEY, REQUEST_ARG, ROLLOUT_ARG, routing_config
+from r3rdma.integrations.vllm.settings import (
+    CONFIG_KEY,
+    INDEX_ARG,
+    KEY_ARG,
+    LOCATION_KEY,
+    REQUEST_ARG,
+    ROLLOUT_ARG,
+    routing_config,
+)
 
 __all__ = ["key_request", "mark", "child_params", "note_stop_length", "stop_location", "with_stop_lengths", "forget"]
 
@@ -32,6 +41,12 @@ _STOP_LENGTHS: dict[str, int] = {}
 # otherwise store one request and fail the others' commits after the rollout).
 _RUNNING: dict[tuple[str, str], int] = {}
 _COUNTED: set[str] = set()  # internal ids counted in _RUNNING (an n > 1 parent is not: its children are)
+# Rollout -> the stored ids of requests that finished in this front end (an aborted request's id
+# stays free): a later request under one of them is refused at submission, since its commit
+# would fail and its response point at the earlier request's rows. The last _USED_ROLLOUTS
+# rollouts are kept (an RL loop names one per step; ~16k ids a step).
+_USED: OrderedDict[str, set[str]] = OrderedDict()
+_USED_ROLLOUTS = 16
 # id(vllm_config) -> (that config, its R3Config or None when routing replay is off); the config
 # is kept so an id reused by a later engine's config is not mistaken for it.
 _ENABLED: dict[int, tuple[Any, Any]] = {}
@@ -50,10 +65,22 @@ def key_request(input_processor: Any, request: Any) -> None:
     if params is None:  # pooling requests carry no sampling params and route nothing to store
         return
     config = _config_of(input_processor.vllm_config)
-    if config is None:
-        return
     from r3rdma.errors import InvalidIdError
     from r3rdma.ids import validate_id
+
+    if config is None:
+        asked = sorted(k for k in (params.extra_args or {}) if k in (REQUEST_ARG, ROLLOUT_ARG))
+        if asked:
+            # The client expects its routing stored; an engine started without routing replay
+            # (or with a typo in its key) would answer without storing anything.
+            raise _refused(
+                InvalidIdError(
+                    f"the request names {', '.join(asked)}, but routing replay is off for this engine, so nothing would "
+                    f"be stored: start vLLM with additional_config[{CONFIG_KEY!r}] (or R3_ENABLE_ROUTING_REPLAY=1), "
+                    "or leave the r3_* arguments out"
+                )
+            )
+        return
 
     extra = dict(params.extra_args or {})
     key = str(extra.get(REQUEST_ARG, request.request_id))
@@ -69,6 +96,14 @@ def key_request(input_processor: Any, request: Any) -> None:
                 f"{REQUEST_ARG} {key!r} of rollout {rollout!r} is taken by a request this engine is still running: "
                 f"each request needs its own id (one SamplingParams per prompt, each with its own extra_args "
                 f"{{{REQUEST_ARG!r}: ...}}), or leave {REQUEST_ARG} out to store under vLLM's request id"
+            )
+        )
+    if key in _USED.get(rollout, ()) and not config.only_last_turn:
+        raise _refused(
+            InvalidIdError(
+                f"{REQUEST_ARG} {key!r} of rollout {rollout!r} was used by an earlier request this engine finished: its "
+                f"routing is stored under that id, and a second request cannot be stored there. Give each request its "
+                f"own id in a rollout (and each RL step its own {ROLLOUT_ARG})"
             )
         )
     extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
@@ -159,9 +194,18 @@ def with_stop_lengths(request_ids: Any) -> Any:
     return [[rid, _STOP_LENGTHS.pop(rid)] if isinstance(rid, str) and rid in _STOP_LENGTHS else rid for rid in request_ids]
 
 
-def forget(request_id: str) -> None:
-    """Drop the front end's bookkeeping of a request that left the engine (its running count, once)."""
+def forget(request_id: str, *, finished: bool) -> None:
+    """Drop the front end's bookkeeping of a request that left the engine (its running count,
+    once); a ``finished`` one (not aborted) keeps its stored id taken in its rollout."""
     extra = _MARKED.pop(request_id, None)
     if extra is not None and request_id in _COUNTED:
         _COUNTED.discard(request_id)
         _running(extra, -1)
+    if extra is not None and finished:
+        rollout = extra[ROLLOUT_ARG]
+        used = _USED.get(rollout)
+        if used is None:
+            used = _USED[rollout] = set()
+            while len(_USED) > _USED_ROLLOUTS:
+                _USED.popitem(last=False)
+        used.add(extra[KEY_ARG])

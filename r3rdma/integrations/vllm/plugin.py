@@ -209,7 +209,7 @@ def _install_frontend() -> None:
 
     def finish(original):
         def _finish_request(self, req_state):
-            frontend.forget(req_state.request_id)
+            frontend.forget(req_state.request_id, finished=True)
             return original(self, req_state)
 
         return _finish_request
@@ -218,7 +218,7 @@ def _install_frontend() -> None:
         def abort_requests(self, *args, **kwargs):
             aborted = original(self, *args, **kwargs)
             for rid in aborted or ():
-                frontend.forget(rid)
+                frontend.forget(rid, finished=False)
             return aborted
 
         return abort_requests

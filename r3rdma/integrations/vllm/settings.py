@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,7 @@ def routing_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> R3
     """
     env = os.environ if env is None else env
     extra = getattr(vllm_config, "additional_config", None) or {}
+    _refuse_near_miss(extra)
     spec: Any = None
     if isinstance(extra, Mapping) and CONFIG_KEY in extra:
         spec = extra[CONFIG_KEY]
@@ -105,6 +107,24 @@ def routing_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> R3
         raise ConfigError(f"{where} must be a JSON object of R3Config keys, got {type(spec).__name__}: {spec!r}")
     config = R3Config.from_json(dict(spec), env=env)
     return config if config.enable_routing_replay else None
+
+
+def _refuse_near_miss(extra: Any) -> None:
+    """A key of ``additional_config`` that is almost ``routing_replay`` (``routing-replay``,
+    ``routingReplay``, ``routing_repaly``) would leave routing replay off without a word."""
+    if not isinstance(extra, Mapping) or CONFIG_KEY in extra:
+        return
+    import difflib
+
+    for key in extra:
+        if not isinstance(key, str):
+            continue
+        squashed = re.sub(r"[^a-z]", "", key.lower())
+        if squashed == "routingreplay" or difflib.SequenceMatcher(None, key.lower(), CONFIG_KEY).ratio() >= 0.8:
+            raise ConfigError(
+                f"additional_config has the key {key!r}, not {CONFIG_KEY!r}: routing replay would stay off for this "
+                f"engine. Did you mean additional_config[{CONFIG_KEY!r}]?"
+            )
 
 
 def stored_request_id(extra_args: Mapping[str, Any] | None, engine_request_id: str) -> str:

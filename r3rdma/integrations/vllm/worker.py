@@ -206,11 +206,8 @@ class RunnerRecorder:
         from r3rdma.capture.capturer import RoutingCapturer
 
         assert self.step_buf is not None  # checked by build()
-        writer = build_writer(self.config)
+        writer = build_writer(self.config)  # store nodes: connected and authenticated now, not at the end of the rollout
         try:
-            check = getattr(writer.store, "check", None)
-            if callable(check):
-                check()  # store nodes: connect and authenticate now, not at the end of the rollout
             sink = _ReportingSink(writer)
             threaded = self._threaded()
             table = self._table_device(threaded)
