@@ -27,6 +27,7 @@ from r3rdma.integrations.vllm.settings import (
     LOCATION_KEY,
     REQUEST_ARG,
     ROLLOUT_ARG,
+    STORE_ARG,
     routing_config,
 )
 
@@ -41,11 +42,12 @@ _STOP_LENGTHS: dict[str, int] = {}
 # otherwise store one request and fail the others' commits after the rollout).
 _RUNNING: dict[tuple[str, str], int] = {}
 _COUNTED: set[str] = set()  # internal ids counted in _RUNNING (an n > 1 parent is not: its children are)
-# Rollout -> the stored ids of requests that finished in this front end (an aborted request's id
-# stays free): a later request under one of them is refused at submission, since its commit
-# would fail and its response point at the earlier request's rows. The last _USED_ROLLOUTS
+# (store, rollout) -> the stored ids of requests that finished in this front end (an aborted
+# request's id stays free): a later request under one of them is refused at submission, since
+# its commit would fail and its response point at the earlier request's rows. Keyed by the
+# store, so engines of one process on other stores do not share ids. The last _USED_ROLLOUTS
 # rollouts are kept (an RL loop names one per step; ~16k ids a step).
-_USED: OrderedDict[str, set[str]] = OrderedDict()
+_USED: OrderedDict[tuple[str, str], set[str]] = OrderedDict()
 _USED_ROLLOUTS = 16
 # id(vllm_config) -> (that config, its R3Config or None when routing replay is off); the config
 # is kept so an id reused by a later engine's config is not mistaken for it.
@@ -98,7 +100,8 @@ def key_request(input_processor: Any, request: Any) -> None:
                 f"{{{REQUEST_ARG!r}: ...}}), or leave {REQUEST_ARG} out to store under vLLM's request id"
             )
         )
-    if key in _USED.get(rollout, ()) and not config.only_last_turn:
+    store = _store_of(config)
+    if key in _USED.get((store, rollout), ()) and not config.only_last_turn:
         raise _refused(
             InvalidIdError(
                 f"{REQUEST_ARG} {key!r} of rollout {rollout!r} was used by an earlier request this engine finished: its "
@@ -106,8 +109,15 @@ def key_request(input_processor: Any, request: Any) -> None:
                 f"own id in a rollout (and each RL step its own {ROLLOUT_ARG})"
             )
         )
-    extra[KEY_ARG], extra[ROLLOUT_ARG] = key, rollout
+    extra[KEY_ARG], extra[ROLLOUT_ARG], extra[STORE_ARG] = key, rollout, store
     params.extra_args = extra  # this request's own clone of the caller's SamplingParams
+
+
+def _store_of(config: Any) -> str:
+    """The store a config's requests go to, as a short key (ids are taken per store and rollout)."""
+    if config.routing_store_type == "local":
+        return f"local:{config.local_store_dir}"
+    return "nodes:" + ",".join(sorted(config.store_urls))
 
 
 def _refused(error: Exception) -> Exception:
@@ -202,10 +212,10 @@ def forget(request_id: str, *, finished: bool) -> None:
         _COUNTED.discard(request_id)
         _running(extra, -1)
     if extra is not None and finished:
-        rollout = extra[ROLLOUT_ARG]
-        used = _USED.get(rollout)
+        where = (extra.get(STORE_ARG, ""), extra[ROLLOUT_ARG])
+        used = _USED.get(where)
         if used is None:
-            used = _USED[rollout] = set()
+            used = _USED[where] = set()
             while len(_USED) > _USED_ROLLOUTS:
                 _USED.popitem(last=False)
         used.add(extra[KEY_ARG])

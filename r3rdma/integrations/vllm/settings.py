@@ -47,6 +47,7 @@ REQUEST_ARG = "r3_request_id"
 # sampling parameters to the scheduler and the workers, which never see the external id.
 KEY_ARG = "r3_key"
 LOCATION_KEY = "r3_routing"  # kv_transfer_params key of a finished request's routing location
+STORE_ARG = "r3_store"  # set by the front end: which store the request goes to (ids are taken per store)
 INDEX_ARG = "r3_sample_index"
 
 _TRUE = {"1", "true", "yes", "on"}
