@@ -451,15 +451,7 @@ class RoutingCapturer:
         if not self.pushes(store_as or request_id):
             self.requests_finished += 1
             return None  # another rank of the TP group pushes it (see tp_group)
-        meta = dict(
-            rollout_id=rollout_id or self.rollout_id,
-            request_id=store_as or request_id,
-            layer_map=self.layer_map,
-            num_experts=self.num_experts,
-            start_row=start_row,
-            final=final,
-            total_rows=total_rows,
-        )
+        meta = self._record_meta(rollout_id, store_as or request_id, start_row, final, total_rows)
         prefixes = self._prefixes
         if prefixes is not None and start_row == 0 and final and total_rows is None:
             rollout, stored = str(meta["rollout_id"]), str(meta["request_id"])
@@ -504,17 +496,21 @@ class RoutingCapturer:
         if not self.pushes(store_as or request_id):
             self.requests_finished += 1
             return None
-        meta = dict(
+        meta = self._record_meta(rollout_id, store_as or request_id, start_row, final, total_rows)
+        self.requests_finished += 1
+        return self._finishing.finish_rows(np.concatenate([first[start_row:kept], tail]), meta)
+
+    def _record_meta(self, rollout_id: str | None, request_id: str, start_row: int, final: bool, total_rows: int | None) -> dict:
+        """The fields of a finished request's :class:`RequestRecord` besides its rows."""
+        return dict(
             rollout_id=rollout_id or self.rollout_id,
-            request_id=store_as or request_id,
+            request_id=request_id,
             layer_map=self.layer_map,
             num_experts=self.num_experts,
             start_row=start_row,
             final=final,
             total_rows=total_rows,
         )
-        self.requests_finished += 1
-        return self._finishing.finish_rows(np.concatenate([first[start_row:kept], tail]), meta)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every finished request was handed to the sink (CUDA: its copy landed).
