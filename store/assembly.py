@@ -10,6 +10,9 @@ rules, :class:`Assembly` applies them).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
 
 from r3rdma.errors import SegmentError, SegmentOverlapError, SharedRowsMissingError
 from r3rdma.records import RequestRecord, checksum
@@ -43,6 +46,18 @@ class Assembly:
 
     ``stored_checksum(array, offset, rows)``: the CRC-32C of ``rows`` stored rows of an array
     of an earlier commit (a cut of a source segment stored there).
+
+    Same rows, any split (issue "Stored as said"): a record is judged by its rows, not by how
+    they are cut into segments or whether they are inline or a reference. A record identical to
+    a stored segment is a duplicate at once (the fast path: no bytes read). Otherwise a record
+    whose rows lie within the visible rows (default mode), or a shared-prefix record of a
+    request already visible from row 0, is compared with the stored rows of the range both hold,
+    read back through ``stored_rows(array, offset, rows)`` (only where the two segment lists
+    differ: a segment of the same start, rows and CRC-32C on both sides is not read): the same
+    bytes are a duplicate, and a shared-prefix record longer than the stored request extends it
+    with its rows past the stored ones; different bytes are refused
+    (:class:`SegmentOverlapError`) naming the first differing row. Without ``stored_rows`` the
+    comparison is not made and such a record is refused as before.
     """
 
     def __init__(
@@ -52,14 +67,17 @@ class Assembly:
         pending: Mapping[str, tuple[PendingSegment, ...]],
         only_last_turn: bool,
         stored_checksum: Callable[[str, int, int], int] | None = None,
+        stored_rows: Callable[[str, int, int], np.ndarray] | None = None,
     ) -> None:
         self.rollout_id = rollout_id
         self.only_last_turn = only_last_turn
         self._stored_checksum = stored_checksum
+        self._stored_rows = stored_rows
         self._in_batch: set[str] = set()
-        # Records of this batch by (array, offset): a cut of a segment written by this batch
-        # is hashed from the record's rows, the very bytes the array holds.
-        self._placed: dict[tuple[str, int], RequestRecord] = {}
+        # Rows of this batch's records by (array, offset): a cut of a segment written by this
+        # batch is hashed (or compared) from the record's rows, the very bytes the array holds.
+        self._placed: dict[tuple[str, int], np.ndarray] = {}
+        self._placed_arrays: set[str] = set()
         # What this batch changes, over the stored maps (read, never written here): the new
         # whole entry of each request it makes visible or extends, and the new pending list
         # of each request whose pending parts change (() once none are left).
@@ -79,6 +97,8 @@ class Assembly:
         if any(_same(seg, record) for seg in (*(entry.segments if entry else ()), *parts)):
             return False
         in_batch = rid in self._in_batch
+        if entry is not None and self._same_rows_as_visible(record, entry, in_batch):
+            return False  # the same rows, stored split otherwise (or by reference)
         self._in_batch.add(rid)
         if entry is not None:
             self._check_against_visible(record, entry, in_batch)
@@ -91,7 +111,7 @@ class Assembly:
             self.pending[rid] = tuple(group)
         else:
             self.pending.pop(rid, None)
-        self._placed[(array, offset)] = record
+        self._place(array, offset, record)
         return True
 
     # -- shared prefixes: rows another request of the rollout holds -------------------------
@@ -108,6 +128,9 @@ class Assembly:
             # fallback, which gives the same segments' rows and checksums): a duplicate.
             if entry.start_row == 0 and _layout(entry.segments) == _layout(segments):
                 return False
+            done = self._shared_again(record, entry, segments, array, offset)
+            if done is not None:
+                return done
             raise SegmentOverlapError(
                 f"{self._where(rid)} is already stored (rows {entry.start_row}..{entry.end_row - 1}, segments "
                 f"{_layout(entry.segments)} as (start_row, rows, crc32c)); a record sharing rows 0..{shared.rows - 1} "
@@ -123,7 +146,7 @@ class Assembly:
             )
         self._in_batch.add(rid)
         self.requests[rid] = RequestEntry(record.end_row, 0, segments)
-        self._placed[(array, offset)] = record
+        self._place(array, offset, record)
         return True
 
     def _shared_segments(self, record: RequestRecord) -> tuple[Segment, ...]:
@@ -164,15 +187,125 @@ class Assembly:
         copy that differs from them (an engine bug) would make the request fail its checksum
         on every read instead of at commit; a store node never receives the copy anyway.
         """
-        placed = self._placed.get((array, offset))
+        placed = self._placed_rows(array, offset, rows)
         if placed is not None:
-            return checksum(placed.ids_TLK[:rows])
+            return checksum(placed)
         if self._stored_checksum is None:
             raise SharedRowsMissingError(
                 f"rollout {self.rollout_id!r}: rows {offset}..{offset + rows - 1} of array {array} cannot be read to "
                 "checksum a shared prefix cut inside a stored segment"
             )
         return self._stored_checksum(array, offset, rows)
+
+    # -- the same rows, split otherwise: compared by bytes (the slow path) --------------------
+
+    def _place(self, array: str, offset: int, record: RequestRecord) -> None:
+        self._placed[(array, offset)] = record.ids_TLK
+        self._placed_arrays.add(array)
+
+    def _placed_rows(self, array: str, offset: int, rows: int) -> np.ndarray | None:
+        """Rows ``array[offset : offset + rows]`` when this batch writes them (else None)."""
+        ids = self._placed.get((array, offset))
+        if ids is not None:
+            return ids[:rows]
+        if array in self._placed_arrays:  # a cut inside a record of this batch (rare)
+            for (a, o), ids in self._placed.items():
+                if a == array and o <= offset and offset + rows <= o + len(ids):
+                    return ids[offset - o : offset - o + rows]
+        return None
+
+    def _read(self, array: str, offset: int, rows: int) -> np.ndarray:
+        """The bytes of rows ``array[offset : offset + rows]``: this batch's, else the store's;
+        :class:`_Unreadable` when the store gave no way to read them."""
+        placed = self._placed_rows(array, offset, rows)
+        if placed is not None:
+            return placed
+        if self._stored_rows is None or array in self._placed_arrays:
+            raise _Unreadable
+        return np.asarray(self._stored_rows(array, offset, rows))
+
+    def _segment_piece(self, seg: Segment) -> _Piece:
+        return _Piece(seg.start_row, seg.rows, seg.crc32c, lambda k, n: self._read(seg.array, seg.offset + k, n))
+
+    def _same_rows_as_visible(self, record: RequestRecord, entry: RequestEntry, in_batch: bool) -> bool:
+        """Whether a record whose rows lie within the visible request's holds the very bytes
+        stored there (then a duplicate). Raises :class:`SegmentOverlapError` naming the first
+        differing row; False (the caller's rules apply) when the record is not within the
+        visible rows, in ``only_last_turn`` mode, or when the stored rows cannot be read."""
+        if self.only_last_turn or not (entry.start_row <= record.start_row and record.end_row <= entry.end_row):
+            return False
+        own = _Piece(record.start_row, record.num_rows, record.crc32c, _slicer(record.ids_TLK))
+        try:
+            row = _first_difference([own], [self._segment_piece(s) for s in entry.segments], record.start_row, record.end_row)
+        except _Unreadable:
+            return False
+        if row is None:
+            return True
+        raise SegmentOverlapError(
+            f"{self._where(record.request_id)} "
+            + ("appears twice in one batch with different rows" if in_batch else "is already stored")
+            + f" (rows {entry.start_row}..{entry.end_row - 1}, segments {_layout(entry.segments)} as (start_row, rows, "
+            f"crc32c)); a record with different bytes arrived ({_describe(record)}): row {row} differs from the stored row; "
+            f"only start_row {entry.end_row} would extend it"
+        )
+
+    def _shared_again(
+        self, record: RequestRecord, entry: RequestEntry, segments: tuple[Segment, ...], array: str, offset: int
+    ) -> bool | None:
+        """A shared-prefix record of a request already visible whose segments differ from the
+        stored ones: False if its rows are the stored rows (a duplicate), True once its rows past
+        the stored ones extend the request (``only_last_turn``: its full view replaces it);
+        raises :class:`SegmentOverlapError` naming the first differing row; None when the
+        caller's refusal applies (not visible from row 0, pending parts, an older shorter view
+        with ``only_last_turn``, or rows that cannot be read)."""
+        rid, shared = record.request_id, record.shared_prefix
+        assert shared is not None
+        end, ce = record.end_row, entry.end_row
+        parts = self.pending[rid] if rid in self.pending else self._stored_pending.get(rid, ())
+        if entry.start_row != 0 or (end > ce and parts) or (self.only_last_turn and end < ce):
+            return None
+        if self.only_last_turn and end > ce:
+            self._in_batch.add(rid)
+            self.requests[rid] = RequestEntry(end, 0, segments)
+            self._place(array, offset, record)
+            return True
+        own = _Piece(record.start_row, record.num_rows, record.crc32c, _slicer(record.ids_TLK))
+        mine = [*(self._segment_piece(s) for s in segments[:-1]), own]
+        try:
+            row = _first_difference(mine, [self._segment_piece(s) for s in entry.segments], 0, min(end, ce))
+            if row is None and end > ce:
+                tail = self._tail(segments, record, ce)
+        except _Unreadable:
+            return None
+        if row is not None:
+            raise SegmentOverlapError(
+                f"{self._where(rid)} is already stored (rows {entry.start_row}..{ce - 1}, segments "
+                f"{_layout(entry.segments)} as (start_row, rows, crc32c)); a record sharing rows "
+                f"0..{shared.rows - 1} of {shared.request_id!r} gives other rows "
+                f"{_layout(segments)} ({_describe(record)}): row {row} differs from the stored row"
+            )
+        if end <= ce:
+            return False
+        self._in_batch.add(rid)
+        self.requests[rid] = RequestEntry(entry.rows + end - ce, 0, entry.segments + tail)
+        self._place(array, offset, record)
+        return True
+
+    def _tail(self, segments: tuple[Segment, ...], record: RequestRecord, first: int) -> tuple[Segment, ...]:
+        """The part of ``segments`` (the last one the record's own) from row ``first`` on, a
+        segment cut there re-hashed from its kept rows."""
+        out = []
+        for i, seg in enumerate(segments):
+            if seg.end_row <= first:
+                continue
+            if seg.start_row >= first:
+                out.append(seg)
+                continue
+            k = first - seg.start_row
+            own = i == len(segments) - 1
+            kept = record.ids_TLK[k:] if own else self._read(seg.array, seg.offset + k, seg.rows - k)
+            out.append(Segment(seg.array, seg.offset + k, seg.rows - k, first, checksum(kept)))
+        return tuple(out)
 
     # -- the conflicts a record may raise ---------------------------------------------------
 
@@ -322,3 +455,45 @@ def _tiles(turn: list[PendingSegment], first: int, last: int) -> bool:
 
 def _same(seg: Segment, record: RequestRecord) -> bool:
     return seg.start_row == record.start_row and seg.rows == record.num_rows and seg.crc32c == record.crc32c
+
+
+class _Unreadable(Exception):
+    """Stored rows a comparison needs cannot be read here (no ``stored_rows``)."""
+
+
+class _Piece(NamedTuple):
+    """Rows ``start .. start + rows - 1`` of a request, their CRC-32C, and how to read them:
+    ``fetch(k, n)`` gives the piece's rows ``k .. k + n - 1``."""
+
+    start: int
+    rows: int
+    crc32c: int
+    fetch: Callable[[int, int], np.ndarray]
+
+
+def _slicer(ids: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    return lambda k, n: ids[k : k + n]
+
+
+def _gather(pieces: list[_Piece], lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo .. hi - 1`` of ``pieces`` (which cover them), in row order."""
+    out = [p.fetch(a - p.start, b - a) for p in pieces if (a := max(lo, p.start)) < (b := min(hi, p.start + p.rows))]
+    return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+def _first_difference(mine: list[_Piece], stored: list[_Piece], lo: int, hi: int) -> int | None:
+    """The first row of ``lo .. hi - 1`` where ``mine`` and ``stored`` (each covering those
+    rows) differ, None if none. A stored segment matched by one of ``mine`` (same start, rows
+    and CRC-32C: the fast path's rule) is not read."""
+    matched = {(p.start, p.rows, p.crc32c) for p in mine}
+    for p in stored:
+        a, b = max(lo, p.start), min(hi, p.start + p.rows)
+        if a >= b or (p.start, p.rows, p.crc32c) in matched:
+            continue
+        theirs, ours = p.fetch(a - p.start, b - a), _gather(mine, a, b)
+        if theirs.shape != ours.shape:
+            return a
+        rows = np.flatnonzero((theirs != ours).reshape(b - a, -1).any(axis=1))
+        if rows.size:
+            return a + int(rows[0])
+    return None

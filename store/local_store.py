@@ -409,16 +409,21 @@ class LocalRoutingStore:
         key = (rollout_id, uid, array, offset, rows)
         crc = self._cut_checksums.get(key)
         if crc is None:
-            path = self.root / rollout_id / array
-            try:
-                data = zarr.open_array(str(path), mode="r", zarr_format=3)[offset : offset + rows]
-            except Exception as e:  # zarr raises many types for a missing or damaged array
-                raise StoreError(f"reading rows {offset}..{offset + rows - 1} of {path} (a shared prefix) failed: {e!r}") from e
-            crc = checksum(np.asarray(data))
+            crc = checksum(self._stored_rows(rollout_id, array, offset, rows, "a shared prefix"))
             if len(self._cut_checksums) >= _CUT_CHECKSUMS:
                 del self._cut_checksums[next(iter(self._cut_checksums))]  # oldest first
             self._cut_checksums[key] = crc
         return crc
+
+    def _stored_rows(self, rollout_id: str, array: str, offset: int, rows: int, why: str = "rows compared") -> np.ndarray:
+        """Under ``self._lock``: stored rows ``array[offset : offset + rows]`` of a rollout, read
+        back with zarr (a shared prefix's cut; a record's rows compared with the stored ones when
+        they are split otherwise, :class:`Assembly`)."""
+        path = self.root / rollout_id / array
+        try:
+            return np.asarray(zarr.open_array(str(path), mode="r", zarr_format=3)[offset : offset + rows])
+        except Exception as e:  # zarr raises many types for a missing or damaged array
+            raise StoreError(f"reading rows {offset}..{offset + rows - 1} of {path} ({why}) failed: {e!r}") from e
 
     def _write_part(
         self,
@@ -476,6 +481,7 @@ class LocalRoutingStore:
             index.pending,
             self.only_last_turn,
             lambda array, offset, rows: self._stored_checksum(rollout_id, index.uid, array, offset, rows),
+            lambda array, offset, rows: self._stored_rows(rollout_id, array, offset, rows),
         )
         chunk = batch_chunk_rows(records, self.min_chunk_rows, self.chunk_rows, self.slice_layout)
         new, duplicates, end = place_records(records, state, name, chunk, geometry)

@@ -152,6 +152,10 @@ def test_n_samples_each_stored(llm, store_dir, reference):
     from r3rdma.integrations.vllm import routing_location
 
     assert sorted(routing_location(outs[0])) == [("fork", "p.0"), ("fork", "p.1"), ("fork", "p.2")]
+    # The response names every sample, with its rows (the server returns the same object).
+    samples = outs[0].kv_transfer_params["r3_routing"]["samples"]
+    rows = {c.index: len(outs[0].prompt_token_ids) + len(c.token_ids) - 1 for c in outs[0].outputs}
+    assert [(s["request_id"], s["index"], s["rows"]) for s in samples] == [(f"p.{i}", i, rows[i]) for i in range(3)]
     _, checked = _check(llm, store_dir, reference, outs)
     assert checked == 3
 

@@ -206,7 +206,7 @@ def test_continuous_batching_chunked_prefill_and_preemption(llm, spec, store_dir
     n = 24 if CUDA else 8
     lengths = rng.integers(3, 200 if CUDA else 120, size=n)
     new = rng.integers(16, 160 if CUDA else 100, size=n)
-    outs = llm.generate(_prompts(rng, lengths), _params("batch", "b", new, temperature=1.0, seed=1), use_tqdm=False)
+    outs = llm.generate(_prompts(rng, lengths), _params("batch", "b", new, temperature=1.0), use_tqdm=False)
     counters, seen = _compare(llm, store_dir, outs)
     assert len(seen) == n
     # The KV cache holds fewer tokens than the batch grows to: requests were preempted and recomputed.
@@ -220,7 +220,7 @@ def test_prefix_cache_hits(llm, spec, store_dir):
     first = llm.generate([{"prompt_token_ids": prefix + [7, 8]}], _params("prefix", "first", [6]), use_tqdm=False)
     hits = llm.generate(
         [{"prompt_token_ids": prefix + rng.integers(3, 250, size=int(k)).tolist()} for k in (3, 20, 45)],
-        _params("prefix", "hit", [12, 30, 8], temperature=1.0, seed=2),
+        _params("prefix", "hit", [12, 30, 8], temperature=1.0),
         use_tqdm=False,
     )
     assert all((o.num_cached_tokens or 0) >= 3 * BLOCK for o in hits), [o.num_cached_tokens for o in hits]
@@ -234,7 +234,7 @@ def test_n_samples(llm, spec, store_dir):
     rng = np.random.default_rng(2)
     outs = llm.generate(
         _prompts(rng, [30, 75]),
-        [SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=3, ignore_eos=True,
+        [SamplingParams(n=4, max_tokens=24, temperature=1.0, ignore_eos=True,
                         extra_args={"r3_rollout_id": "fork", "r3_request_id": f"g{i}"}) for i in range(2)],
         use_tqdm=False,
     )
@@ -251,7 +251,7 @@ def test_abort_leaves_the_others_exact(llm, spec, store_dir):
     engine = llm.llm_engine
     rng = np.random.default_rng(3)
     prompts = _prompts(rng, [40, 60, 25])
-    params = _params("abort", "a", [200, 40, 30], temperature=1.0, seed=4)
+    params = _params("abort", "a", [200, 40, 30], temperature=1.0)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"abort-{i}", p, sp)
     for _ in range(6):
@@ -279,7 +279,7 @@ def test_replay_in_hf_uses_the_experts_vllm_picked(llm, spec, store_dir, model_d
     from r3rdma.replay import ReplayBatch, routing_agreement
 
     rng = np.random.default_rng(4)
-    outs = llm.generate(_prompts(rng, [12, 50, 90, 33]), _params("replay", "r", [40, 20, 64, 10], temperature=1.0, seed=5),
+    outs = llm.generate(_prompts(rng, [12, 50, 90, 33]), _params("replay", "r", [40, 20, 64, 10], temperature=1.0),
                         use_tqdm=False)
     _, seen = _compare(llm, store_dir, outs)
     device = "cuda" if CUDA else "cpu"

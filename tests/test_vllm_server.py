@@ -194,6 +194,30 @@ def test_client_disconnect_stores_nothing(server):
     assert outcomes[-1] == "aborted, nothing stored", outcomes
 
 
+def test_n_samples_each_named_in_the_response(server, reference):
+    """n = 2: the response names both samples' routing (each with its rows), not only the last."""
+    prompt = list(range(40, 60))
+    body = {"model": server["model"], "prompt": prompt, "max_tokens": 6, "n": 2, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "fork"}}
+    reply = json.load(_post(server["url"] + "/v1/completions", body))
+    samples = reply["kv_transfer_params"]["r3_routing"]["samples"]
+    assert [(x["request_id"], x["rows"]) for x in samples] == [("fork.0", 20 + 6 - 1), ("fork.1", 20 + 6 - 1)]
+    for choice in reply["choices"]:
+        _check(reference, _stored(server["store"], "srv", f"fork.{choice['index']}"), prompt + choice["token_ids"])
+
+
+def test_an_id_a_finished_request_is_stored_under_is_a_400(server, reference):
+    """A later request under the id of a finished one in the same rollout is refused (HTTP 400):
+    answered 200, it pointed at the earlier request's rows."""
+    body = {"model": server["model"], "prompt": list(range(40, 85)), "max_tokens": 4, "ignore_eos": True,
+            "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "srv-1"}}
+    json.load(_post(server["url"] + "/v1/completions", body))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(server["url"] + "/v1/completions", {**body, "prompt": [50, 51, 52]})
+    assert err.value.code == 400 and "'srv-1' of rollout 'srv' was used by an earlier request" in err.value.read().decode()
+    assert _stored(server["store"], "srv", "srv-1").shape[0] == 45 + 4 - 1
+
+
 def test_bad_rollout_id_is_a_400(server):
     body = {"model": server["model"], "prompt": [40, 41], "max_tokens": 2, "vllm_xargs": {"r3_rollout_id": "a/b"}}
     with pytest.raises(urllib.error.HTTPError) as err:

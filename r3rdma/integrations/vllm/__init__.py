@@ -68,8 +68,9 @@ def routing_location(output: Any) -> list[tuple[str, str]]:
     ``RoutingReader.get(rollout_id, [request_id])``.
 
     From the location the engine returned in ``kv_transfer_params["r3_routing"]``: with
-    ``n > 1`` it names one sample and the key the others share (sample ``i`` is stored as
-    ``<key>.<i>``). Empty when nothing was stored (routing replay off, request aborted).
+    ``n > 1`` it lists every sample (``"samples"``, each ``{"rollout_id", "request_id",
+    "rows", "key", "index"}``; sample ``i`` is stored as ``<key>.<i>``). Empty when nothing
+    was stored (routing replay off, request aborted).
     """
     params = getattr(output, "kv_transfer_params", None) or {}
     location = params.get(LOCATION_KEY)
@@ -78,4 +79,5 @@ def routing_location(output: Any) -> list[tuple[str, str]]:
     rollout = location["rollout_id"]
     if "index" not in location:
         return [(rollout, location["request_id"])]
-    return [(rollout, f"{location['key']}.{c.index}") for c in output.outputs]
+    named = {int(s["index"]): s["request_id"] for s in location.get("samples", ())}
+    return [(rollout, named.get(c.index, f"{location['key']}.{c.index}")) for c in output.outputs]

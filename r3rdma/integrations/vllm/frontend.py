@@ -31,7 +31,16 @@ from r3rdma.integrations.vllm.settings import (
     routing_config,
 )
 
-__all__ = ["key_request", "mark", "child_params", "note_stop_length", "stop_location", "with_stop_lengths", "forget"]
+__all__ = [
+    "key_request",
+    "mark",
+    "child_params",
+    "note_stop_length",
+    "stop_location",
+    "with_sample_locations",
+    "with_stop_lengths",
+    "forget",
+]
 
 # Internal id -> extra_args of requests this front end marked for routing replay, and the final
 # token counts of those a stop string ended (sent to the engine with their abort). Per process.
@@ -48,6 +57,8 @@ _COUNTED: set[str] = set()  # internal ids counted in _RUNNING (an n > 1 parent 
 # store, so engines of one process on other stores do not share ids. The last _USED_ROLLOUTS
 # rollouts are kept (an RL loop names one per step; ~16k ids a step).
 _USED: OrderedDict[tuple[str, str], set[str]] = OrderedDict()
+# n > 1: parent request id -> sample index -> location, while its samples finish.
+_SAMPLES: dict[str, dict[int, dict]] = {}
 _USED_ROLLOUTS = 16
 # id(vllm_config) -> (that config, its R3Config or None when routing replay is off); the config
 # is kept so an id reused by a later engine's config is not mistaken for it.
@@ -191,6 +202,26 @@ def stop_location(request_id: str, kv_transfer_params: Any) -> Any:
     from r3rdma.integrations.vllm.scheduler import location
 
     return {**(kv_transfer_params or {}), LOCATION_KEY: location(extra, request_id, n - 1)}
+
+
+def with_sample_locations(req_state: Any, kv_transfer_params: Any) -> Any:
+    """n > 1: a finishing sample's ``kv_transfer_params``, its location listing every sample
+    finished so far (``"samples"``, by index): the last one's output is the one the client gets
+    (offline and the server's response), which otherwise named that sample alone."""
+    parent = getattr(req_state, "parent_req", None)
+    location = (kv_transfer_params or {}).get(LOCATION_KEY)
+    if parent is None or location is None or "index" not in location:
+        return kv_transfer_params
+    samples = _SAMPLES.get(parent.request_id)
+    if samples is None:
+        while len(_SAMPLES) >= 4096:  # parents a sample of which was aborted never complete
+            del _SAMPLES[next(iter(_SAMPLES))]
+        samples = _SAMPLES[parent.request_id] = {}
+    samples[int(location["index"])] = {k: v for k, v in location.items() if k != "samples"}
+    listed = [samples[i] for i in sorted(samples)]
+    if len(samples) >= int(getattr(parent, "n", 0) or 0):
+        _SAMPLES.pop(parent.request_id, None)  # every sample finished: nothing more to list
+    return {**kv_transfer_params, LOCATION_KEY: {**location, "samples": listed}}
 
 
 def with_stop_lengths(request_ids: Any) -> Any:

@@ -203,6 +203,8 @@ def _install_frontend() -> None:
                 # trimmed surplus tokens before this call; earlier releases send them all).
                 frontend.note_stop_length(self)
                 kv_transfer_params = frontend.stop_location(self.request_id, kv_transfer_params)
+            if finish_reason is not None:
+                kv_transfer_params = frontend.with_sample_locations(self, kv_transfer_params)
             return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *args, **kwargs)
 
         return make_request_output
