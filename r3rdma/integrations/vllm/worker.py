@@ -173,7 +173,7 @@ class RunnerRecorder:
         for moe, layer in enumerate(self.layer_map):
             router = runners[layer][2]
             setattr(router, _RECORD_ATTR, record_hook(self.step_buf, moe))
-            router.set_capture_fn(getattr(router, "capture_fn", None))  # with_record_op puts the op first
+            router.set_capture_fn(with_record_op(router, getattr(router, "capture_fn", None)))
         log.info(
             "r3rdma: recording %d MoE layers %s, top-%d of %d experts, up to %d tokens per forward "
             "(compilation mode %s, cudagraph mode %s)",
