@@ -194,7 +194,11 @@ def _run_mode(
                         temperature=1.0,
                         ignore_eos=True,
                         detokenize=False,
-                        extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"},
+                        # Only the recording engine names its routing: an engine without routing
+                        # replay refuses r3_* arguments (nothing would be stored).
+                        extra_args={"r3_rollout_id": f"bench-{rnd}", "r3_request_id": f"q{i}"}
+                        if side == "on" and replay is not None
+                        else None,
                     )
                     for i, m in enumerate(new_lens)
                 ]
@@ -414,7 +418,7 @@ def _run_setting(
                     temperature=1.0,
                     ignore_eos=True,
                     detokenize=False,
-                    extra_args={"r3_rollout_id": f"bench-{n}-{rnd}"},
+                    extra_args={"r3_rollout_id": f"bench-{n}-{rnd}"} if setting == "r3rdma" else None,
                 )
                 before = flush_routing(llm) if setting == "r3rdma" else None
                 t = time.perf_counter()
