@@ -57,8 +57,14 @@ def test_bench_vllm_settings_one_engine_per_setting(tmp_path):
 
     out = tmp_path / "settings.jsonl"
     result = run_vllm_settings_bench(
-        shape="tiny", settings=("r3rdma",), running=(2, 4), prompt_len=8, max_new=4, rounds=1,
-        gpu_memory_utilization=0.2, out=str(out),
+        shape="tiny",
+        settings=("r3rdma",),
+        running=(2, 4),
+        prompt_len=8,
+        max_new=4,
+        rounds=1,
+        gpu_memory_utilization=0.2,
+        out=str(out),
     )
     json.dumps(result)
     level = result["settings"]["r3rdma"]["4"]
@@ -68,3 +74,27 @@ def test_bench_vllm_settings_one_engine_per_setting(tmp_path):
     if not _has_native_capture():
         with pytest.raises(ValueError, match=f"vLLM {vllm.__version__} has it on Model Runner V2 only"):
             run_vllm_settings_bench(shape="tiny", settings=("off", "native"))
+
+
+def test_bench_vllm_settings_ratios_to_the_mean_of_every_off_engine():
+    """A setting given twice runs twice (labelled ``#2``); ratios divide by the mean of the
+    ``off`` engines, durable and generating only, and two ``off`` engines report their spread."""
+    from r3rdma.bench.vllm_bench import _labels, _ratios
+
+    assert _labels(("off", "r3rdma", "native", "off")) == [
+        ("off", "off"),
+        ("r3rdma", "r3rdma"),
+        ("native", "native"),
+        ("off#2", "off"),
+    ]
+
+    def level(durable, generating):
+        return {"64": {"tokens_per_s": durable, "generate_tokens_per_s": generating}}
+
+    results = {"off": level(100.0, 100.0), "r3rdma": level(95.0, 99.0), "off#2": level(90.0, 90.0)}
+    ratios = _ratios(results, (64,))
+    assert ratios["r3rdma_ratio_64"] == pytest.approx(95 / 95)
+    assert ratios["r3rdma_ratio_generate_64"] == pytest.approx(99 / 95)
+    assert ratios["off_spread_64"] == pytest.approx(10 / 95)
+    assert not any(k.startswith("off_ratio") or k.startswith("off#2_ratio") for k in ratios)
+    assert _ratios({"r3rdma": level(1.0, 1.0)}, (64,)) == {}  # nothing to divide by

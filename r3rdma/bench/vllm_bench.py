@@ -324,7 +324,10 @@ def run_vllm_settings_bench(
     the settings run one after the other in this process (a fresh engine each; rounds of the
     levels alternate within an engine). Reported per setting and level: output tokens/s (median
     of rounds), engine steps' mean wall time, and for r3rdma its host time per step on the
-    engine's thread and its capture thread's; the ratios to ``off`` last. ``out``: a file each
+    engine's thread and its capture thread's; the ratios to ``off`` last, twice: durable (each
+    round timed until every request's routing is durable, ``flush_routing``) and generating only
+    (``generate`` returned; the engine's own throughput). A setting given again runs another
+    engine (``off`` before and after the others: their spread is the drift between engines). ``out``: a file each
     finished setting's numbers are appended to as a JSON line (a run cut short keeps them)."""
     import json
 
@@ -351,13 +354,13 @@ def run_vllm_settings_bench(
             for n in running
         }
         results: dict[str, dict] = {}
-        for setting in settings:
-            results[setting] = _run_setting(
-                setting, model, f"{work}/store", prompts, max_new, rounds, seed, gpu_memory_utilization
+        for label, setting in _labels(settings):
+            results[label] = _run_setting(
+                setting, model, f"{work}/store-{label}", prompts, max_new, rounds, seed, gpu_memory_utilization
             )
             if out:
                 with open(out, "a") as f:
-                    f.write(json.dumps({"setting": setting, **results[setting]}) + "\n")
+                    f.write(json.dumps({"setting": label, **results[label]}) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result: dict[str, Any] = {
@@ -372,11 +375,39 @@ def run_vllm_settings_bench(
         "settings": results,
         "goal_r3rdma_ratio": 0.99,
     }
-    if "off" in results:
-        for setting in results.keys() - {"off"}:
-            for n in running:
-                result[f"{setting}_ratio_{n}"] = results[setting][str(n)]["tokens_per_s"] / results["off"][str(n)]["tokens_per_s"]
+    result.update(_ratios(results, running))
     return result
+
+
+def _ratios(results: dict[str, dict], running: tuple[int, ...]) -> dict[str, float]:
+    """Each setting's tokens/s over the mean of every ``off`` engine of the run, durable and
+    generating only (``<label>_ratio_<n>``, ``<label>_ratio_generate_<n>``); with two or more
+    ``off`` engines (e.g. off,r3rdma,native,off) their spread over that mean too
+    (``off_spread[_generate]_<n>``): the drift between engines, the floor a ratio is judged
+    against."""
+    out: dict[str, float] = {}
+    offs = [m for label, m in results.items() if label.split("#")[0] == "off"]
+    for n in running if offs else ():
+        for key, suffix in (("tokens_per_s", ""), ("generate_tokens_per_s", "_generate")):
+            base = statistics.fmean(m[str(n)][key] for m in offs)
+            for label, m in results.items():
+                if label.split("#")[0] != "off":
+                    out[f"{label}_ratio{suffix}_{n}"] = m[str(n)][key] / base
+            if len(offs) > 1:
+                values = [m[str(n)][key] for m in offs]
+                out[f"off_spread{suffix}_{n}"] = (max(values) - min(values)) / base
+    return out
+
+
+def _labels(settings: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(label, setting)`` per engine: a setting given again gets ``#2``, ``#3``, ... (an
+    ``off`` before and after the others measures the drift between engines)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for setting in settings:
+        seen[setting] = seen.get(setting, 0) + 1
+        labels.append((setting if seen[setting] == 1 else f"{setting}#{seen[setting]}", setting))
+    return labels
 
 
 def _run_setting(
@@ -407,7 +438,14 @@ def _run_setting(
     )
     start_s = time.perf_counter() - t0
     levels: dict[str, dict[str, list[float]]] = {
-        str(n): {"tokens_per_s_rounds": [], "step_ms_rounds": [], "host_us_per_step_rounds": [], "thread_us_per_step_rounds": []}
+        str(n): {
+            "tokens_per_s_rounds": [],
+            "generate_tokens_per_s_rounds": [],
+            "flush_ms_rounds": [],
+            "step_ms_rounds": [],
+            "host_us_per_step_rounds": [],
+            "thread_us_per_step_rounds": [],
+        }
         for n in prompts
     }
     try:
@@ -423,12 +461,18 @@ def _run_setting(
                 before = flush_routing(llm) if setting == "r3rdma" else None
                 t = time.perf_counter()
                 outs = llm.generate(batch, params, use_tqdm=False)
+                generated = time.perf_counter()
                 after = flush_routing(llm) if setting == "r3rdma" else None  # durable: inside the timed work
                 elapsed = time.perf_counter() - t
                 if rnd == 0:
                     continue  # warm-up
                 m = levels[str(n)]
-                m["tokens_per_s_rounds"].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                m["tokens_per_s_rounds"].append(tokens / elapsed)
+                # The engine's own throughput, and apart from it the wait after the last token
+                # until every request's routing is durable (what a trainer waits for on top).
+                m["generate_tokens_per_s_rounds"].append(tokens / (generated - t))
+                m["flush_ms_rounds"].append(1e3 * (elapsed - (generated - t)))
                 # Every request runs from the first step to the last: prefill chunks, then one token a step.
                 steps = max_new + -(
                     -n * len(batch[0]["prompt_token_ids"]) // llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
@@ -448,6 +492,8 @@ def _run_setting(
     for n, m in levels.items():
         measured[n] = {
             "tokens_per_s": statistics.median(m["tokens_per_s_rounds"]),
+            "generate_tokens_per_s": statistics.median(m["generate_tokens_per_s_rounds"]),
+            "flush_ms": statistics.median(m["flush_ms_rounds"]),
             "step_ms": statistics.median(m["step_ms_rounds"]),
             **(
                 {
@@ -523,7 +569,9 @@ def add_arguments(parser) -> None:
         "--settings",
         default=None,
         help="the GPU bench: comma-separated among off,r3rdma,native (vLLM's own capture), one engine each at vLLM's "
-        "defaults on a full-size shape with dummy weights (--shape, --running levels, --prompt-len, --max-new)",
+        "defaults on a full-size shape with dummy weights (--shape, --running levels, --prompt-len, --max-new), in "
+        "this order; a setting may repeat (off,r3rdma,native,off: the two 'off' engines' spread is the drift between "
+        "engines, and ratios are to their mean)",
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="with --settings: the model shape")
     parser.add_argument("--levels", default="64,256", help="with --settings: running requests per level, comma-separated")
@@ -556,7 +604,9 @@ def main(args) -> int:
                 level = m[str(n)]
                 host = f", plug-in host {level['host_us_per_step']:.0f} us/step" if "host_us_per_step" in level else ""
                 print(
-                    f"vLLM {result['vllm']} {setting} @{n}: {level['tokens_per_s']:.0f} tok/s, step {level['step_ms']:.2f} ms{host}"
+                    f"vLLM {result['vllm']} {setting} @{n}: {level['tokens_per_s']:.0f} tok/s durable "
+                    f"({level['generate_tokens_per_s']:.0f} generating, then {level['flush_ms']:.0f} ms to durable), "
+                    f"step {level['step_ms']:.2f} ms{host}"
                 )
         return emit(result)
     sizes = dict(requests=16, max_new=32, layers=4, experts=16, top_k=4, hidden=128) if args.quick else {}
