@@ -336,14 +336,14 @@ def test_a_prefetch_says_a_batch_is_gone_when_its_turn_comes(tmp_path, make_reco
         store.commit(recs)
     with RoutingReader(tmp_path) as reader:
         stream = reader.prefetch("roll-0", [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]], depth=2)
-        real = reader._require
+        real = reader._indexes.require
 
         def require(rollout_id, request_ids):
             if "r5" in request_ids:  # what the index says once r5 is deleted
                 raise UnknownRequestError(f"rollout {rollout_id!r} has no committed request 'r5'")
             return real(rollout_id, request_ids)
 
-        monkeypatch.setattr(reader, "_require", require)
+        monkeypatch.setattr(reader._indexes, "require", require)
         got = [next(stream).request_ids, next(stream).request_ids]  # the second starts the third's load
         assert got == [("r0", "r1"), ("r2", "r3")]
         with pytest.raises(UnknownRequestError, match="r5"):

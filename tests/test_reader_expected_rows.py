@@ -25,7 +25,8 @@ from r3rdma.integrations.rl_frameworks import (
     verl_routed_experts,
     verl_routed_experts_unpadded,
 )
-from r3rdma.read.reader import _check_expected_rows
+from r3rdma.read.fetching import RowFetcher
+from r3rdma.read.request_ids import check_expected_rows
 from r3rdma.store.index_entries import RequestEntry
 
 LAYERS = 3
@@ -46,15 +47,16 @@ def reused(tmp_path, make_record):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every read of rows (RoutingReader._read), as the request ids it was asked for."""
+    """Every read of rows (RowFetcher.read, under every RoutingReader read), as the request
+    ids it was asked for."""
     seen: list[list[str]] = []
-    original = RoutingReader._read
+    original = RowFetcher.read
 
     def spy(self, rollout_id, merged, request_ids, *args, **kwargs):
         seen.append(list(request_ids))
         return original(self, rollout_id, merged, request_ids, *args, **kwargs)
 
-    monkeypatch.setattr(RoutingReader, "_read", spy)
+    monkeypatch.setattr(RowFetcher, "read", spy)
     return seen
 
 
@@ -151,13 +153,13 @@ def test_a_request_stored_from_a_later_row_is_refused():
     0..5 have none (MissingRowsError); another end is a RowCountMismatchError."""
     late = SimpleNamespace(entry=lambda rid: RequestEntry(rows=4, start_row=6, segments=()))
     with pytest.raises(MissingRowsError, match=r"'late' is stored from row 6 on \(rows 6..9\): rows 0..5 of the 10 expected"):
-        _check_expected_rows("r", {"late": 10}, late)  # type: ignore[arg-type]
+        check_expected_rows("r", {"late": 10}, late)  # type: ignore[arg-type]
     with pytest.raises(
         RowCountMismatchError, match=r"'late' stores 4 routing rows \(rows 6..9, none for rows 0..5\), the caller expects 4"
     ):
-        _check_expected_rows("r", {"late": 4}, late)  # type: ignore[arg-type]
+        check_expected_rows("r", {"late": 4}, late)  # type: ignore[arg-type]
     whole = SimpleNamespace(entry=lambda rid: RequestEntry(rows=10, start_row=0, segments=()))
-    _check_expected_rows("r", {"x": 10}, whole)  # type: ignore[arg-type]
+    check_expected_rows("r", {"x": 10}, whole)  # type: ignore[arg-type]
 
 
 # -- the verl and slime hand-offs ---------------------------------------------------------------

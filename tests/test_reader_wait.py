@@ -146,7 +146,7 @@ def test_store_nodes_over_http(tmp_path, make_record):
         records = [make_record(f"r{i}", rows=6 + i, seed=i) for i in range(8)]
         with RoutingReader([n.http_url for n in nodes], token=nodes[0].read_token) as reader:
             polled = threading.Event()
-            index = reader._index
+            index = reader._indexes.get
 
             def noting_polls(*args, **kwargs):  # the push starts once the reader has looked
                 try:
@@ -154,7 +154,7 @@ def test_store_nodes_over_http(tmp_path, make_record):
                 finally:
                     polled.set()
 
-            reader._index = noting_polls
+            reader._indexes.get = noting_polls
 
             def push():  # each request on one of the two nodes
                 assert polled.wait(30)

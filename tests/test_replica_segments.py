@@ -3,7 +3,7 @@
 Since shared prefixes, a request may be stored by reference on one node (segments pointing at
 the rows its source stored, then its own rows) and inline on another (the writer's fallback
 when the source is not on that node, or a failover re-push): the same rows in other segment
-boundaries. The reader compares the copies (``_MergedIndex.check_replicas``); copies holding
+boundaries. The reader compares the copies (``r3rdma.read.replicas.choose_copies``); copies holding
 the same rows must pass, copies holding different rows must still fail naming both nodes.
 The two store nodes here are two local store directories, read as two sources.
 """
@@ -178,16 +178,23 @@ def test_copies_of_other_rows_in_other_segments_are_refused_naming_both(tmp_path
                 reader.get_numpy(ROLLOUT, ["s"])
 
 
-def test_copies_of_other_lengths_are_refused(tmp_path):
-    """A copy holding fewer rows (the same first rows) is other rows, whatever its segments."""
+def test_a_copy_of_fewer_rows_is_read_as_the_longer_one_unless_a_row_differs(tmp_path):
+    """A copy holding fewer rows (the same first rows) is no disagreement (issue #50: judged by
+    the rows both hold, read back here, as B's one segment ends inside A's last): the longer
+    copy is read, whichever source comes first. One row other among them is refused."""
     rng = np.random.default_rng(3)
     a, b = tmp_path / "a", tmp_path / "b"
     src_ids = _rows(rng, 12)
     whole = np.concatenate([src_ids[:7], _rows(rng, 4)])
     _store_by_reference(a, src_ids, whole, 7, source_turns=[4])
     _store_whole(b, whole[:10])
-    with RoutingReader([a, b]) as reader:
-        with pytest.raises(CorruptDataError, match=_names_both(a, b)):
+    for sources in ([a, b], [b, a]):
+        with RoutingReader(sources) as reader:
+            np.testing.assert_array_equal(reader.get_numpy(ROLLOUT, ["s"])["s"], whole)
+    other = tmp_path / "other"
+    _store_whole(other, np.concatenate([whole[:8], (whole[8:10] + 1) % 16]))
+    with RoutingReader([a, other]) as reader:
+        with pytest.raises(CorruptDataError, match=_names_both(a, other) + ".*: row 8 differs$"):
             reader.get_numpy(ROLLOUT, ["s"])
 
 

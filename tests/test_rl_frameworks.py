@@ -36,6 +36,7 @@ from r3rdma.integrations.rl_frameworks import (
     verl_routed_experts,
     verl_routed_experts_unpadded,
 )
+from r3rdma.read.fetching import RowFetcher
 from r3rdma.read.reader import PackedRouting
 from r3rdma.records import RequestRecord
 
@@ -301,13 +302,13 @@ def test_rows_starting_after_position_zero_are_refused():
 def test_reads_only_the_requested_share(rollout, monkeypatch):
     root, _ = rollout
     seen = []
-    original = RoutingReader._read
+    original = RowFetcher.read
 
     def spy(self, rollout_id, merged, request_ids, *args, **kwargs):  # every read of rows goes through here
         seen.append(list(request_ids))
         return original(self, rollout_id, merged, request_ids, *args, **kwargs)
 
-    monkeypatch.setattr(RoutingReader, "_read", spy)
+    monkeypatch.setattr(RowFetcher, "read", spy)
     with RoutingReader(root) as reader:
         verl_routed_experts(reader, "step-1", ["both"], prompt_lens=[5], response_lens=[4], prompt_length=8, response_length=6)
         slime_rollout_routed_experts(reader, "step-1", ["short-resp"], token_lens=[10], num_layers=5)

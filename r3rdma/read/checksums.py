@@ -4,7 +4,7 @@ A reader compares the copies of a request on several store nodes by their segmen
 (docs/FORMAT.md: each is the CRC-32C of the segment's rows in C order, in the stored dtype).
 Copies of the same rows may be cut into different segments (a shared prefix stored by
 reference on one node and inline on another, issue #35); their segment CRCs combined into
-one CRC of the whole request compare equal.
+one CRC of the rows both copies hold compare equal (:mod:`r3rdma.read.replicas`).
 """
 
 from __future__ import annotations

@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, StoreError, TransportError, UnknownRolloutError
+from r3rdma.read.fetching import RowFetcher
+from r3rdma.read.indexes import RolloutIndexes
 from r3rdma.read.layers import layer_selection
+from r3rdma.read.merged_index import MergedIndex
 from r3rdma.read.packed import PackedRouting, pack
 from r3rdma.read.rows import Spans, check_rows
 
@@ -44,14 +46,18 @@ class ShareCollector:
     wait); any other error
     (damaged data, a refused token, a deleted rollout, a layer the rollout lacks, rows asked
     past a committed request's end) ends the collection and is raised by :meth:`result`. Use as a context manager, or :meth:`close` it.
+
+    Made by ``RoutingReader.collect`` from the reader's parts: its ``indexes`` (polled) and
+    its ``fetcher`` (the reads).
     """
 
     def __init__(
         self,
-        reader: Any,
         rollout_id: str,
         request_ids: list[str],
         *,
+        indexes: RolloutIndexes,
+        fetcher: RowFetcher,
         poll_s: float,
         max_batch: int,
         layers: list[int] | None = None,
@@ -61,7 +67,7 @@ class ShareCollector:
             raise ConfigError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        self._reader, self._rollout_id = reader, rollout_id
+        self._indexes, self._fetcher, self._rollout_id = indexes, fetcher, rollout_id
         self._order = request_ids
         self._layers = layers  # decoder layer ids wanted (None: all), checked once the geometry is known
         # Row spans wanted of some requests (None: all rows), checked for shape and against the
@@ -118,7 +124,8 @@ class ShareCollector:
     def packed(self, timeout: float | None = None) -> PackedRouting:
         """:meth:`result` packed along tokens in the order named (as ``get_packed``)."""
         arrays = self.result(timeout)
-        merged = self._reader._index(self._rollout_id)
+        merged = self._indexes.get(self._rollout_id)
+        self._fetcher.choose_copies(self._rollout_id, merged, self._order)  # the copies read: their start rows
         _, geometry = layer_selection(self._rollout_id, merged.geometry, self._layers)
         return pack(
             self._order,
@@ -144,38 +151,13 @@ class ShareCollector:
             while not self._stop.is_set():
                 self.polls += 1
                 try:
-                    merged = self._reader._index(self._rollout_id, refresh=True)
+                    merged = self._indexes.get(self._rollout_id, refresh=True)
                 except (UnknownRolloutError, TransportError, R3TimeoutError, StoreError) as e:
                     # Not created yet, or a node down for a moment: keep polling.
                     self._last_retryable = e
                     merged = None
-                positions = None
-                if merged is not None and merged.owner:
-                    positions, _ = layer_selection(self._rollout_id, merged.geometry, self._layers)
                 if merged is not None:
-                    with self._lock:
-                        ready = [rid for rid in self._missing if rid in merged.owner]
-                    spans = None if self._rows is None else {rid: self._rows[rid] for rid in ready if rid in self._rows}
-                    # Rows past a committed request's end: a caller's bug, raised before its read.
-                    check_rows(self._rollout_id, spans, ready, merged.entry)
-                    for start in range(0, len(ready), self._max_batch):
-                        batch = ready[start : start + self._max_batch]
-                        try:
-                            arrays = self._reader._read_arrays(
-                                self._rollout_id,
-                                merged,
-                                batch,
-                                positions,
-                                None if spans is None else {rid: spans[rid] for rid in batch if rid in spans},
-                            )
-                        except (TransportError, R3TimeoutError, StoreError) as e:
-                            self._last_retryable = e  # every holder failed this time: next poll
-                            break
-                        self.reads += 1
-                        with self._lock:
-                            self._got.update(arrays)
-                            for rid in batch:
-                                self._missing.pop(rid, None)
+                    self._read_ready(merged)
                 with self._lock:
                     if not self._missing:
                         self.finished_at = time.monotonic()
@@ -191,3 +173,39 @@ class ShareCollector:
             )
         finally:
             self._done.set()
+
+    def _read_ready(self, merged: MergedIndex) -> None:
+        """Read the requests of the share that ``merged`` lists and that are not read yet,
+        ``max_batch`` at a time; one that every holder failed leaves the rest to the next poll."""
+        positions = None
+        if merged.owner:
+            positions, _ = layer_selection(self._rollout_id, merged.geometry, self._layers)
+        with self._lock:
+            ready = [rid for rid in self._missing if rid in merged.owner]
+        spans = None if self._rows is None else {rid: self._rows[rid] for rid in ready if rid in self._rows}
+        try:
+            # The copy each request is read from, chosen before its entry is looked at.
+            self._fetcher.choose_copies(self._rollout_id, merged, ready)
+        except (TransportError, R3TimeoutError, StoreError) as e:
+            self._last_retryable = e  # copies compared by their rows, which could not be read: next poll
+            return
+        # Rows past a committed request's end: a caller's bug, raised before its read.
+        check_rows(self._rollout_id, spans, ready, merged.entry)
+        for start in range(0, len(ready), self._max_batch):
+            batch = ready[start : start + self._max_batch]
+            try:
+                arrays = self._fetcher.read_arrays(
+                    self._rollout_id,
+                    merged,
+                    batch,
+                    positions,
+                    None if spans is None else {rid: spans[rid] for rid in batch if rid in spans},
+                )
+            except (TransportError, R3TimeoutError, StoreError) as e:
+                self._last_retryable = e  # every holder failed this time: next poll
+                return
+            self.reads += 1
+            with self._lock:
+                self._got.update(arrays)
+                for rid in batch:
+                    self._missing.pop(rid, None)

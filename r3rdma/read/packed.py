@@ -1,4 +1,5 @@
-"""Routing of several requests packed along tokens: what a trainer's micro-batch holds."""
+"""Routing of several requests packed along tokens: what a trainer's micro-batch holds, and the
+buffer a read decodes a batch into."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import torch
 
 from r3rdma.errors import ConfigError
+from r3rdma.read.rows import Spans, rows_wanted
+from r3rdma.store.index_entries import RequestEntry
 
-__all__ = ["PackedRouting", "pack", "packed_routing", "cu_seqlens_of", "to_torch"]
+__all__ = ["PackedRouting", "PackedBuffer", "pack", "packed_routing", "cu_seqlens_of", "to_torch"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,3 +81,24 @@ def pack(
             packed[row : row + piece.shape[0]] = piece
             row += piece.shape[0]
     return packed_routing(request_ids, packed, cu, start_rows, geometry)
+
+
+class PackedBuffer:
+    """The packed buffer of a batch being read, and where each request's rows go in it
+    (``outs``): rows are decoded straight into it, no per-request array, no copy."""
+
+    def __init__(
+        self, request_ids: list[str], entries: list[RequestEntry], geometry: dict[str, Any], spans: Spans | None
+    ) -> None:
+        """``entries[i]``: the index entry of ``request_ids[i]``; ``geometry``: of the layers read;
+        ``spans``: the rows read of some requests (:mod:`r3rdma.read.rows`)."""
+        self.request_ids, self.geometry = request_ids, geometry
+        self.start_rows = [entry.start_row for entry in entries]
+        self.cu = cu_seqlens_of(rows_wanted(entries, request_ids, spans))
+        self.packed = np.empty((int(self.cu[-1]), geometry["num_layers"], geometry["top_k"]), dtype=geometry["dtype"])
+        bounds = self.cu.tolist()
+        self.outs = {rid: self.packed[bounds[i] : bounds[i + 1]] for i, rid in enumerate(request_ids)}
+
+    def result(self) -> PackedRouting:
+        """The :class:`PackedRouting`, once every request's rows are read."""
+        return packed_routing(self.request_ids, self.packed, self.cu, self.start_rows, self.geometry)

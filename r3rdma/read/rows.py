@@ -17,7 +17,7 @@ import numpy as np
 from r3rdma.errors import ConfigError, ShapeMismatchError
 from r3rdma.store.index_entries import RequestEntry, Segment
 
-__all__ = ["row_spans", "check_named", "check_rows", "select_segments", "cp_row_spans"]
+__all__ = ["row_spans", "check_named", "check_rows", "select_segments", "rows_wanted", "cp_row_spans"]
 
 Spans = dict[str, list[tuple[int, int]]]
 
@@ -109,3 +109,11 @@ def cp_row_spans(stored_rows: int, padded_length: int, cp_size: int, cp_rank: in
     c = padded_length // (2 * cp_size)
     spans = [(cp_rank * c, (cp_rank + 1) * c), ((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)]
     return [(lo, min(hi, stored_rows)) for lo, hi in spans if lo < stored_rows]
+
+
+def rows_wanted(entries: list[RequestEntry], request_ids: list[str], spans: Spans | None) -> list[int]:
+    """Rows a read returns of each request (``entries[i]``: ``request_ids[i]``'s): all its rows,
+    or those of its spans."""
+    if spans is None:
+        return [entry.rows for entry in entries]
+    return [entry.rows if rid not in spans else sum(hi - lo for lo, hi in spans[rid]) for rid, entry in zip(request_ids, entries)]

@@ -1,12 +1,13 @@
-"""One store root a reader reads: a zarr store, its rollout indexes, its batch arrays (async).
+"""One store root a reader reads: a zarr store and its batch arrays (async).
 
 Stores and metadata go through zarr-python's async API: a local root through ``LocalStore``, a store
 node's ``/zarr/`` tree through :class:`~r3rdma.read.node_http.NodeHTTPStore` (``https://``:
-obstore's ``HTTPStore``; the bearer token as a header; :func:`http_store`), or any zarr
-``StoreLike`` a caller passes. Batch arrays are opened once per reader (their metadata is
-immutable) and read by row ranges straight into the caller's arrays: r3rdma's own layout through
-:mod:`r3rdma.read.shard_ranges` (shard indexes kept, chunks fetched in few ranged GETs, decoded
-by worker threads), any other layout through zarr's ``getitem``.
+obstore's ``HTTPStore``; the bearer token as a header; :func:`~r3rdma.read.locations.http_store`),
+or any zarr ``StoreLike`` a caller passes. Batch arrays are opened once per reader (their
+metadata is immutable) and read by row ranges straight into the caller's arrays: r3rdma's own
+layout through :mod:`r3rdma.read.shard_ranges` (shard indexes kept, chunks fetched in few ranged
+GETs, decoded by worker threads), any other layout through zarr's ``getitem``. The rollout
+index's files are fetched through :meth:`Source.get` by :mod:`r3rdma.read.indexes`.
 
 Errors say what happened (:meth:`Source.failure`): a refused token is
 :class:`AuthenticationError`; a connection refused, reset or dropped is :class:`TransportError`
@@ -17,11 +18,9 @@ and a wait past ``timeout_s`` :class:`R3TimeoutError` (both retryable); a disk o
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
-import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zarr
@@ -32,68 +31,14 @@ from zarr.storage import LocalStore
 from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
 from r3rdma.read.gather import gather
 from r3rdma.read.http_errors import read_error
+from r3rdma.read.locations import check_local_root, check_url, http_store
 from r3rdma.read.node_http import NodeHTTPStore
-from r3rdma.read.shard_ranges import ArrayRead, Piece, ShardLayout, plan_read, shard_index_of, shard_indexes
-from r3rdma.store.rollout_index import (
-    GEOMETRY_KEYS,
-    IndexPart,
-    RolloutIndex,
-    StalePartError,
-    check_entry,
-    check_part,
-    check_snapshot,
-    parse_attrs,
-    part_name,
-    snapshot_name,
-)
+from r3rdma.read.shard_layout import ShardLayout, shard_index_of, shard_indexes
+from r3rdma.read.shard_ranges import ArrayRead, Piece, plan_read
+from r3rdma.store.rollout_index import RolloutIndex, part_name
 
-if TYPE_CHECKING:
-    from obstore.store import ClientConfig, RetryConfig
-
-__all__ = ["Source", "http_store", "source_items", "check_url"]
-
-# host:port, which is what the engines' R3_STORE_URLS holds (UCX push addresses), not a URL.
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d+)$")
-
-
-def source_items(sources: Any) -> list[Any]:
-    """The reader's sources as a list: one source, a list or tuple of them, or a string of
-    comma-separated store node URLs (the form ``$R3_STORE_HTTP_URLS`` and the commands take).
-
-    A string is split on commas unless it names an existing directory (a path may hold one).
-    """
-    items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, str) and "," in item and not os.path.isdir(item):
-            out.extend(part.strip() for part in item.split(",") if part.strip())
-        else:
-            out.append(item)
-    return out
-
-
-def check_url(url: str) -> str:
-    """``url`` if it is a usable store node URL (``http(s)://host[:port][/path]``), else
-    :class:`ConfigError` naming it and what is wrong."""
-    from urllib.parse import urlsplit
-
-    if any(c.isspace() for c in url):
-        raise ConfigError(f"store node URL {url!r} holds whitespace; expected http://host:port")
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # ValueError for a port that is not a number in 0..65535
-    except ValueError as e:
-        raise ConfigError(
-            f"store node URL {url!r} is not a valid URL ({e}); expected http://host:port "
-            "(several: a list, or one string with commas between URLs)"
-        ) from e
-    if not parts.hostname:
-        raise ConfigError(f"store node URL {url!r} names no host; expected http://host:port")
-    if port == 0:
-        raise ConfigError(f"store node URL {url!r} has port 0; expected the node's HTTP port (--http-port)")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"store node URL {url!r} has a query or fragment; expected http://host:port")
-    return url
+# http_store is imported from here too (r3rdma.bench's trainer-layout bench).
+__all__ = ["Source", "http_store"]
 
 
 class Source:
@@ -105,12 +50,11 @@ class Source:
         self._owned = owned  # made here from a URL: closed with the reader
         self.remote = remote
         self.token_sent = token_sent  # a 401 without a token means "send one", not "wrong token"
-        # Immutable once written, so kept for the reader's life: batch arrays (metadata) by
-        # (rollout, uid, name), and each rollout's index by rollout id.
+        # Immutable once written, so kept for the reader's life: batch arrays (metadata) and
+        # their layouts by (rollout, uid, name), shard indexes by (shard key, shard number).
         self._arrays: dict[tuple[str, str, str], zarr.AsyncArray] = {}
         self._layouts: dict[tuple[str, str, str], ShardLayout | None] = {}
         self._shard_indexes: dict[tuple[str, int], np.ndarray] = {}
-        self._indexes: dict[str, RolloutIndex] = {}
 
     @classmethod
     def of(cls, item: Any, token: str | None, timeout_s: float) -> Source:
@@ -131,7 +75,7 @@ class Source:
             path = os.fspath(item)
             if isinstance(path, bytes):
                 path = os.fsdecode(path)
-            _check_local_root(path)
+            check_local_root(path)
             return cls(path, LocalStore(path, read_only=True), remote=False)
         return cls(str(item), item, remote=not isinstance(item, LocalStore), token_sent=bool(token))
 
@@ -163,67 +107,6 @@ class Source:
                 return None
             raise CorruptDataError(f"{self.name}: {what}: {e}") from e
         return None if buffer is None else buffer.to_bytes()
-
-    # -- the index ------------------------------------------------------------------------
-
-    async def index(self, rollout_id: str, concurrency: int) -> RolloutIndex | None:
-        """The rollout's index here (None when this root has no such rollout), fetching only
-        the parts not seen before; a rollout deleted and created again is read afresh."""
-        for attempt in (0, 1):
-            try:
-                return await self._refresh(rollout_id, concurrency)
-            except StalePartError:
-                self._indexes.pop(rollout_id, None)
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _refresh(self, rollout_id: str, concurrency: int) -> RolloutIndex | None:
-        raw = await self.get(f"{rollout_id}/zarr.json", f"reading the index of rollout {rollout_id!r}")
-        entry = check_entry(rollout_id, parse_attrs(raw, rollout_id, self.name), self.name)
-        if entry is None:
-            self._indexes.pop(rollout_id, None)
-            return None
-        if entry.get("format_version", 1) == 1:
-            return RolloutIndex.from_format_1(rollout_id, entry, self.name)
-        cached = self._indexes.get(rollout_id)
-        if cached is not None and (cached.uid != entry["uid"] or cached.parts > entry["parts"]):
-            self.forget(rollout_id)  # deleted and created again: its arrays are new ones
-            cached = None
-        if cached is None:
-            cached = RolloutIndex(uid=entry["uid"], geometry={k: entry[k] for k in GEOMETRY_KEYS})
-        if cached.parts == entry["parts"]:
-            return cached
-        limit = asyncio.Semaphore(concurrency)
-        snapshot = entry.get("snapshot", 0)
-        if snapshot > cached.parts:
-            # One snapshot instead of the parts up to it (rollout_index.py, "Snapshots").
-            key = f"{rollout_id}/{snapshot_name(snapshot)}/zarr.json"
-            raw = await self.get(key, f"reading index snapshot {snapshot} of rollout {rollout_id!r}")
-            if raw is None:  # replaced by a newer one since the entry point was read
-                raise StalePartError(rollout_id, self.name, snapshot)
-            merged = check_snapshot(rollout_id, snapshot, cached.uid, parse_attrs(raw, rollout_id, self.name), self.name)
-            index = RolloutIndex.from_snapshot(merged, cached.geometry)
-        else:
-            # A copy gets the new parts: a read on another thread may be using the cached one.
-            index = cached.copy()
-
-        async def fetch(seq: int) -> IndexPart:
-            async with limit:
-                raw = await self.get(
-                    f"{rollout_id}/{part_name(seq)}/zarr.json", f"reading index part {seq} of rollout {rollout_id!r}"
-                )
-            if raw is None:
-                # Parts are written before the entry point counts them; only a deletion (and
-                # perhaps a new rollout of the same id) removes one.
-                raise StalePartError(rollout_id, self.name, seq)
-            return check_part(rollout_id, seq, index.uid, parse_attrs(raw, rollout_id, self.name), self.name)
-
-        parts = await gather(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1))
-        for part in parts:
-            index.apply(part)
-        self._indexes[rollout_id] = index
-        return index
 
     # -- batch arrays ---------------------------------------------------------------------
 
@@ -358,8 +241,7 @@ class Source:
         return failure
 
     def forget(self, rollout_id: str) -> None:
-        """Drop what is cached about a rollout (it was deleted)."""
-        self._indexes.pop(rollout_id, None)
+        """Drop what is kept about a rollout's arrays (it was deleted, perhaps created again)."""
         for array_key in [k for k in self._arrays if k[0] == rollout_id]:
             del self._arrays[array_key]
             self._layouts.pop(array_key, None)
@@ -390,7 +272,7 @@ class Source:
 
 
 async def _read_through_zarr(array: zarr.AsyncArray, pieces: list[Piece], layers: np.ndarray | None, span: bool) -> None:
-    """:meth:`Source.read_into` of an array that is not r3rdma's layout, through zarr: pieces
+    """:meth:`Source.read_other` of an array that is not r3rdma's layout, through zarr: pieces
     that touch or share a chunk read as one range (each chunk read once), or with ``span``
     the whole array at once."""
     chunk = array.chunks[0]
@@ -409,77 +291,6 @@ async def _read_through_zarr(array: zarr.AsyncArray, pieces: list[Piece], layers
         for lo, hi, out in members:
             rows = block[lo - first : hi - first]
             out[...] = rows if layers is None else rows[:, layers]
-
-
-def _check_local_root(path: str) -> None:
-    """A local source must be an existing directory; else :class:`ConfigError` saying what it is."""
-    if os.path.isdir(path):
-        return
-    if "://" in path:
-        scheme = path.split("://", 1)[0]
-        raise ConfigError(
-            f"source {path!r}: store nodes are read over HTTP, expected http://host:port (or https://), got the scheme {scheme!r}"
-        )
-    match = _HOST_PORT.match(path)
-    if match and not os.path.exists(path):
-        raise ConfigError(
-            f"source {path!r} is not a URL (and no such directory exists): did you mean http://{path}? "
-            "Readers take the store nodes' HTTP URLs (--http-port; $R3_STORE_HTTP_URLS), "
-            "not the UCX push addresses of R3_STORE_URLS"
-        )
-    if os.path.exists(path):
-        raise ConfigError(f"source {path!r} is not a directory: expected a local store root or http://host:port")
-    raise ConfigError(f"no such directory: {path!r} (expected a local store root, or a store node's http://host:port)")
-
-
-def http_store(url: str, token: str | None, timeout_s: float) -> Any:
-    """A read-only zarr store of a store node's ``/zarr/`` tree.
-
-    ``http://``: :class:`~r3rdma.read.node_http.NodeHTTPStore`, r3rdma's own client (a ranged
-    GET of an inner chunk costs 2-2.5x less CPU than through obstore; its module says why).
-    ``https://``: ``ObjectStore`` over obstore's ``HTTPStore`` (Rust HTTP client and TLS; it
-    moved whole shards at 2-2.5x the rate of zarr's ``FsspecStore``, BENCHMARKS.md "Read at
-    scale"). Both try a failed request at most twice more within ``timeout_s``, so a dead node
-    fails over in time (obstore's default retries for minutes).
-    """
-    from datetime import timedelta
-
-    from r3rdma.transport.auth import coerce_token
-
-    if token:  # e.g. open(path).read(): stripped, its trailing newline is no header value
-        token = coerce_token(token, "the read token (token=)")
-    if url.startswith("http://"):
-        return NodeHTTPStore(url, token, timeout_s)
-    try:
-        from obstore.store import HTTPStore
-    except ImportError:  # a declared dependency; without it (no wheel for the platform): fsspec
-        return _fsspec_store(url, token, timeout_s)
-    from zarr.storage import ObjectStore
-
-    options: ClientConfig = {
-        "allow_http": True,
-        "connect_timeout": timedelta(seconds=timeout_s),
-        "timeout": timedelta(seconds=timeout_s),
-    }
-    if token:
-        options["default_headers"] = {"Authorization": f"Bearer {token}"}
-    retry: RetryConfig = {
-        "max_retries": 2,
-        "retry_timeout": timedelta(seconds=timeout_s),
-        "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1), "base": 2},
-    }
-    return ObjectStore(HTTPStore.from_url(url.rstrip("/") + "/zarr", client_options=options, retry_config=retry), read_only=True)
-
-
-def _fsspec_store(url: str, token: str | None, timeout_s: float) -> Any:
-    import aiohttp
-    from zarr.storage import FsspecStore
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    # Each wait (connect, each read) is bounded, not the whole transfer.
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-    options = {"headers": headers, "client_kwargs": {"timeout": timeout}}
-    return FsspecStore.from_url(url.rstrip("/") + "/zarr", storage_options=options, read_only=True)
 
 
 def _shard_keys(array: zarr.AsyncArray) -> list[str]:
