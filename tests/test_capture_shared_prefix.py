@@ -32,13 +32,13 @@ def _grpo(cap, writer):
     computes the rest itself; c is forked from a's prefill; d computes the same prompt again (its
     own prefill). Records each request's submitted record."""
     sent = {}
-    submit = writer.submit
+    hand_over = writer.hand_over
 
     def spy(record):
         sent[record.request_id] = record
-        submit(record)
+        hand_over(record)
 
-    writer.submit = spy
+    writer.hand_over = spy  # what the capturer calls (RoutingWriter.hand_over)
     run_step(cap, ["a"], [0], [40], list(range(40)))
     cap.fork_request("a", "c", 40)  # n > 1: c starts from a's prefill
     run_step(cap, ["a"], [40], [1], [40])

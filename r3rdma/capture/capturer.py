@@ -431,8 +431,16 @@ class RoutingCapturer:
         ``start_row=prompt_len`` and ``total_rows``.
 
         Raises :class:`MissingRowsError` if a position was never computed and
-        :class:`StaleSlotError` if a slot was rewritten by another token or released since.
-        The request's bookkeeping is released either way; the engine may then free its slots.
+        :class:`StaleSlotError` if a slot was rewritten by another token or released since
+        (the engine's bookkeeping disagrees with what it computed: this request alone is not
+        stored), :class:`~r3rdma.errors.OutOfRangeError` / :class:`ShapeMismatchError` for
+        lengths that leave no row (``start_row`` past the rows, ``prompt_len < 1``), and
+        :class:`~r3rdma.errors.StoreError` when the writer was closed already: the caller's
+        bugs, about this call. The request's bookkeeping is released either way; the engine
+        may then free its slots. Never raised here: errors of the store (a refused record, a
+        node down, a full disk, a conflicting copy), about this request or an earlier one: the
+        writer commits on its own thread and keeps them (logged with the requests, counted,
+        listed by its ``failures()``, raised by its ``flush()``; ``RoutingWriter.hand_over``).
         """
         first = self._first_rows.pop(request_id, None)
         if first is not None and start_row < first.shape[0]:

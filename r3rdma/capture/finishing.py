@@ -14,13 +14,23 @@ the table lives and what the sink declares it takes:
   thread, any other sink gets it through a :class:`Finisher` thread started on first use.
 
 The sink protocols live here, next to :mod:`r3rdma.capture.transfer` (how the bytes move).
+
+Errors of the store never reach the engine's step path through here. A sink that takes records
+from an engine's step path (a :class:`HandOverSink`: a
+:class:`~r3rdma.write.writer.RoutingWriter`, whose ``hand_over`` is used instead of ``submit``)
+keeps a failed commit to itself (logged with the requests, counted, listed by its
+``failures()``, raised by its ``flush``), so one request's failure never refuses the next
+request's finish. A sink of the caller's own raises what its ``submit`` raises, for the record
+being finished (CPU); on CUDA, the finisher thread's errors are logged with the request and
+raised by :meth:`Finishing.flush` (the capturer's ``flush``), not by a later finish.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,7 +40,18 @@ from r3rdma.capture.transfer import DeviceRows, StagedRows, stage_to_host
 from r3rdma.errors import ConfigError
 from r3rdma.records import RequestRecord, SharedPrefix
 
-__all__ = ["RoutingSink", "DeviceRowsSink", "DeferredSink", "Finishing", "Finisher", "StagedRecord", "make_record"]
+__all__ = [
+    "RoutingSink",
+    "DeviceRowsSink",
+    "DeferredSink",
+    "HandOverSink",
+    "Finishing",
+    "Finisher",
+    "StagedRecord",
+    "make_record",
+]
+
+log = logging.getLogger("r3rdma")
 
 
 class RoutingSink(Protocol):
@@ -76,6 +97,18 @@ class DeferredSink(Protocol):
 
     def submit(self, record: RequestRecord | StagedRecord) -> None:
         """Take a finished request: a record, or one whose rows are still being copied to the host."""
+        ...
+
+
+@runtime_checkable
+class HandOverSink(Protocol):
+    """A sink with a ``hand_over`` for records finished on an engine's step path: it queues the
+    record and never raises about another request (a failed commit of an earlier one is logged,
+    counted and reported by the sink itself): a :class:`~r3rdma.write.writer.RoutingWriter`.
+    Its ``hand_over`` takes what its ``submit`` takes."""
+
+    def hand_over(self, record: Any) -> None:
+        """Queue a finished request; raise only about this record (or a sink already closed)."""
         ...
 
 
@@ -144,7 +177,8 @@ class Finisher:
 
     def __init__(self, sink: RoutingSink) -> None:
         self.sink = sink
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first error not yet raised (by Finishing.flush)
+        self.failed = 0  # records the sink refused (each logged with its request)
         self._queue: queue.Queue[StagedRecord | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="r3rdma-finish", daemon=True)
         self._thread.start()
@@ -178,7 +212,9 @@ class Finisher:
                 continue
             try:
                 self.sink.submit(item.result())
-            except BaseException as e:  # raised to the engine at its next finish / flush
+            except BaseException as e:  # raised to the engine at its next flush (Finishing.flush)
+                self.failed += 1
+                log.error("r3rdma: routing of %s/%s not handed to the sink: %r", item.rollout_id, item.request_id, e)
                 if self.error is None:
                     self.error = e
 
@@ -187,8 +223,8 @@ class Finishing:
     """Gathers a finished request's rows and hands them to the sink (see the module docstring).
 
     ``transfer_mode`` is ``staged`` or ``gpu_direct`` (already resolved and checked by the
-    capturer); errors of the finisher thread are raised at the next :meth:`finish` or
-    :meth:`flush`.
+    capturer). Records go to the sink's ``hand_over`` when it has one (:class:`HandOverSink`),
+    else to its ``submit``; errors of the finisher thread are raised at the next :meth:`flush`.
     """
 
     def __init__(
@@ -202,11 +238,11 @@ class Finishing:
         self._finisher: Finisher | None = None
         # The sink as a taker of device rows; the capturer chose gpu_direct only for such a sink.
         self._device_sink = sink if takes_device_rows(sink) else None
+        self._uses_hand_over = isinstance(sink, HandOverSink)
 
     def finish(self, slots: np.ndarray, meta: dict) -> RequestRecord | None:
         """The record (CPU, or without a sink), or None once the rows are on their way (CUDA)."""
         if self.table.cuda and self.sink is not None:
-            self.raise_error()
             if self.transfer_mode == "gpu_direct":
                 # The gathered device rows are the payload; the pusher waits on `ready`
                 # (a CUDA event) in its own thread before UCX reads them.
@@ -220,35 +256,40 @@ class Finishing:
                 ready.record()
                 # Device rows leave whole: the pusher sends one device buffer per request.
                 fields = {k: v for k, v in meta.items() if k != "shared"}
-                device_sink.submit(DeviceRows(ids_TLK=rows, ready=ready, **fields))
+                self._hand_over(DeviceRows(ids_TLK=rows, ready=ready, **fields))
                 return None
             # Gather on the GPU, copy to pinned host memory asynchronously, and let the
             # finisher thread wait for the copy and hand the record over: no sync here.
             staged = stage_to_host(self.table.gather(slots))
             deferred = StagedRecord(staged, self.storage_dtype, meta, int(slots.size) * self.row_bytes)
-            sink = self.sink
-            if takes_deferred(sink):
+            if takes_deferred(self.sink):
                 # A RoutingWriter resolves it on its own thread, so its flush() also covers
                 # records whose copy is still in flight.
-                sink.submit(deferred)
+                self._hand_over(deferred)
             else:
                 if self._finisher is None:
-                    self._finisher = Finisher(sink)
+                    self._finisher = Finisher(self.sink)
                 self._finisher.put(deferred)
             return None
         ids = self.table.gather_host(slots)
         record = make_record(ids, self.storage_dtype, meta)
         if self.sink is not None:
-            self.sink.submit(record)
+            self._hand_over(record)
         return record
 
     def finish_rows(self, ids: np.ndarray, meta: dict) -> RequestRecord:
         """The record of rows already on the host (``ids``, the table's dtype), handed to the sink."""
-        self.raise_error()
         record = make_record(ids, self.storage_dtype, meta)
         if self.sink is not None:
-            self.sink.submit(record)
+            self._hand_over(record)
         return record
+
+    def _hand_over(self, record: Any) -> None:
+        """Give a finished record to the sink: its ``hand_over`` (a :class:`HandOverSink`), else its ``submit``."""
+        if self._uses_hand_over:
+            self.sink.hand_over(record)  # type: ignore[union-attr]
+        else:
+            self.sink.submit(record)  # type: ignore[union-attr]
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the finisher thread (if any) handed over everything queued; raise its first error."""

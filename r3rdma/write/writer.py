@@ -5,10 +5,11 @@ waiting: backpressure instead of unbounded memory). A worker thread commits MB-s
 to a store (anything with ``commit(records)`` that returns once the data is durable: the
 :class:`~r3rdma.store.local_store.LocalRoutingStore`, or a client of remote store nodes).
 A failed commit is logged when it fails, on the worker thread (logger ``r3rdma``, error:
-the requests it lost, first 10 and a count, and why), and raised to the engine at its next
-``submit`` or ``flush``; nothing is dropped silently: the raised error names every request
-that failed since the previous one (``error.failed_request_ids``, ``error.errors``), and
-:meth:`RoutingWriter.failures` lists every failed request with its reason
+the requests it lost, first 10 and a count, and why), counted (``commit_failures``,
+``requests_failed``), and raised at the next ``flush`` (and at the next ``submit``; never at
+:meth:`RoutingWriter.hand_over`, the engine's step path); nothing is dropped silently: the raised
+error names every request that failed since the previous one (``error.failed_request_ids``,
+``error.errors``), and :meth:`RoutingWriter.failures` lists every failed request with its reason
 (:class:`CommitFailure`), so an engine can report them or push them again. A batch that a
 store refuses for its data (a bad record, a segment conflict) is committed again record by
 record, so one bad record fails alone instead of taking its batch with it. A record whose
@@ -121,7 +122,9 @@ class RoutingWriter:
     ``submit`` also takes a :class:`DeferredRecord` (``accepts_deferred``, which declares it a
     :class:`~r3rdma.capture.finishing.DeferredSink`): the capturer on
     CUDA hands over records whose device-to-host copy is still in flight, and ``flush`` then
-    covers them too.
+    covers them too. A capturer hands records over with :meth:`hand_over` (a
+    :class:`~r3rdma.capture.finishing.HandOverSink`), which never raises another request's
+    failure into the engine's step.
 
     Args:
         store: where batches are committed (:class:`RecordStore`).
@@ -203,15 +206,37 @@ class RoutingWriter:
     def submit(self, record: RequestRecord | DeferredRecord | DeviceRows) -> None:
         """Queue a finished request; blocks while the in-flight budget is exhausted.
 
-        A record without rows is refused here (:class:`ShapeMismatchError`), before anything
-        is queued: a store cannot hold an array of 0 rows.
+        Raises the failed commits of earlier requests not raised yet (see the module
+        docstring), before queueing this one. A record without rows is refused here
+        (:class:`ShapeMismatchError`), before anything is queued: a store cannot hold an array
+        of 0 rows.
         """
+        self._submit(record, raise_earlier=True)
+
+    def hand_over(self, record: RequestRecord | DeferredRecord | DeviceRows) -> None:
+        """Queue a finished request from an engine's step path (what a capturer calls): as
+        :meth:`submit`, but nothing about another request is raised here.
+
+        A failed commit of earlier requests stays where the store's errors go: logged when it
+        failed (naming the requests), counted (``commit_failures``, ``requests_failed``),
+        listed by :meth:`failures`, raised by the next :meth:`flush`. The same when the
+        writer's thread has stopped: this record is counted failed and logged, not raised.
+        Raised here, because they are the caller's bugs: a record without rows
+        (:class:`ShapeMismatchError`) and a writer already closed (:class:`StoreError`). Blocks
+        while the in-flight budget is exhausted (backpressure), like :meth:`submit`.
+        """
+        self._submit(record, raise_earlier=False)
+
+    def _submit(self, record: RequestRecord | DeferredRecord | DeviceRows, *, raise_earlier: bool) -> None:
+        lost: BaseException | None = None  # the error that stopped the writer's thread, if it did
+        failure: CommitFailure | None = None  # this record's, when it cannot be queued (hand_over)
         with self._cond:
-            self._raise_pending()
+            if raise_earlier:
+                self._raise_pending()
             if self._closing:
                 raise StoreError("RoutingWriter is closed")
             if self._stopped is not None:
-                raise StoreError(f"RoutingWriter's thread stopped ({self._stopped!r}): nothing more can be committed")
+                lost = self._stopped
             ids = getattr(record, "ids_TLK", None)
             rows = None if ids is None or not getattr(ids, "shape", None) else int(ids.shape[0])
             if record.nbytes <= 0 or rows == 0:
@@ -221,18 +246,32 @@ class RoutingWriter:
                     f"{rows if rows is not None else 0} rows ({record.nbytes} bytes); nothing was queued"
                 )
             # A record larger than the whole budget is let through alone rather than deadlocking.
-            while self._inflight_bytes and self._inflight_bytes + record.nbytes > self.max_inflight_bytes:
+            while lost is None and self._inflight_bytes and self._inflight_bytes + record.nbytes > self.max_inflight_bytes:
                 self._cond.wait()
-                self._raise_pending()
-                if self._stopped is not None:
-                    raise StoreError(f"RoutingWriter's thread stopped ({self._stopped!r}): nothing more can be committed")
-            if not self._queue:
-                self._first_enqueued = time.monotonic()
-            self._queue.append(record)
-            self._queued_bytes += record.nbytes
-            self._inflight_bytes += record.nbytes
-            self._submitted += 1
-            self._cond.notify_all()
+                if raise_earlier:
+                    self._raise_pending()
+                lost = self._stopped
+            if lost is not None:
+                if raise_earlier:
+                    raise StoreError(f"RoutingWriter's thread stopped ({lost!r}): nothing more can be committed")
+                failure = CommitFailure(*_ids_of(record), CommitFailure.reason_of(lost))
+                self._failures.append(failure)
+                self.requests_failed += 1
+            else:
+                if not self._queue:
+                    self._first_enqueued = time.monotonic()
+                self._queue.append(record)
+                self._queued_bytes += record.nbytes
+                self._inflight_bytes += record.nbytes
+                self._submitted += 1
+                self._cond.notify_all()
+        if failure is not None:  # said outside the lock, as _finish does (a handler may be slow)
+            log.error(
+                "r3rdma: routing of %s/%s not committed: the writer's thread stopped (%s)",
+                failure.rollout_id,
+                failure.request_id,
+                failure.reason,
+            )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything submitted so far is durable (or raise its error)."""
@@ -495,11 +534,16 @@ class RoutingWriter:
 
     def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:
         """Commit ``items``; if the data is refused, again one by one, so only the bad ones fail
-        (:mod:`r3rdma.store.refusals`)."""
+        (:mod:`r3rdma.store.refusals`). A store that made some of them durable and says which
+        it did not (``error.not_durable``: store nodes that could not hold every request on
+        enough nodes) fails only those."""
         try:
             commit(items)
             return []
         except BaseException as e:
+            not_durable = getattr(e, "not_durable", None)
+            if not_durable is not None:
+                return [(e, list(not_durable))]
             if not _retry_each(e, len(items)):
                 return [(e, list(items))]
         return self._commit_each(commit, items)
