@@ -3,7 +3,8 @@
 #
 #   scripts/start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT]
 #                                  [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S]
-#                                  [--http-workers N|auto]
+#                                  [--http-workers N|auto] [--no-slice-layout] [--zstd-level N]
+#                                  [--layers-per-chunk N]
 #
 # Environment: R3_STORE_BIN, the r3rdma-store executable to run (default: .venv/bin/r3rdma-store
 # of this checkout, else r3rdma-store on PATH); R3_STORE_TOKEN_FILE, the push secret (below).
@@ -22,15 +23,17 @@
 # since a URL naming 127.0.0.1, 0.0.0.0 or a name that resolves to loopback reaches no other machine).
 # --max-inflight-mb, --timeout-s and --http-workers go to every node's r3rdma-store as they are (memory budget
 # of batches in flight; deadline of each network step, which also bounds stalled senders and
-# HTTP clients that never finish a request; processes serving the HTTP port): see r3rdma-store
-# --help and docs/OPERATIONS.md.
+# HTTP clients that never finish a request; processes serving the HTTP port), and so do the
+# layout options: --no-slice-layout (the whole-request layout, for stores read only by whole
+# requests; the slice layout is the default), --zstd-level and --layers-per-chunk: see
+# r3rdma-store --help, docs/OPERATIONS.md and docs/FORMAT.md.
 # Prints the push addresses (R3_STORE_URLS=host:port,...), the HTTP URLs, and writes DIR/env
 # (R3_STORE_URLS, R3_STORE_HTTP_URLS, R3_STORE_TOKEN_FILE: the push secret, and
 # R3_STORE_READ_TOKEN_FILE: the read token, which r3rdma check / inspect use by default).
 # Stop them with scripts/stop_store_nodes.sh DIR.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S] [--http-workers N|auto]}"
+n="${1:?usage: start_store_nodes.sh N [--dir DIR] [--host HOST] [--advertise-host ADDR] [--ucx-port PORT] [--http-port PORT] [--public-read] [--max-inflight-mb MB] [--timeout-s S] [--http-workers N|auto] [--no-slice-layout] [--zstd-level N] [--layers-per-chunk N]}"
 shift
 dir="./r3rdma_nodes"; host="127.0.0.1"; advertise=""; ucx_base=0; http_base=0; extra=()
 while [ $# -gt 0 ]; do
@@ -40,8 +43,8 @@ while [ $# -gt 0 ]; do
     --advertise-host) advertise="$2"; shift 2;;
     --ucx-port) ucx_base="$2"; shift 2;;
     --http-port) http_base="$2"; shift 2;;
-    --public-read) extra+=(--public-read); shift;;
-    --max-inflight-mb|--timeout-s|--http-workers)
+    --public-read|--no-slice-layout) extra+=("$1"); shift;;
+    --max-inflight-mb|--timeout-s|--http-workers|--zstd-level|--layers-per-chunk)
       [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
       extra+=("$1" "$2"); shift 2;;
     *) echo "unknown option $1" >&2; exit 2;;

@@ -74,12 +74,11 @@ def batch_chunk_rows(records: Sequence[RequestRecord], min_chunk_rows: int, chun
     chunks over a request's rows are one byte range, so smaller chunks do not mean more GETs.
     Each batch array states its own chunk shape; readers need nothing new.
 
-    Why only with ``slice_layout`` (off by default): the same full-size step read whole (every
-    layer, every row: a data-parallel rank without pipeline or context parallelism, the
-    verl / slime hand-off) took 21.2 s instead of 11.2 s (2x H100 host, ``bench trainer-layout``,
-    2b44685 against 124f3e0), and ``bench rlstep``'s scattered whole-request reads ran at 1.83
-    GB/s instead of 3.16: four GETs per request (one per layer group) and four times the zstd
-    frames. Which reads a rollout will get is the operator's knowledge, not the store's.
+    Why with ``slice_layout`` (the store's default) only: the same full-size step read whole
+    (every layer, every row: a data-parallel rank without pipeline or context parallelism, the
+    verl / slime hand-off) takes about twice as long in it (four GETs per request, one per
+    layer group, and four times the zstd frames); a store read only by whole requests turns it
+    off (BENCHMARKS.md, "Trainer layout", has both layouts' figures).
     """
     lengths = sorted(r.num_rows for r in records)
     median = lengths[len(lengths) // 2]

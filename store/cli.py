@@ -76,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--slice-layout",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="lay out arrays of long requests for trainers that read by slice (context-parallel pieces, pipeline stages): "
-        "smaller chunks, layer group major; whole-request reads get slower (docs/FORMAT.md, format 4)",
+        "smaller chunks, layer group major (the default; docs/FORMAT.md, format 4). --no-slice-layout: the whole-request "
+        "layout, chunks about one request long, for a store read only by whole requests (read about twice as fast)",
     )
     p.add_argument(
         "--http-workers",

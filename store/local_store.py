@@ -113,7 +113,7 @@ class LocalRoutingStore:
         snapshot_parts: int = 64,
         snapshot_idle_s: float = 0.25,
         layers_per_chunk: int | None = None,
-        slice_layout: bool = False,
+        slice_layout: bool = True,
     ) -> None:
         """``only_last_turn`` (FastDeploy's key): a request keeps only the rows of its latest
         turn's full view; a complete record set that starts where the stored request starts and
@@ -124,10 +124,11 @@ class LocalRoutingStore:
         sixteenth of it (their array then lies layer group major, format 4), clamped to this
         range (:func:`~r3rdma.store.batch_array.batch_chunk_rows`).
 
-        ``slice_layout``: lay out batch arrays of long requests for trainers that read by slice
-        (context-parallel pieces and pipeline stages, ``prefetch_routing(layout=...)``): 2x H100,
-        DP=2 x TP=2 x PP=4 x CP=2 with TP broadcast, 1.12x the stored bytes fetched instead of
-        1.44x, but whole-request reads about half as fast. Off by default.
+        ``slice_layout`` (the default): lay out batch arrays of long requests for trainers that
+        read by slice (context-parallel pieces and pipeline stages, ``prefetch_routing(layout=...)``):
+        such a rank fetches about what it replays, at ~8% more stored bytes. False: the whole-request
+        layout (chunks about one request long, in the shard index's order), for a store read only
+        by whole requests, which it reads about twice as fast (docs/FORMAT.md, "Chunk order").
 
         ``layers_per_chunk``: MoE layers per inner chunk of a batch array (format 3). None (the
         default): the store's rule, a power-of-two count of equal groups of at least 64 KiB,

@@ -58,7 +58,7 @@ class StoreNode:
         chunk_rows: int = 1024,
         http_workers: int = 0,
         layers_per_chunk: int | None = None,
-        slice_layout: bool = False,
+        slice_layout: bool = True,
     ) -> None:
         if not isinstance(http_workers, int) or http_workers < 0:
             raise ValueError(f"http_workers: expected an int >= 0, got {http_workers!r}")

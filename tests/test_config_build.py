@@ -385,11 +385,13 @@ def test_store_replicas_reach_the_push_client(tmp_path, monkeypatch):
 
 
 def test_slice_layout_reaches_the_local_store(tmp_path):
-    """``R3Config(slice_layout=True)`` (or ``R3_SLICE_LAYOUT``) builds a local store with the slice layout; default off."""
+    """A local store gets the slice layout by default; ``R3Config(slice_layout=False)`` (or
+    ``R3_SLICE_LAYOUT=false``) builds one with the whole-request layout."""
     for config, want in (
-        (R3Config(local_store_dir=str(tmp_path / "a")), False),
-        (R3Config(local_store_dir=str(tmp_path / "b"), slice_layout=True), True),
-        (R3Config.from_env(env={"R3_SLICE_LAYOUT": "true"}, local_store_dir=str(tmp_path / "c")), True),
+        (R3Config(local_store_dir=str(tmp_path / "a")), True),
+        (R3Config(local_store_dir=str(tmp_path / "b"), slice_layout=False), False),
+        (R3Config.from_env(env={"R3_SLICE_LAYOUT": "false"}, local_store_dir=str(tmp_path / "c")), False),
+        (R3Config.from_env(env={"R3_SLICE_LAYOUT": "true"}, local_store_dir=str(tmp_path / "d")), True),
     ):
         writer = build_writer(config)
         try:

@@ -60,7 +60,7 @@ def test_precedence_argument_env_default():
         ({"routing_store_type": "rdma", "store_urls": ("h:1",), "only_last_turn": True}, "only_last_turn needs routing_store_type 'local'"),
         ({"routing_store_type": "rdma", "store_urls": ("h:1",), "zstd_level": 5}, "zstd_level is a setting of the store nodes"),
         ({"routing_store_type": "rdma", "store_urls": ("h:1",), "chunk_rows": 64}, "chunk_rows is a setting of the store nodes"),
-        ({"routing_store_type": "rdma", "store_urls": ("h:1",), "slice_layout": True}, "slice_layout is a setting of the store nodes"),
+        ({"routing_store_type": "rdma", "store_urls": ("h:1",), "slice_layout": False}, "slice_layout is a setting of the store nodes"),
         ({"flush_bytes": "8M"}, "flush_bytes: expected int, got str '8M'"),
         ({"enable_routing_replay": "false"}, "enable_routing_replay: expected bool, got str"),
         ({"store_urls": [1]}, r"store_urls: expected tuple\[str, ...\], got list"),

@@ -83,11 +83,11 @@ def test_rule_sizes_row_chunks_for_context_parallel_pieces():
     assert spans_row_chunks(256, 1024) and not spans_row_chunks(256, 1023)
 
 
-def test_default_layout_keeps_a_chunk_about_one_request():
-    """Without the store's ``slice_layout`` long requests keep chunks about one request long
-    (whole-request reads: one GET, few zstd frames)."""
+def test_whole_request_layout_keeps_a_chunk_about_one_request():
+    """Without the store's ``slice_layout`` (``--no-slice-layout``) long requests keep chunks
+    about one request long (whole-request reads: one GET, few zstd frames)."""
     for lengths, want in (((30, 50, 40), 64), ((1100, 1000, 1200), 1024), ((4300, 3000, 8000), 1024)):
-        assert batch_chunk_rows(_records_of(lengths), 64, 1024) == want
+        assert batch_chunk_rows(_records_of(lengths), 64, 1024, slice_layout=False) == want
 
 
 @pytest.mark.parametrize("group_major", [False, True])
@@ -402,3 +402,28 @@ def test_group_major_entry_gives_the_shard_index():
     assert not shard_entry_ok(both)
     short = {**entry, "chunk_sizes_group_major": entry["chunk_sizes_group_major"][:-8]}
     assert not shard_entry_ok(short)
+
+
+def test_slice_layout_is_the_default(tmp_path):
+    """A new store gets the slice layout unless told otherwise (``LocalRoutingStore``,
+    ``R3Config``, ``r3rdma-store``: ``--slice-layout`` still accepted, ``--no-slice-layout`` the
+    whole-request layout), so a batch of long requests lies layer group major; without it the
+    same batch lies in the index's order. The reader reads both."""
+    from r3rdma.config import R3Config
+    from r3rdma.store.cli import build_parser
+
+    def parsed(*flags):
+        return build_parser().parse_args(["--root", str(tmp_path / "node"), *flags]).slice_layout
+
+    assert parsed() is True and parsed("--slice-layout") is True and parsed("--no-slice-layout") is False
+    assert R3Config().slice_layout is True
+    recs = [_record(f"r{i}", rows, 40 + i) for i, rows in enumerate([300, 280, 320])]
+    for name, options, key in (("slice", {}, "chunk_sizes_group_major"), ("whole", {"slice_layout": False}, "chunk_sizes")):
+        with LocalRoutingStore(tmp_path / name, chunk_rows=16, min_chunk_rows=16, layers_per_chunk=3, **options) as store:
+            assert store.slice_layout is (name == "slice")
+            store.commit(recs)
+        assert key in _part(tmp_path / name, 1)["shards"]["b00000001"]
+        with RoutingReader(tmp_path / name) as reader:
+            got = reader.get_numpy("roll", [r.request_id for r in recs])
+        for r in recs:
+            np.testing.assert_array_equal(got[r.request_id], r.ids_TLK)

@@ -12,8 +12,9 @@ def test_layout_helpers():
 
 
 def test_bench_small_run():
-    # 64-row chunks of 4 layers (--chunk-rows, --layers-per-chunk), --slice-layout: requests of
-    # 300-400 rows span several row chunks, so every array lies layer group major (format 4).
+    # 64-row chunks of 4 layers (--chunk-rows, --layers-per-chunk), the store's default slice
+    # layout: requests of 300-400 rows span several row chunks, so every array lies layer group
+    # major (format 4).
     result = run_trainer_layout_bench(
         requests=8,
         min_rows=300,
@@ -29,9 +30,8 @@ def test_bench_small_run():
         progress=False,
         chunk_rows=64,
         layers_per_chunk=4,
-        slice_layout=True,
     )
-    assert result["chunk_rows"] == [64] and result["layers_per_chunk"] == [4] and result["slice_layout"]
+    assert result["chunk_rows"] == [64] and result["layers_per_chunk"] == [4] and result["slice_layout"] is True
     assert result["group_major_arrays"] == result["arrays"] > 0
     json.dumps(result)
     assert result["bench"] == "trainer-layout" and result["layout"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 2}
@@ -63,3 +63,17 @@ def test_bench_small_run():
         "sequence_parallel_fetch_le_1_25x_replayed",
         "sequence_parallel_total_le_1_25x_stored",
     }
+
+
+def test_cli_layout_options():
+    """The bench stores the step in the store's default layout, the slice layout; ``--no-slice-layout``
+    in the whole-request layout (``--slice-layout`` still accepted)."""
+    from r3rdma.cli import build_parser
+
+    def parsed(*flags):
+        argv = ["bench", "trainer-layout", "--quick", *flags]
+        return build_parser(argv).parse_args(argv)
+
+    assert parsed().slice_layout is True and parsed("--slice-layout").slice_layout is True
+    args = parsed("--no-slice-layout", "--zstd-level", "0", "--dp", "4")
+    assert args.slice_layout is False and args.zstd_level == 0 and args.dp == 4 and args.quick

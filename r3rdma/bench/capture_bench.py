@@ -161,20 +161,20 @@ def _try_graph(loop, capturer, on: bool) -> str | None:
     import torch
 
     loop.reset()
+
+    def hooks():  # the capturer's hooks live while a step is captured
+        return capturer.graph_capture(loop.args.batch) if on else contextlib.nullcontext()
+
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(3):  # warm-up on a side stream, as torch.cuda.graphs asks
-                if on:
-                    with capturer.graph_capture(loop.args.batch):
-                        loop.forward()
-                else:
+                with hooks():
                     loop.forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        ctx = capturer.graph_capture(loop.args.batch) if on else contextlib.nullcontext()
-        with torch.no_grad(), ctx, torch.cuda.graph(graph):
+        with torch.no_grad(), hooks(), torch.cuda.graph(graph):
             loop.forward()
         loop.graphs[on] = graph
         return None
@@ -380,17 +380,21 @@ def run_capture_bench(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--cuda-graphs on: capture failed: {graph_error}")
         log(f"cuda graphs: {graphed}" + (f" ({graph_error})" if graph_error else ""))
 
-    def timed_round(on: bool) -> float:
+    def decode(on: bool, steps: int, timed: bool) -> float:
+        """``steps`` decode steps from the start, capture ``on``; ms per step (``timed``: between synchronisations)."""
         set_capture(on and not graphed)  # graphed: the hooks ran at capture time only
         loop.reset()
-        if cuda:
+        if cuda and timed:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            loop.run_steps(args.steps, capturer if on else None, graphed, model_writes=op_path)
-        if cuda:
+            loop.run_steps(steps, capturer if on else None, graphed, model_writes=op_path)
+        if cuda and timed:
             torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3 / args.steps
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    def timed_round(on: bool) -> float:
+        return decode(on, args.steps, timed=True)
 
     for on in (False, True, False, True):  # warm-up both settings
         timed_round(on)
@@ -405,18 +409,8 @@ def run_capture_bench(args: argparse.Namespace) -> dict:
     syncs_on = syncs_off = None
     if cuda:
         n = min(args.steps, 8)
-
-        def steps(on):
-            def go():
-                set_capture(on and not graphed)
-                loop.reset()
-                with torch.no_grad():
-                    loop.run_steps(n, capturer if on else None, graphed, model_writes=op_path)
-
-            return go
-
-        syncs_off = _count_syncs(steps(False)) / n
-        syncs_on = _count_syncs(steps(True)) / n
+        syncs_off = _count_syncs(lambda: decode(False, n, timed=False)) / n
+        syncs_on = _count_syncs(lambda: decode(True, n, timed=False)) / n
         torch.cuda.synchronize()
     engine_step = None
     if args.engine_step:
@@ -457,7 +451,7 @@ def run_capture_bench(args: argparse.Namespace) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench capture``: the model's shape, the batch, steps and rounds, the record path."""
-    parser.add_argument("--layers", type=int, default=24, help="MoE decoder layers (>= 24 for the issue's target)")
+    parser.add_argument("--layers", type=int, default=24, help="MoE decoder layers (BENCHMARKS.md measures 24)")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (Qwen3-30B-A3B: 2048)")

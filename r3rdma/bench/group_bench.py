@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from r3rdma.bench.support import log, run_from_args, stop_all
+from r3rdma.bench.support import add_options, log, run_from_args, scratch_dir, stop_all, tree_bytes
 from r3rdma.bench.synthetic import routing_pool
 from r3rdma.records import RequestRecord, SharedPrefix
 
@@ -81,7 +80,7 @@ def run_group_bench(
     plan = plan_groups(groups, n=n, median_prompt=median_prompt, median_answer=median_answer, seed=seed)
     pool = routing_pool(1 << 16, num_layers=layers, top_k=8, seed=seed)
     ideal_rows = sum(p + sum(own) for p, own in plan)
-    base = Path(tempfile.mkdtemp(prefix="r3rdma-bench-groups-"))
+    base = scratch_dir("r3rdma-bench-groups-")
     token = new_token()
     procs = spawn_nodes([base / f"node{i}" for i in range(nodes)], token)
     result: dict = {"bench": "groups", "groups": groups, "n": n, "ideal_rows": ideal_rows, "replicas": replicas}
@@ -99,7 +98,7 @@ def run_group_bench(
                     writer.flush()
                     failed = writer.requests_failed
             ingest = time.perf_counter() - t0
-            disk = sum(f.stat().st_size for p in procs for f in (p.root / layout).rglob("*") if f.is_file()) / replicas
+            disk = sum(tree_bytes(p.root / layout) for p in procs) / replicas
             stored = sum(rows_stored(p.root / layout) for p in procs) / replicas
             with RoutingReader([p.http_url for p in procs], token=procs[0].read_token, progress=False) as reader:
                 us, got = [], []
@@ -136,14 +135,13 @@ def run_group_bench(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench groups``."""
-    parser.add_argument("--groups", type=int, default=64, help="prompts, each sampled --n times")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
-    parser.add_argument("--median-prompt", type=int, default=1000, help="median prompt rows (lognormal, long-tailed)")
-    parser.add_argument("--median-answer", type=int, default=300, help="median answer tokens per sample")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    helps = {
+        "groups": "prompts, each sampled --n times",
+        "n": "samples per prompt (GRPO group size)",
+        "median_prompt": "median prompt rows (lognormal, long-tailed)",
+        "median_answer": "median answer tokens per sample",
+    }
+    add_options(parser, run_group_bench, "groups n median_prompt median_answer layers nodes replicas seed", helps)
 
 
 def main(args: argparse.Namespace) -> int:

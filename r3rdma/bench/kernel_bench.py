@@ -16,6 +16,7 @@ A custom kernel "wins" an operation when it is faster in the regime that operati
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -78,6 +79,13 @@ def _cases(layers: int, top_k: int, num_slots: int):
     gen = torch.Generator(device=dev).manual_seed(0)
     table = torch.randint(0, 128, (num_slots, layers, top_k), device=dev, generator=gen).to(torch.uint8)
     cases: list[tuple[str, str, int, Callable[[], dict[str, Callable[[], object]]]]] = []
+
+    def both(op: str, *args) -> dict[str, Callable[[], object]]:
+        """The reference's and the Triton kernel's ``op``, each a call over the same ``args``."""
+        return {
+            name: functools.partial(getattr(impl, op), *args) for name, impl in (("torch", reference), ("triton", triton_kernels))
+        }
+
     for T in (64, 256, 4096):
         for rows_mode in ("dense", "router_rows", "router_rows+expert_map"):
 
@@ -88,10 +96,7 @@ def _cases(layers: int, top_k: int, num_slots: int):
                 src = ids if rows is not None else ids[:T]
                 emap = torch.randperm(128, device=dev, generator=gen) if "expert_map" in rows_mode else None
                 buf = torch.zeros((T, layers, top_k), dtype=torch.uint8, device=dev)
-                return {
-                    "torch": lambda: reference.record_layer(buf, 3, src, rows, emap),
-                    "triton": lambda: triton_kernels.record_layer(buf, 3, src, rows, emap),
-                }
+                return both("record_layer", buf, 3, src, rows, emap)
 
             cases.append(("record_layer", f"T={T} {rows_mode}", T, make_record_layer))
     for T in (64, 1024, 8192):
@@ -102,10 +107,7 @@ def _cases(layers: int, top_k: int, num_slots: int):
                 idx = torch.randperm(T, device=dev, generator=gen)[: T // 2].sort().values if mode == "accepted" else None
                 n = T if idx is None else idx.numel()
                 slots = torch.randperm(num_slots, device=dev, generator=gen)[:n]
-                return {
-                    "torch": lambda: reference.write_step_rows(table, slots, rows, idx),
-                    "triton": lambda: triton_kernels.write_step_rows(table, slots, rows, idx),
-                }
+                return both("write_step_rows", table, slots, rows, idx)
 
             cases.append(("write_step_rows", f"T={T} {mode}", T, make_write_step_rows))
     for T in (1024, 8192, 32768):
@@ -113,10 +115,7 @@ def _cases(layers: int, top_k: int, num_slots: int):
         def make_gather_rows(T=T):
             slots = torch.randperm(num_slots, device=dev, generator=gen)[:T]
             out = torch.empty((T, layers, top_k), dtype=torch.uint8, device=dev)
-            return {
-                "torch": lambda: reference.gather_rows(table, slots, out),
-                "triton": lambda: triton_kernels.gather_rows(table, slots, out),
-            }
+            return both("gather_rows", table, slots, out)
 
         cases.append(("gather_rows", f"T={T}", T, make_gather_rows))
     return cases

@@ -5,32 +5,11 @@ invariant; the tests (tests/test_reliability*.py, tests/test_fuzz*.py) call the 
 with smaller sizes. docs/RELIABILITY.md states what is guaranteed and how each part tests it.
 
 This module is the driver (options, the run, the JSON); the scenarios live beside it, one
-module per group: :mod:`~r3rdma.testing.crash` (crash cycles, disk full, load),
-:mod:`~r3rdma.testing.fuzz` (protocol and HTTP fuzzers),
-:mod:`~r3rdma.testing.failover` (replicas, bad records, multi-turn, restarts, stalled
-senders, replicas ingest) over :mod:`~r3rdma.testing.harness` (records, checks).
-
-- :func:`crash_cycles`: two nodes; clients push while one node is SIGKILLed at a random
-  moment; after the restart every acknowledged request reads back bit-exact, nothing partial
-  or foreign is visible, unacknowledged batches are retried (same node after the restart, or
-  the other node) and acknowledged ones re-pushed (idempotent; different bytes: refused).
-- :func:`fuzz_node`: malformed, truncated, oversized and out-of-order protocol messages (pre-
-  and post-authentication) to a live node while a well-behaved client keeps pushing; every
-  message is answered with a typed error frame, an ack, or that connection's close.
-- :func:`fuzz_http`: raw HTTP requests (bad paths, traversal, ranges, methods, tokens).
-- :func:`disk_full`: a node under ``RLIMIT_FSIZE`` refuses an oversized batch with a clear
-  ``StoreError``, leaves nothing partial, keeps serving; after a restart without the limit
-  the batch goes in and earlier data is intact.
-- :func:`load`: N clients push for T seconds to two nodes; zero loss, ack latency, throughput,
-  node peak RSS against the configured in-flight budget.
-- :func:`~r3rdma.testing.failover.failover_figures` (``--quick``: smaller sizes): :func:`node_lost`
-  (three nodes, ``replicas=2``, one SIGKILLed and its root deleted: every acknowledged request still reads over HTTP),
-  :func:`bad_records` (bad records offered at the capturer, ``RequestRecord``, the writer, the
-  store and a node: each refused typed, the good ones of the same batches stored),
-  :func:`multiturn` (turns committed later-first: all readable in the end),
-  :func:`restart_same_port` (SIGKILL, restart on the same fixed ports: seconds to ready),
-  :func:`stalled_announce` (connections announce big batches and send nothing: node RSS), and
-  :func:`replicas_ingest_ratio` (ingest MB/s with ``replicas=2`` over ``replicas=1``).
+module per group, each saying what its scenarios check: :mod:`~r3rdma.testing.crash` (crash
+cycles under SIGKILL, disk full, load), :mod:`~r3rdma.testing.fuzz` (protocol and HTTP
+fuzzers), :mod:`~r3rdma.testing.failover` (a replica's node lost, bad records, multi-turn,
+restarts on the same ports, stalled senders, replicas ingest; ``--quick``: smaller sizes), over
+:mod:`~r3rdma.testing.harness` (records, checks).
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ Measured (every ``time.time()`` on the one host's clock):
   write path alone (the same records committed in-process to a ``LocalRoutingStore`` through
   a ``RoutingWriter``, every core free, no transport) and ``store_vs_yardstick`` against the
   same min(disk, zstd): what a node could take on this host were the engines and TCP loopback
-  not on its cores (on the H100 host the engine processes' UCX-over-TCP pushes used ~32 CPU
-  seconds per GB, half the host).
+  not on its cores (the engines' UCX-over-TCP pushes take a large share of them: BENCHMARKS.md).
 - ``commit_growth``: the whole rollout committed again to a fresh ``LocalRoutingStore`` in
   ``--batch-mb`` batches, each ``commit`` timed: the mean of the last 10% of commits over the
   first 10% (the rollout's first commit, which creates it, left out; ``commit_ms_first`` /
@@ -69,10 +68,8 @@ Measured (every ``time.time()`` on the one host's clock):
   >= 0.8; ingest >= 1 GB/s per node or >= 0.5 of the yardstick; store_write: the same for
   ``store_commit_gbps``; commit_growth <= 1.2.
 
-``--quick`` (4096 requests of 16-2000 rows, median 120, 2 nodes, 2 engines, 4 trainers, a
-20 s rollout, one read round) fits the 2-core CPU VM: 65-81 s wall there (2026-11-25, another
-test suite running beside it). ``verify`` (tests): each rank hashes every request it collected
-(CRC-32C), checked against what was pushed.
+``--quick`` (:data:`QUICK`) fits the 2-core CPU VM (its wall time: BENCHMARKS.md). ``verify``
+(tests): each rank hashes every request it collected (CRC-32C), checked against what was pushed.
 """
 
 from __future__ import annotations
@@ -82,7 +79,6 @@ import inspect
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +88,7 @@ import numpy as np
 
 from r3rdma.bench.support import (
     Worker,
+    add_options,
     add_preset_arguments,
     bar,
     commit_in_batches,
@@ -100,8 +97,10 @@ from r3rdma.bench.support import (
     node_samples,
     run_from_args,
     run_phase,
+    scratch_dir,
     span_rate,
     stop_all,
+    tree_bytes,
     worker_context,
 )
 
@@ -146,15 +145,7 @@ QUICK: dict[str, Any] = {
 }
 
 ROLLOUT_ID = "rlstep-0"
-
-
-def _store_defaults() -> tuple[int, int]:
-    """(zstd level, chunk rows) a store node writes with: LocalRoutingStore's defaults, read from
-    its signature so the yardstick follows the store if they change."""
-    from r3rdma.store.local_store import LocalRoutingStore
-
-    params = inspect.signature(LocalRoutingStore.__init__).parameters
-    return params["zstd_level"].default, params["chunk_rows"].default
+_INGESTED = "r3rdma_store_bytes_ingested_total"  # a node's counter: decoded bytes it made durable
 
 
 def plan_rollout(
@@ -238,11 +229,6 @@ def store_commit_gbps(path: Path, rollout, nbytes: int, *, batch_bytes: int) -> 
     return total / ingest_seconds(path, records, batch_bytes) / 1e9
 
 
-def _bytes_ingested(node) -> float:
-    """Decoded bytes the node made durable so far (its ``r3rdma_store_bytes_ingested`` counter)."""
-    return node_samples(node)["r3rdma_store_bytes_ingested_total"]
-
-
 def contiguous_runs(order: list[str], size: dict[str, int], share_bytes: list[int]) -> list[list[str]]:
     """``order`` cut into consecutive runs, run ``r`` about ``share_bytes[r]`` bytes (within one request)."""
     cum = np.cumsum([size[rid] for rid in order])
@@ -283,196 +269,211 @@ def run_rlstep_bench(
     default a temporary directory is removed at the end. ``timeout`` bounds every wait on a
     process."""
     settings = dict(locals())  # the parameters, before anything else is bound here
-    from multiprocessing.connection import wait as wait_any
-
-    from r3rdma.bench.rlstep_workers import WARM_ROLLOUT, engine_main, trainer_main
-    from r3rdma.bench.synthetic import TiledRollout
-    from r3rdma.store.local_store import LocalRoutingStore
-    from r3rdma.store.process import new_token
-    from r3rdma.testing.harness import spawn_nodes
-
     if min(nodes, engines, trainers, micro_batch, rounds) < 1 or requests < trainers or not 1 <= replicas <= nodes:
         raise ValueError(
             f"need nodes, engines, trainers, micro_batch, rounds >= 1, requests >= trainers and "
             f"1 <= replicas <= nodes; got {nodes}, {engines}, {trainers}, {micro_batch}, {rounds}, "
             f"{requests}, {replicas}"
         )
-    began = time.perf_counter()
-    # The settings, reported with the figures (all but where the data lives and how the run is driven).
-    result: dict[str, Any] = {"bench": "rlstep", "cpu_count": os.cpu_count()}
-    result.update((k, v) for k, v in settings.items() if k not in ("root", "verify", "progress", "timeout"))
-    result["rollout_seconds_planned"] = result.pop("rollout_seconds")
-    lengths, finish_s = plan_rollout(
-        requests,
-        min_rows=min_rows,
-        max_rows=max_rows,
-        median_rows=median_rows,
-        sigma=sigma,
-        rollout_seconds=rollout_seconds,
-        seed=seed,
-    )
-    rollout_kw: dict[str, Any] = dict(  # TiledRollout's arguments, here and in every engine process
-        num_requests=requests,
-        min_rows=min_rows,
-        max_rows=max_rows,
-        num_layers=layers,
-        top_k=top_k,
-        num_experts=experts,
-        rollout_id=ROLLOUT_ID,
-        seed=seed,
-        lengths=lengths,
-    )
-    owner = np.random.default_rng(seed + 3).integers(0, engines, size=requests)  # which engine serves each request
-    schedules = [
-        sorted(((int(i), float(finish_s[i])) for i in np.flatnonzero(owner == e)), key=lambda x: x[1]) for e in range(engines)
-    ]
-    D = trainers
-    shares = [[TiledRollout.request_id(i) for i in range(r, requests, D)] for r in range(D)]
-
-    base = Path(root) if root else Path(tempfile.mkdtemp(prefix="r3rdma-bench-rlstep-"))
-    base.mkdir(parents=True, exist_ok=True)
-    token = new_token()
-    node_procs: list = []
-    procs: list[Worker] = []
-    pending: dict[Any, tuple[str, Worker]] = {}  # during the step: processes not done yet
-    say = lambda message: log("rlstep", progress, message)  # noqa: E731
+    run = _StepRun(settings)
     try:
-        say(f"starting {nodes} store nodes, {engines} engines, {D} trainer ranks")
-        node_procs = spawn_nodes([base / f"node{i}" for i in range(nodes)], token, "--http-workers", str(http_workers))
-        result["http_workers"] = node_procs[0].http_workers
-        read_token = node_procs[0].read_token
-        urls = [n.http_url for n in node_procs]
-        push_urls = [n.push_url for n in node_procs]
-        ctx = worker_context()
-        engine_procs = [
-            Worker(
-                ctx,
-                e,
-                engine_main,
-                (e, push_urls, token, replicas, rollout_kw, schedules[e], batch_mb),
-                f"r3rdma-rlstep-engine-{e}",
-            )
-            for e in range(engines)
-        ]
-        trainer_procs = [Worker(ctx, r, trainer_main, (r, urls, read_token), f"r3rdma-rlstep-trainer-{r}") for r in range(D)]
-        procs = engine_procs + trainer_procs
-        rollout = TiledRollout(**rollout_kw)  # here: sizes, the expected CRCs, the yardsticks' bytes
-        size = {rollout.request_id(i): rollout.nbytes(i) for i in range(requests)}
-        result.update(
-            tokens=int(lengths.sum()),
-            bytes_raw=rollout.total_bytes,
-            rows_median=int(np.median(lengths)),
-            rows_p99=int(np.percentile(lengths, 99)),
+        run.start()
+        run.step()
+        run.open_index()
+        run.read_rounds()
+        run.stored()
+        run.yardsticks()
+        return run.finish()
+    finally:
+        run.stop()
+
+
+class _StepRun:
+    """One run of the bench, in the order :func:`run_rlstep_bench` calls its steps: the plan,
+    the processes, and the result (the JSON line) each step adds its figures to."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from r3rdma.bench.synthetic import TiledRollout
+
+        self.s = s = settings
+        self.began = time.perf_counter()
+        self.say = lambda message: log("rlstep", s["progress"], message)
+        # The settings, reported with the figures (all but where the data lives and how the run is driven).
+        self.result: dict[str, Any] = {"bench": "rlstep", "cpu_count": os.cpu_count()}
+        self.result.update((k, v) for k, v in s.items() if k not in ("root", "verify", "progress", "timeout"))
+        self.result["rollout_seconds_planned"] = self.result.pop("rollout_seconds")
+        keys = ("min_rows", "max_rows", "median_rows", "sigma", "rollout_seconds", "seed")
+        self.lengths, self.finish_s = plan_rollout(s["requests"], **{k: s[k] for k in keys})
+        self.rollout_kw: dict[str, Any] = dict(  # TiledRollout's arguments, here and in every engine process
+            num_requests=s["requests"],
+            min_rows=s["min_rows"],
+            max_rows=s["max_rows"],
+            num_layers=s["layers"],
+            top_k=s["top_k"],
+            num_experts=s["experts"],
+            rollout_id=ROLLOUT_ID,
+            seed=s["seed"],
+            lengths=self.lengths,
         )
-        warm_ids = [rid for p in engine_procs for rid in p.recv(timeout)["warm"]]
-        for p in trainer_procs:
-            assert p.recv(timeout)["event"] == "ready"
-        for p in trainer_procs:  # HTTP connections to every node up before the clock
+        owner = np.random.default_rng(s["seed"] + 3).integers(0, s["engines"], size=s["requests"])  # each request's engine
+        self.schedules = [
+            sorted(((int(i), float(self.finish_s[i])) for i in np.flatnonzero(owner == e)), key=lambda x: x[1])
+            for e in range(s["engines"])
+        ]
+        D = s["trainers"]
+        self.shares = [[TiledRollout.request_id(i) for i in range(r, s["requests"], D)] for r in range(D)]
+        self.base = scratch_dir("r3rdma-bench-rlstep-", s["root"])
+        self.node_procs: list = []
+        self.engines: list[Worker] = []
+        self.trainers: list[Worker] = []
+        self.pending: dict[Any, tuple[str, Worker]] = {}  # during the step: processes not done yet
+        self.phases: dict[str, float] = {}
+
+    def start(self) -> None:
+        """Store nodes, engine and trainer processes up, connections warm, before any clock."""
+        from r3rdma.bench.rlstep_workers import WARM_ROLLOUT, engine_main, trainer_main
+        from r3rdma.bench.synthetic import TiledRollout
+        from r3rdma.store.process import new_token
+        from r3rdma.testing.harness import spawn_nodes
+
+        s, result, D = self.s, self.result, self.s["trainers"]
+        self.say(f"starting {s['nodes']} store nodes, {s['engines']} engines, {D} trainer ranks")
+        token = new_token()
+        node_dirs = [self.base / f"node{i}" for i in range(s["nodes"])]
+        self.node_procs = spawn_nodes(node_dirs, token, "--http-workers", str(s["http_workers"]))
+        result["http_workers"] = self.node_procs[0].http_workers
+        self.read_token = self.node_procs[0].read_token
+        self.urls = [n.http_url for n in self.node_procs]
+        push_urls = [n.push_url for n in self.node_procs]
+        self.ctx = worker_context()
+        engine_args = [
+            (e, push_urls, token, s["replicas"], self.rollout_kw, self.schedules[e], s["batch_mb"]) for e in range(s["engines"])
+        ]
+        self.engines = [Worker(self.ctx, e, engine_main, a, f"r3rdma-rlstep-engine-{e}") for e, a in enumerate(engine_args)]
+        trainer_args = [(r, self.urls, self.read_token) for r in range(D)]
+        self.trainers = [Worker(self.ctx, r, trainer_main, a, f"r3rdma-rlstep-trainer-{r}") for r, a in enumerate(trainer_args)]
+        self.rollout = rollout = TiledRollout(**self.rollout_kw)  # here: sizes, the expected CRCs, the yardsticks' bytes
+        self.size = {rollout.request_id(i): rollout.nbytes(i) for i in range(s["requests"])}
+        result.update(
+            tokens=int(self.lengths.sum()),
+            bytes_raw=rollout.total_bytes,
+            rows_median=int(np.median(self.lengths)),
+            rows_p99=int(np.percentile(self.lengths, 99)),
+        )
+        warm_ids = [rid for p in self.engines for rid in p.recv(s["timeout"])["warm"]]
+        for p in self.trainers:
+            assert p.recv(s["timeout"])["event"] == "ready"
+        for p in self.trainers:  # HTTP connections to every node up before the clock
             p.send({"cmd": "warm", "rollout": WARM_ROLLOUT, "ids": warm_ids})
-        for p in trainer_procs:
-            p.recv(timeout)
-        result["phase_seconds"] = phases = {"start": round(time.perf_counter() - began, 1)}
-        say(
-            f"{requests} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
-            f"{result['rows_p99']}), {rollout.total_bytes / 1e9:.3f} GB decoded over a {rollout_seconds} s rollout"
+        for p in self.trainers:
+            p.recv(s["timeout"])
+        result["phase_seconds"] = self.phases
+        self.phases["start"] = round(time.perf_counter() - self.began, 1)
+        self.say(
+            f"{s['requests']} requests, {result['tokens']} rows (median {result['rows_median']}, p99 "
+            f"{result['rows_p99']}), {rollout.total_bytes / 1e9:.3f} GB decoded over a {s['rollout_seconds']} s rollout"
         )
 
-        # -- the step ----------------------------------------------------------------------
-        ingested0 = [_bytes_ingested(n) for n in node_procs]
-        cpu0, wall0 = sum(cpu_seconds(n.proc.pid) for n in node_procs), time.perf_counter()
-        for r, p in enumerate(trainer_procs):  # the step begins: each rank names its share
-            p.send(
-                {
-                    "cmd": "collect",
-                    "rollout": ROLLOUT_ID,
-                    "ids": shares[r],
-                    "poll_s": poll_s,
-                    "verify": verify,
-                    "timeout": timeout,
-                }
-            )
-        t0 = time.time() + 0.2  # every engine has its go before the first request is due
-        for p in engine_procs:
-            p.send({"cmd": "go", "t0": t0})
+    def step(self) -> None:
+        """The step: the ranks name their shares, the engines push on their schedules; every
+        process's answer once it is done, and the step's figures."""
+        from multiprocessing.connection import wait as wait_any
+
+        s, timeout = self.s, self.s["timeout"]
+        ingested0 = [node_samples(n)[_INGESTED] for n in self.node_procs]
+        cpu0, wall0 = sum(cpu_seconds(n.proc.pid) for n in self.node_procs), time.perf_counter()
+        for r, p in enumerate(self.trainers):  # the step begins: each rank names its share
+            cmd = {"cmd": "collect", "rollout": ROLLOUT_ID, "ids": self.shares[r], "poll_s": s["poll_s"]}
+            p.send(cmd | {"verify": s["verify"], "timeout": timeout})
+        self.t0 = time.time() + 0.2  # every engine has its go before the first request is due
+        for p in self.engines:
+            p.send({"cmd": "go", "t0": self.t0})
         answers: dict[str, dict[int, dict[str, Any]]] = {"engine": {}, "trainer": {}}
-        pending = {p.conn: ("engine", p) for p in engine_procs} | {p.conn: ("trainer", p) for p in trainer_procs}
+        self.pending = {p.conn: ("engine", p) for p in self.engines} | {p.conn: ("trainer", p) for p in self.trainers}
         deadline = time.monotonic() + timeout
-        with bar(progress, len(pending), "rl step", unit="proc") as shown:
-            while pending:
-                ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        with bar(s["progress"], len(self.pending), "rl step", unit="proc") as shown:
+            while self.pending:
+                ready = wait_any(list(self.pending), timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    raise TimeoutError(f"rl step: {len(pending)} processes not done in {timeout} s")
+                    raise TimeoutError(f"rl step: {len(self.pending)} processes not done in {timeout} s")
                 for conn in ready:
-                    kind, p = pending.pop(conn)
+                    kind, p = self.pending.pop(conn)
                     answers[kind][p.rank] = answer = p.recv(timeout)
                     shown.update(1)
-                    at = (answer["done"] if kind == "trainer" else answer["acks"][-1][0]) - t0
-                    say(f"  {kind} {p.rank} done at {at:.2f} s")
-        node_cpu = sum(cpu_seconds(n.proc.pid) for n in node_procs) - cpu0
+                    at = (answer["done"] if kind == "trainer" else answer["acks"][-1][0]) - self.t0
+                    self.say(f"  {kind} {p.rank} done at {at:.2f} s")
+        node_cpu = sum(cpu_seconds(n.proc.pid) for n in self.node_procs) - cpu0
         step_wall = time.perf_counter() - wall0
-        ingested = [_bytes_ingested(n) - b for n, b in zip(node_procs, ingested0)]
-        phases["step"] = round(step_wall, 1)
+        self.ingested = [node_samples(n)[_INGESTED] - b for n, b in zip(self.node_procs, ingested0)]
+        self.phases["step"] = round(step_wall, 1)
+        self.eng = [answers["engine"][e] for e in range(s["engines"])]
+        self._step_figures([answers["trainer"][r] for r in range(s["trainers"])], node_cpu / step_wall)
 
-        eng = [answers["engine"][e] for e in range(engines)]
-        ranks = [answers["trainer"][r] for r in range(D)]
+    def _step_figures(self, ranks: list[dict[str, Any]], node_cores: float) -> None:
+        """The step's figures from the engines' and ranks' answers (module docstring)."""
+        eng, ingested = self.eng, self.ingested
         first = min(a["first_submit"] for a in eng if a["first_submit"] is not None)
         last_ack = max(a["acks"][-1][0] for a in eng if a["acks"])
-        rollout_s = last_ack - first
+        self.rollout_s = rollout_s = last_ack - first
         stall_per_rank = [a["done"] - last_ack for a in ranks]
-        stall = max(stall_per_rank)
+        self.stall = stall = max(stall_per_rank)
         ingest_nodes = [b / rollout_s / 1e9 for b in ingested]
-        ingest = statistics.fmean(ingest_nodes)
-        result.update(
+        self.ingest = ingest = statistics.fmean(ingest_nodes)
+        planned = self.s["rollout_seconds"]
+        self.result.update(
             rollout_seconds=round(rollout_s, 3),
             stall_seconds=round(stall, 3),
             stall_vs_rollout=round(stall / rollout_s, 4),
             stall_per_rank=[round(s, 3) for s in stall_per_rank],
-            last_finish_to_ack_seconds=round(last_ack - (t0 + float(finish_s.max())), 3),
+            last_finish_to_ack_seconds=round(last_ack - (self.t0 + float(self.finish_s.max())), 3),
             engine_late_seconds=round(max(a["late_s"] for a in eng), 3),
             engine_batches=sum(len(a["acks"]) for a in eng),
             ingest_gbps_per_node=round(ingest, 4),
             ingest_gbps_nodes=[round(g, 4) for g in ingest_nodes],
-            offered_gbps_per_node=round(sum(ingested) / len(ingested) / rollout_seconds / 1e9, 4) if rollout_seconds else None,
+            offered_gbps_per_node=round(sum(ingested) / len(ingested) / planned / 1e9, 4) if planned else None,
             node_bytes_ingested=[int(b) for b in ingested],
-            step_node_cores=round(node_cpu / step_wall, 2),
+            step_node_cores=round(node_cores, 2),
             step_engine_cpu_s=round(sum(a["cpu_s"] for a in eng), 2),
             step_trainer_cpu_s=round(sum(a["cpu_s"] for a in ranks), 2),
             collect_polls=[a["polls"] for a in ranks],
             collect_reads=[a["reads"] for a in ranks],
         )
-        share_bytes = [sum(size[rid] for rid in share) for share in shares]
-        complete = all(
-            a["requests"] == len(s) and a["bytes"] == b and a["order_ok"] for a, s, b in zip(ranks, shares, share_bytes)
+        self.share_bytes = [sum(self.size[rid] for rid in share) for share in self.shares]
+        self.result["shares_complete"] = all(
+            a["requests"] == len(s) and a["bytes"] == b and a["order_ok"] for a, s, b in zip(ranks, self.shares, self.share_bytes)
         )
-        result["shares_complete"] = complete
-        if verify:
+        if self.s["verify"]:
             verified = mismatched = 0
-            for a, share in zip(ranks, shares):
+            for a, share in zip(ranks, self.shares):
                 mismatched += len(set(share) ^ set(a["crcs"]))
                 for rid, crc in a["crcs"].items():
                     verified += 1
-                    mismatched += rid not in size or crc != rollout.record(int(rid[1:])).crc32c
-            result.update(verified_requests=verified, verify_mismatches=mismatched)
-        say(f"rollout {rollout_s:.2f} s, stall {stall:.3f} s, ingest {ingest:.3f} GB/s per node")
+                    mismatched += rid not in self.size or crc != self.rollout.record(int(rid[1:])).crc32c
+            self.result.update(verified_requests=verified, verify_mismatches=mismatched)
+        self.say(f"rollout {rollout_s:.2f} s, stall {stall:.3f} s, ingest {ingest:.3f} GB/s per node")
 
-        # -- a fresh reader in a fresh process opens the rollout ---------------------------
-        mark = time.perf_counter()
-        opener = Worker(ctx, D, trainer_main, (D, urls, read_token), "r3rdma-rlstep-opener")
+    def open_index(self) -> None:
+        """A fresh reader in a fresh process opens the rollout."""
+        from r3rdma.bench.rlstep_workers import trainer_main
+
+        mark, D, timeout = time.perf_counter(), self.s["trainers"], self.s["timeout"]
+        opener = Worker(self.ctx, D, trainer_main, (D, self.urls, self.read_token), "r3rdma-rlstep-opener")
         try:
             assert opener.recv(timeout)["event"] == "ready"
             opener.send({"cmd": "open", "rollout": ROLLOUT_ID, "repeat": 3})
             opened = opener.recv(timeout)
         finally:
             opener.stop()
-        assert opened["requests"] == requests, (opened["requests"], requests)
-        result.update(index_open_ms=round(statistics.median(opened["ms"]), 2), index_open_ms_first=round(opened["ms"][0], 2))
-        phases["open"] = round(time.perf_counter() - mark, 1)
+        assert opened["requests"] == self.s["requests"], (opened["requests"], self.s["requests"])
+        self.result.update(index_open_ms=round(statistics.median(opened["ms"]), 2), index_open_ms_first=round(opened["ms"][0], 2))
+        self.phases["open"] = round(time.perf_counter() - mark, 1)
 
-        # -- after the step: scattered shares vs contiguous runs, the same reads ------------
-        mark = time.perf_counter()
-        order = [rid for _, rid in sorted((t, rid) for a in eng for t, ids in a["acks"] for rid in ids)]  # commit order
+    def read_rounds(self) -> None:
+        """After the step: scattered shares against contiguous runs of the same bytes, the same reads."""
+        mark, size, D, micro_batch = time.perf_counter(), self.size, self.s["trainers"], self.s["micro_batch"]
+        order = [rid for _, rid in sorted((t, rid) for a in self.eng for t, ids in a["acks"] for rid in ids)]  # commit order
         assert sorted(order) == sorted(size), "acknowledged requests differ from those planned"
-        contiguous = contiguous_runs(order, size, share_bytes)
+        contiguous = contiguous_runs(order, size, self.share_bytes)
 
         def read_cmd(ids: list[str]) -> dict[str, Any]:
             batches = [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
@@ -480,10 +481,10 @@ def run_rlstep_bench(
 
         reads: dict[str, dict[str, Any]] = {name: {"bytes": 0, "span": 0.0, "rates": []} for name in ("scattered", "contiguous")}
         rank_bytes, rank_seconds = [0] * D, [0.0] * D
-        for _ in range(rounds):
-            for name, assignment in (("scattered", shares), ("contiguous", contiguous)):
-                say(f"read phase {name}: {D} ranks")
-                got = run_phase(trainer_procs, [read_cmd(ids) for ids in assignment], timeout)
+        for _ in range(self.s["rounds"]):
+            for name, assignment in (("scattered", self.shares), ("contiguous", contiguous)):
+                self.say(f"read phase {name}: {D} ranks")
+                got = run_phase(self.trainers, [read_cmd(ids) for ids in assignment], self.s["timeout"])
                 gbps, span, moved = span_rate(got)
                 reads[name]["bytes"] += moved
                 reads[name]["span"] += span
@@ -492,84 +493,96 @@ def run_rlstep_bench(
                     for r, a in enumerate(got):
                         rank_bytes[r] += a["bytes"]
                         rank_seconds[r] += a["end"] - a["start"]
-                say(f"  {gbps:.3f} GB/s over {span:.2f} s")
+                self.say(f"  {gbps:.3f} GB/s over {span:.2f} s")
         scattered_gbps, contiguous_gbps = (reads[n]["bytes"] / max(reads[n]["span"], 1e-9) / 1e9 for n in reads)
         rates = [reads[n]["rates"] for n in reads]
-        result.update(
+        self.result.update(
             rank_read_gbps=[round(b / max(s, 1e-9) / 1e9, 4) for b, s in zip(rank_bytes, rank_seconds)],
             scattered_read_gbps=round(scattered_gbps, 4),
             contiguous_read_gbps=round(contiguous_gbps, 4),
             scattered_vs_contiguous=round(scattered_gbps / contiguous_gbps, 3),
             scattered_vs_contiguous_per_round=[round(s / c, 3) for s, c in zip(*rates)],
             contiguous_bytes_per_rank=[sum(size[rid] for rid in run) for run in contiguous],
-            share_bytes_per_rank=share_bytes,
+            share_bytes_per_rank=self.share_bytes,
         )
-        phases["reads"] = round(time.perf_counter() - mark, 1)
+        self.phases["reads"] = round(time.perf_counter() - mark, 1)
 
-        # -- what the nodes store, once stopped (a node snapshots an idle rollout's index later)
-        stop_all(procs, node_procs, None)
-        stored = [sum(f.stat().st_size for f in (n.root / ROLLOUT_ID).rglob("*") if f.is_file()) for n in node_procs]
-        procs, node_procs = [], []
-        result.update(
+    def stored(self) -> None:
+        """What the nodes store, once stopped (a node snapshots an idle rollout's index later)."""
+        stop_all(self.engines + self.trainers, self.node_procs, None)
+        stored = [tree_bytes(n.root / ROLLOUT_ID) for n in self.node_procs]
+        self.engines, self.trainers, self.node_procs = [], [], []
+        replicas = self.s["replicas"]
+        self.result.update(
             bytes_stored=sum(stored),
             bytes_stored_nodes=stored,
             bytes_stored_per_replica=sum(stored) // replicas,
-            stored_vs_raw=round(sum(stored) / replicas / rollout.total_bytes, 4),
+            stored_vs_raw=round(sum(stored) / replicas / self.rollout.total_bytes, 4),
         )
 
-        # -- yardsticks: the per-node bytes written to this disk, and compressed on every core
-        mark = time.perf_counter()  # engines and nodes stopped above: every core free for the yardsticks
-        per_node = int(statistics.fmean(ingested))
-        level, chunk_rows = _store_defaults()
-        say(f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
+    def yardsticks(self) -> None:
+        """The per-node bytes written to this disk and compressed on every core, a node's write
+        path alone, and the commit cost against the rollout's size."""
+        from r3rdma.store.local_store import LocalRoutingStore
+
+        mark = time.perf_counter()  # engines and nodes stopped: every core free for the yardsticks
+        base, rollout, batch_bytes = self.base, self.rollout, int(self.s["batch_mb"] * 2**20)
+        per_node = int(statistics.fmean(self.ingested))
+        params = inspect.signature(LocalRoutingStore).parameters  # a node's defaults: the yardstick follows the store
+        level, chunk_rows = params["zstd_level"].default, params["chunk_rows"].default
+        self.say(f"yardsticks: {per_node / 1e9:.3f} GB written to {base}, and zstd {level} on {os.cpu_count()} threads")
         disk = disk_write_gbps(base / "yardstick.bin", per_node, rollout.pool)
         zstd, ratio = zstd_gbps_all_cores(rollout.pool, per_node, chunk_rows=chunk_rows, level=level)
-        store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=int(batch_mb * 2**20))
-        say("commit growth: the rollout committed again in-process, each commit timed")
+        self.store_gbps = store_gbps = store_commit_gbps(base / "yardstick-store", rollout, per_node, batch_bytes=batch_bytes)
+        self.say("commit growth: the rollout committed again in-process, each commit timed")
         with LocalRoutingStore(base / "commit-growth") as store:
-            commit_ms = commit_in_batches(store, rollout, range(requests), int(batch_mb * 2**20))[1:] or [0.0]
+            commit_ms = commit_in_batches(store, rollout, range(self.s["requests"]), batch_bytes)[1:] or [0.0]
         shutil.rmtree(base / "commit-growth")
         tenth = max(1, len(commit_ms) // 10)  # the first commit (it creates the rollout) left out above
         first_ms, last_ms = statistics.fmean(commit_ms[:tenth]), statistics.fmean(commit_ms[-tenth:])
-        result.update(
+        median_growth = statistics.median(commit_ms[-tenth:]) / max(statistics.median(commit_ms[:tenth]), 1e-9)
+        self.result.update(
             disk_write_gbps=round(disk, 4),
             zstd_gbps_all_cores=round(zstd, 4),
             zstd_ratio=round(ratio, 4),
             zstd_level=level,
             chunk_rows=chunk_rows,
             yardstick_bytes=per_node,
-            ingest_vs_yardstick=round(ingest / min(disk, zstd), 3),
+            ingest_vs_yardstick=round(self.ingest / min(disk, zstd), 3),
             store_commit_gbps=round(store_gbps, 4),
             store_vs_yardstick=round(store_gbps / min(disk, zstd), 3),
             commits=len(commit_ms) + 1,
             commit_ms_first=round(first_ms, 3),
             commit_ms_last=round(last_ms, 3),
             commit_growth=round(last_ms / max(first_ms, 1e-9), 3),
-            commit_growth_median=round(
-                statistics.median(commit_ms[-tenth:]) / max(statistics.median(commit_ms[:tenth]), 1e-9), 3
-            ),
+            commit_growth_median=round(median_growth, 3),
         )
-        phases["yardsticks"] = round(time.perf_counter() - mark, 1)
+        self.phases["yardsticks"] = round(time.perf_counter() - mark, 1)
 
+    def finish(self) -> dict[str, Any]:
+        """The goals, the run's seconds and where its data stays: the JSON line."""
+        result = self.result
         result["goals"] = {
-            "stall": stall <= max(1.0, 0.02 * rollout_s),
+            "stall": self.stall <= max(1.0, 0.02 * self.rollout_s),
             "index_open": result["index_open_ms"] <= 100,
             "scattered_reads": result["scattered_vs_contiguous"] >= 0.8,
-            "ingest": ingest >= 1.0 or result["ingest_vs_yardstick"] >= 0.5,
-            "store_write": store_gbps >= 1.0 or result["store_vs_yardstick"] >= 0.5,
+            "ingest": self.ingest >= 1.0 or result["ingest_vs_yardstick"] >= 0.5,
+            "store_write": self.store_gbps >= 1.0 or result["store_vs_yardstick"] >= 0.5,
             "commit_growth": result["commit_growth"] <= 1.2,
         }
-        result["seconds"] = round(time.perf_counter() - began, 1)
-        result["root"] = str(base) if root else None
+        result["seconds"] = round(time.perf_counter() - self.began, 1)
+        result["root"] = str(self.base) if self.s["root"] else None
         return result
-    finally:
+
+    def stop(self) -> None:
+        """Every process ended, and a temporary base directory removed."""
         mark = time.perf_counter()
-        for _, p in pending.values():
+        for _, p in self.pending.values():
             # Failed mid-step: a rank still waits for its share and reads no stop until its
             # timeout; an engine may be pushing. Neither has anything left to report.
             p.proc.kill()
-        stop_all(procs, node_procs, base if root is None else None)
-        say(f"stopped in {time.perf_counter() - mark:.1f} s")
+        stop_all(self.engines + self.trainers, self.node_procs, self.base if self.s["root"] is None else None)
+        self.say(f"stopped in {time.perf_counter() - mark:.1f} s")
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -590,15 +603,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "batch_mb": "each engine writer's batch size",
         "rounds": "after-step scattered / contiguous read rounds",
     }
-    add_preset_arguments(parser, QUICK, FULL, quick, helps)
-    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of the lognormal of rows per request (log-rows)")
-    parser.add_argument("--replicas", type=int, default=2, help="nodes holding each request")
-    parser.add_argument("--micro-batch", type=int, default=16, help="requests per get_packed in the after-step reads")
-    parser.add_argument("--poll-s", type=float, default=0.1, help="how often each rank's collector polls the index")
-    parser.add_argument(
-        "--verify", action="store_true", help="ranks hash every request collected, checked against what was pushed"
-    )
-    parser.add_argument("--root", default=None, help="keep the nodes' data here (default: a temporary directory, removed)")
+    add_preset_arguments(parser, run_rlstep_bench, QUICK, FULL, quick, helps)
+    helps = {
+        "sigma": "sigma of the lognormal of rows per request (log-rows)",
+        "replicas": "nodes holding each request",
+        "micro_batch": "requests per get_packed in the after-step reads",
+        "poll_s": "how often each rank's collector polls the index",
+        "verify": "ranks hash every request collected, checked against what was pushed",
+        "root": "keep the nodes' data here (default: a temporary directory, removed)",
+    }
+    add_options(parser, run_rlstep_bench, "sigma replicas micro_batch poll_s verify root", helps)
 
 
 def main(args: argparse.Namespace) -> int:

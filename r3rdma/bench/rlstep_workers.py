@@ -1,16 +1,8 @@
-"""The processes of ``r3rdma bench rlstep``: engines and trainer ranks.
-
-An **engine** process is one TP-owner rank of an inference engine: its own
-:class:`~r3rdma.write.writer.RoutingWriter` over its own
-:class:`~r3rdma.write.push_client.StoreNodesClient` submits each of its requests at the moment
-the request finishes (a schedule relative to a common start time), and reports when each batch
-was acknowledged. A **trainer** process is one data-parallel rank: during the step it names its
-share up front with :meth:`RoutingReader.collect <r3rdma.read.reader.RoutingReader.collect>` and
-assembles its replay batch once the share is whole; after the step it reads micro-batches on
-command, timed (:func:`worker_read`: the scattered / contiguous yardstick), and one fresh trainer
-process times a new reader opening the rollout's index.
-
-Both run as :class:`r3rdma.bench.support.Worker` processes and speak its pipe protocol.
+"""The processes of ``r3rdma bench rlstep`` (:mod:`r3rdma.bench.rlstep_bench` says what each does
+in the step): :func:`engine_main`, one TP-owner rank submitting its requests on a schedule, and
+:func:`trainer_main`, one data-parallel rank (the step's collect, the timed reads of
+:func:`worker_read`, a fresh reader's index open). Both run as
+:class:`r3rdma.bench.support.Worker` processes and speak its pipe protocol.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Ingest is the engine's path: records submitted to a :class:`RoutingWriter`, batched, written
 as Zarr, fsynced, indexed, until ``flush`` returns. The yardstick writes the same batches as
 Zarr arrays with the same codecs, chunks and shards via plain ``zarr.create_array`` with zarr's
-default settings (no index, no fsync: ``raw_zarr_gbps``, ``ratio``). Two more yardsticks: the
+default settings (no index, no fsync: ``raw_zarr_gbps``, ``ratio``); the store runs with the
+whole-request layout (``slice_layout=False``), whose chunk rows are the yardstick's (the slice
+layout's smaller chunks: ``bench trainer-layout``, ``bench rlstep``). Two more yardsticks: the
 same writes, each array's files and directories fsynced before the next
 (``raw_zarr_fsync_gbps``, ``ratio_vs_durable``: what durability alone costs on this disk), and
 the same writes with ``write_empty_chunks=True`` as the store writes them
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +27,8 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
+from r3rdma.bench.support import add_options, run_from_args, scratch_dir
 from r3rdma.bench.support import rounds_bar as _rounds
-from r3rdma.bench.support import run_from_args
 from r3rdma.bench.synthetic import synthetic_records
 from r3rdma.records import batches_by_size
 from r3rdma.store.layout import fsync_paths, tree_paths
@@ -68,14 +69,16 @@ def run_store_bench(
     return GB/s of each (medians) and the ratios. ``root``: scratch directory (default: temporary)."""
     records = synthetic_records(requests, seed=seed)
     total = sum(r.nbytes for r in records)
-    base = Path(root or tempfile.mkdtemp(prefix="r3rdma-bench-store-"))
+    base = scratch_dir("r3rdma-bench-store-", root)
     ingest_s: list[float] = []
     raw_s: list[float] = []
     raw_sync_s: list[float] = []
     raw_no_scan_s: list[float] = []
     for rnd in _rounds(rounds, "store"):
         ingest_s.append(
-            ingest_seconds(base / f"ingest-{rnd}", records, flush_bytes, zstd_level=zstd_level, chunk_rows=chunk_rows)
+            ingest_seconds(
+                base / f"ingest-{rnd}", records, flush_bytes, zstd_level=zstd_level, chunk_rows=chunk_rows, slice_layout=False
+            )
         )
 
         for durable, scan, times in ((False, True, raw_s), (True, True, raw_sync_s), (False, False, raw_no_scan_s)):
@@ -131,9 +134,7 @@ def run_store_bench(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``r3rdma bench store``: requests, rounds, scratch directory."""
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--root", default=None, help="scratch directory (default: temporary)")
+    add_options(parser, run_store_bench, "requests rounds root", {"root": "scratch directory (default: temporary)"})
 
 
 def main(args: argparse.Namespace) -> int:

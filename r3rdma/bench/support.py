@@ -6,12 +6,15 @@ Store nodes are started with :func:`r3rdma.testing.harness.spawn_nodes`, as the 
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import inspect
 import json
 import os
 import sys
+import tempfile
 import time
+import typing
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +32,14 @@ __all__ = [
     "run_phase",
     "span_rate",
     "stop_all",
+    "scratch_dir",
+    "tree_bytes",
     "node_samples",
     "cpu_seconds",
     "TimedCommits",
     "warm_connections",
     "commit_in_batches",
+    "add_options",
     "add_preset_arguments",
     "run_from_args",
     "emit",
@@ -46,35 +52,27 @@ def log(bench: str, progress: bool, message: str) -> None:
         print(f"[bench {bench}] {message}", file=sys.stderr, flush=True)
 
 
-def bar(progress: bool, total: int, desc: str, unit: str = "req"):
-    """A tqdm bar on stderr, shown only when stderr is a terminal."""
+def bar(progress: bool, total: int, desc: str, unit: str = "req", iterable=None):
+    """A tqdm bar on stderr (over ``iterable`` if given), shown only when stderr is a terminal."""
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        file=sys.stderr,
-        leave=False,
-        mininterval=0.5,
-        disable=not (progress and sys.stderr.isatty()),
-    )
+    disable = not (progress and sys.stderr.isatty())
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, mininterval=0.5, disable=disable)
 
 
 def rounds_bar(rounds: int, name: str):
     """``range(rounds)`` with a progress bar (stderr, terminal only)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(range(rounds), desc=f"bench {name}", unit="round", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
+    return bar(True, rounds, f"bench {name}", "round", range(rounds))
 
 
 # -- worker processes -----------------------------------------------------------------------------
 
 
 def worker_context():
-    """Bench processes fork from one forkserver that imported the reader once: on 2 cores, eight
-    separate imports of torch and zarr took ~16 s; forks of one take well under a second. The
-    UCX stack is not preloaded: a pushing process imports ucxx after its fork."""
+    """Bench processes fork from one forkserver that imported the reader once: separate imports
+    of torch and zarr in every process cost seconds each on a small machine, forks of one well
+    under a second (BENCHMARKS.md, rlstep). The UCX stack is not preloaded: a pushing process
+    imports ucxx after its fork."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
@@ -206,6 +204,18 @@ def stop_all(workers, node_procs, remove: Path | None) -> None:
         shutil.rmtree(remove, ignore_errors=True)
 
 
+def scratch_dir(prefix: str, root: str | None = None) -> Path:
+    """A bench's base directory: ``root`` (created if missing, kept), else a new temporary one."""
+    base = Path(root) if root else Path(tempfile.mkdtemp(prefix=prefix))
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 # -- what the nodes did -----------------------------------------------------------------------
 
 
@@ -305,22 +315,38 @@ def commit_in_batches(store, rollout, order, batch_bytes: int) -> list[float]:
 # -- command line -----------------------------------------------------------------------------
 
 
+def add_options(parser, run: Callable[..., Any], names: str, helps: Mapping[str, str] | None = None) -> None:
+    """An option ``--name-with-dashes`` per parameter of ``run`` in ``names`` (space-separated),
+    its default and type from ``run``'s signature (a bool: a flag, ``--no-...`` when on by
+    default; a tuple: one or more values), its help from ``helps``: a bench's defaults live in
+    its run function alone."""
+    hints = typing.get_type_hints(run)
+    params = inspect.signature(run).parameters
+    for name in names.split():
+        default, hint = params[name].default, hints.get(name, type(params[name].default))
+        kwargs: dict[str, Any] = {"default": default, "help": (helps or {}).get(name)}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif isinstance(default, tuple):
+            kwargs.update(nargs="+", type=typing.get_args(hint)[0])
+        else:  # int | None: int
+            kwargs["type"] = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
 def add_preset_arguments(
-    parser, quick: Mapping[str, Any], full: Mapping[str, Any], quick_help: str, helps: Mapping[str, str]
+    parser, run: Callable[..., Any], quick: Mapping[str, Any], full: Mapping[str, Any], quick_help: str, helps: Mapping[str, str]
 ) -> None:
     """``--quick`` (``quick_help``), an option per preset value (unset: the preset's; ``helps``
-    says what it is), the synthetic rollout's shape and seed, the nodes' ``--http-workers`` and
-    ``--json-out``: the options every multi-process bench takes."""
+    says what it is), the synthetic rollout's shape and seed, the nodes' ``--http-workers`` (the
+    parameters of ``run``) and ``--json-out``: the options every multi-process bench takes."""
     parser.add_argument("--quick", action="store_true", help=quick_help)
     for key, value in full.items():
         what = f"{helps[key]}, " if key in helps else ""
         option = "--" + key.replace("_", "-")
         parser.add_argument(option, type=type(value), default=None, help=f"{what}default {value:g}, --quick {quick[key]:g}")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-workers", default="auto", help="each node's --http-workers (auto: a quarter of the cores)")
+    workers = {"http_workers": "each node's --http-workers (auto: a quarter of the cores)"}
+    add_options(parser, run, "layers top_k experts seed http_workers", workers)
     parser.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 

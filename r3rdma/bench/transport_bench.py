@@ -104,8 +104,8 @@ async def _client(
             push = nbytes * pushes / statistics.median(push_s) / 1e9
             rawg = nbytes * pushes / statistics.median(raw_s) / 1e9
             # Each round's push and raw timings are adjacent in time: their ratio cancels the
-            # machine's drifts (on the 2-core VM the raw path alone moves between ~0.8 and ~1.7
-            # GB/s from run to run); the headline is the median of those per-round ratios.
+            # machine's drifts (on the 2-core VM the raw path alone is bimodal: BENCHMARKS.md);
+            # the headline is the median of those per-round ratios.
             ratios = sorted(r / p for p, r in zip(push_s, raw_s))
             row = {
                 "bytes": nbytes,

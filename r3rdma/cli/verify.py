@@ -93,9 +93,9 @@ def _small_qwen3_vllm():
     from r3rdma.integrations.hf_models import tiny_qwen3_moe
 
     # The default of --engine vllm: vLLM's CPU attention takes head_dim >= 32 (16 fails inside
-    # the engine). 64 experts, top-8: bf16 vs fp32 flips ~0.5% of decisions, enough that the
-    # KL drop from replay stands out (15-25% on ~180 tokens); with 16 experts, top-4, flips
-    # were ~0.2% and the KL change sat inside bf16 noise.
+    # the engine). 64 experts, top-8: bf16 vs fp32 flips enough decisions that the KL drop from
+    # replay stands out; with 16 experts, top-4, the KL change sat inside bf16 noise
+    # (BENCHMARKS.md, "vLLM rollouts").
     return tiny_qwen3_moe(num_hidden_layers=6, head_dim=32, num_experts=64, num_experts_per_tok=8)
 
 
@@ -169,7 +169,7 @@ def fan_in_init(model: PreTrainedModel, *, seed: int, logit_gain: float) -> None
     ``down_proj``) are scaled by ``1/sqrt(2 * num_layers)`` (GPT-2 / Megatron's scaled init):
     without it a deep random network is chaotic, bf16 rounding alone is amplified layer after
     layer until it swamps everything, and replay could not lower the KL of a 16- or 48-layer
-    model (measured on an H200: KL 0.25 with or without replay)."""
+    model (BENCHMARKS.md, "Routing mismatch and replay")."""
     gen = torch.Generator(device="cpu").manual_seed(seed + 12345)
     depth_scale = 1.0 / math.sqrt(2 * model.config.num_hidden_layers)
     with torch.no_grad():

@@ -1,8 +1,11 @@
-"""Reliability scenarios that kill or starve a node: :func:`crash_cycles` (SIGKILL while clients
-push, GRPO groups sharing a prompt's rows among them: every acknowledged request survives, nothing
-partial is visible), :func:`disk_full`
-(``RLIMIT_FSIZE``: a typed refusal, recovery after restart) and :func:`load` (N clients for T
-seconds: zero loss, ack latency, node RSS against its in-flight budget)."""
+"""Reliability scenarios that kill or starve a node: :func:`crash_cycles` (two nodes, one
+SIGKILLed at a random moment while clients push, GRPO groups sharing a prompt's rows among them:
+every acknowledged request reads back bit-exact, nothing partial or foreign is visible,
+unacknowledged batches are retried on the restarted node or the other one, and acknowledged ones
+pushed again: the same bytes a no-op, other bytes refused), :func:`disk_full` (``RLIMIT_FSIZE``: a
+clear ``StoreError``, nothing partial, the node keeps serving; after a restart without the limit
+the batch goes in and earlier data is intact) and :func:`load` (N clients for T seconds: zero
+loss, ack latency, node RSS against its in-flight budget)."""
 
 from __future__ import annotations
 
@@ -66,169 +69,204 @@ class _CrashStats:
     acked_total: int = 0
 
 
-async def _crash_cycles(
-    work: Path, cycles: int, clients: int, seed: int, timeout_s: float, shared_fraction: float, log: Callable[[str], None]
-) -> dict[str, Any]:
-    from r3rdma.errors import DuplicateRequestError, R3Error, SharedRowsMissingError
-    from r3rdma.transport import TransportLimits, UcxxClient
-    from r3rdma.write.push_client import placement_key
+class _CrashRun:
+    """The state of :func:`crash_cycles`: its two nodes, what was pushed and acknowledged where,
+    and the counts; each step of a cycle is a method."""
 
-    rng = random.Random(seed)
-    token = new_token()
-    roots = [work / "crash-a", work / "crash-b"]
-    nodes = [spawn_node(r, token) for r in roots]
-    limits = TransportLimits(timeout_s=timeout_s, ack_timeout_s=4 * timeout_s)
-    acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c (a sample's: its own rows')
-    where: dict[tuple[str, str], int] = {}  # node that acked it
-    inline: set[tuple[str, str]] = set()  # samples acked with their prefix rows inline
-    pushed: set[tuple[str, str]] = set()
-    stats = _CrashStats()
+    def __init__(self, work: Path, clients: int, seed: int, timeout_s: float, shared_fraction: float) -> None:
+        from r3rdma.transport import TransportLimits
 
-    def client(i: int) -> Any:
-        return UcxxClient(nodes[i].host, nodes[i].ucx_port, secret=token, limits=limits)
+        self.rng = random.Random(seed)
+        self.clients, self.shared_fraction = clients, shared_fraction
+        self.token = new_token()
+        self.roots = [work / "crash-a", work / "crash-b"]
+        self.nodes = [spawn_node(r, self.token) for r in self.roots]
+        self.limits = TransportLimits(timeout_s=timeout_s, ack_timeout_s=4 * timeout_s)
+        self.acked: dict[tuple[str, str], int] = {}  # (rollout, request) -> crc32c (a sample's: its own rows')
+        self.where: dict[tuple[str, str], int] = {}  # node that acked it
+        self.inline: set[tuple[str, str]] = set()  # samples acked with their prefix rows inline
+        self.pushed: set[tuple[str, str]] = set()
+        self.stats = _CrashStats()
 
-    def grpo_group(rollout: str, source: Any) -> list[Any]:
+    def client(self, i: int) -> Any:
+        """A new push connection to node ``i``."""
+        from r3rdma.transport import UcxxClient
+
+        return UcxxClient(self.nodes[i].host, self.nodes[i].ucx_port, secret=self.token, limits=self.limits)
+
+    def grpo_group(self, rollout: str, source: Any) -> list[Any]:
         """1-3 samples sharing rows 0..P-1 of ``source`` (P random, a cut inside its segment or all of it)."""
+        rng = self.rng
         return [make_sample(rollout, source.request_id, j, rng.randint(1, source.num_rows)) for j in range(rng.randint(1, 3))]
 
-    def samples_of(group: list[Any]) -> list[Any]:
-        return [r for r in group if r.shared_prefix is not None]
-
-    def note_acked(group: list[Any], node: int, *, inlined: bool = False) -> None:
+    def note_acked(self, group: list[Any], node: int, *, inlined: bool = False) -> None:
+        """``group``'s final records acknowledged by ``node``."""
         for r in group:
             if not r.final:
                 continue  # the prefix part of an inlined sample: its final record stands for it
             key = (r.rollout_id, r.request_id)
-            if key not in acked and parse_sample_id(r.request_id) is not None:
-                stats.shared_acked += 1
+            if key not in self.acked and parse_sample_id(r.request_id) is not None:
+                self.stats.shared_acked += 1
                 if inlined:
-                    inline.add(key)
-            acked[key] = r.crc32c
-            where[key] = node
+                    self.inline.add(key)
+            self.acked[key] = r.crc32c
+            self.where[key] = node
 
-    def legitimately_missing(group: list[Any], node: int) -> bool:
+    def legitimately_missing(self, group: list[Any], node: int) -> bool:
         """A sample refused for a missing source is legitimate only if ``node`` never
         acknowledged the source (the sample was retried on the other node); a source
         acknowledged there must still be there."""
         in_batch = {r.request_id for r in group}
         return any(
-            where.get((r.rollout_id, r.shared_prefix.request_id)) != node
-            for r in samples_of(group)
+            self.where.get((r.rollout_id, r.shared_prefix.request_id)) != node
+            for r in _samples_of(group)
             if r.shared_prefix.request_id not in in_batch
         )
 
-    async def push_with_fallback(conn: Any, group: list[Any], node: int) -> None:
+    async def push_with_fallback(self, conn: Any, group: list[Any], node: int) -> None:
         """Push ``group``; a sample refused for its source missing on ``node`` is pushed again
         with its prefix rows inline (what RoutingWriter does), the batch's other records with it."""
+        from r3rdma.errors import SharedRowsMissingError
+
         try:
             await conn.push(group)
         except SharedRowsMissingError as e:
-            if not legitimately_missing(group, node):
-                stats.errors.append(f"node {node} lost the acknowledged source of a sample: {e}")
+            if not self.legitimately_missing(group, node):
+                self.stats.errors.append(f"node {node} lost the acknowledged source of a sample: {e}")
                 raise
-            stats.shared_refused_missing_source += 1
+            self.stats.shared_refused_missing_source += 1
             fallback = [x for r in group for x in (r.prefix_inlined() if r.shared_prefix is not None else [r])]
             await conn.push(fallback)
-            stats.shared_acked_inline += len(samples_of(group))
-            note_acked(fallback, node, inlined=True)
+            self.stats.shared_acked_inline += len(_samples_of(group))
+            self.note_acked(fallback, node, inlined=True)
             return
-        note_acked(group, node)
+        self.note_acked(group, node)
 
-    async def push_until_killed(cycle: int, victim: int, kill_after: int, jitter: float) -> list[tuple[list[Any], int]]:
+    async def push_until_killed(self, cycle: int, victim: int, kill_after: int, jitter: float) -> list[tuple[list[Any], int]]:
         """``clients`` pushers to both nodes until node ``victim`` is SIGKILLed, ``jitter`` seconds
-        after the ``kill_after``-th acknowledged batch; returns the (batch, owner) pairs not acknowledged.
+        after the ``kill_after``-th acknowledged batch; returns the (batch, owner) pairs not acknowledged."""
+        from r3rdma.errors import R3Error
 
-        Some batches start a GRPO group: their first record is a source, and its samples go in
-        the same batch or, once a node acknowledged the source, to that node (placed by the
-        source's id, like StoreNodesClient)."""
         acks = 0
         killed = asyncio.Event()
         unacked: list[tuple[list[Any], int]] = []
         loop = asyncio.get_running_loop()
 
         def kill() -> None:
-            os.kill(nodes[victim].proc.pid, signal.SIGKILL)
+            os.kill(self.nodes[victim].proc.pid, signal.SIGKILL)
             killed.set()
 
-        async def pusher(p: int) -> None:
+        async def send(conns: dict[int, Any], group: list[Any], i: int) -> None:
             nonlocal acks
-            conns = {0: client(0), 1: client(1)}
+            if killed.is_set() and i == victim:
+                unacked.append((group, i))  # never sent: the node is gone
+                return
+            try:
+                await self.push_with_fallback(conns[i], group, i)
+            except R3Error as e:
+                if i != victim:
+                    self.stats.errors.append(f"survivor refused a push: {type(e).__name__}: {e}")
+                unacked.append((group, i))
+                return
+            acks += 1
+            if acks == kill_after:
+                loop.call_later(jitter, kill)
+
+        async def pusher(p: int) -> None:
+            conns = {0: self.client(0), 1: self.client(1)}
             n = 0
-
-            async def send(group: list[Any], i: int) -> bool:
-                nonlocal acks
-                if killed.is_set() and i == victim:
-                    unacked.append((group, i))  # never sent: the node is gone
-                    return False
-                try:
-                    await push_with_fallback(conns[i], group, i)
-                except R3Error as e:
-                    if i != victim:
-                        stats.errors.append(f"survivor refused a push: {type(e).__name__}: {e}")
-                    unacked.append((group, i))
-                    return False
-                acks += 1
-                if acks == kill_after:
-                    loop.call_later(jitter, kill)
-                return True
-
             try:
                 while not killed.is_set():
-                    rollout = f"crash-{p % 3}"
-                    batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
-                    n += len(batch)
-                    later: list[Any] = []
-                    if rng.random() < shared_fraction:
-                        samples = grpo_group(rollout, batch[0])
-                        stats.shared_pushed += len(samples)
-                        if rng.random() < 0.3:
-                            batch += samples
-                            stats.shared_in_source_batch += len(samples)
-                        else:
-                            later = samples
-                    groups: dict[int, list[Any]] = {}
-                    for r in batch + later:
-                        pushed.add((r.rollout_id, r.request_id))
-                    for r in batch:
-                        groups.setdefault(_owner(placement_key(r), 2), []).append(r)
-                    for i, group in groups.items():
-                        await send(group, i)
-                    if later:
-                        source = (batch[0].rollout_id, batch[0].request_id)
-                        if source in acked:
-                            await send(later, where[source])
-                        else:  # the source's node died before acknowledging it: the samples wait with it
-                            unacked.append((later, _owner(placement_key(later[0]), 2)))
+                    n = await self.push_batch(cycle, p, n, lambda group, i: send(conns, group, i), unacked)
             finally:
                 for c in conns.values():
                     await c.close()
 
-        await asyncio.gather(*(pusher(p) for p in range(clients)))
+        await asyncio.gather(*(pusher(p) for p in range(self.clients)))
         return unacked
 
-    async def repush_same_bytes(ro: str, rid: str, make: Callable[[int], list[Any]]) -> tuple[int, int]:
+    async def push_batch(
+        self, cycle: int, p: int, n: int, send: Callable[[list[Any], int], Any], unacked: list[tuple[list[Any], int]]
+    ) -> int:
+        """Pusher ``p``'s next batch (its requests numbered from ``n``), split by owner node and
+        ``send``; returns the next request number.
+
+        Some batches start a GRPO group: their first record is a source, and its samples go in
+        the same batch or, once a node acknowledged the source, to that node (placed by the
+        source's id, like StoreNodesClient)."""
+        from r3rdma.write.push_client import placement_key
+
+        rng, stats = self.rng, self.stats
+        rollout = f"crash-{p % 3}"
+        batch = [make_record(rollout, f"c{cycle}-p{p}-{n + j}") for j in range(rng.randint(1, 6))]
+        n += len(batch)
+        later: list[Any] = []
+        if rng.random() < self.shared_fraction:
+            samples = self.grpo_group(rollout, batch[0])
+            stats.shared_pushed += len(samples)
+            if rng.random() < 0.3:
+                batch += samples
+                stats.shared_in_source_batch += len(samples)
+            else:
+                later = samples
+        groups: dict[int, list[Any]] = {}
+        for r in batch + later:
+            self.pushed.add((r.rollout_id, r.request_id))
+        for r in batch:
+            groups.setdefault(_owner(placement_key(r), 2), []).append(r)
+        for i, group in groups.items():
+            await send(group, i)
+        if later:
+            source = (batch[0].rollout_id, batch[0].request_id)
+            if source in self.acked:
+                await send(later, self.where[source])
+            else:  # the source's node died before acknowledging it: the samples wait with it
+                unacked.append((later, _owner(placement_key(later[0]), 2)))
+        return n
+
+    async def retry(self, unacked: list[tuple[list[Any], int]]) -> None:
+        """Retry what was not acknowledged: the restarted node or the other one (which lacks
+        the source of a sample pushed alone: refused, then pushed inline)."""
+        from r3rdma.errors import R3Error
+
+        stats = self.stats
+        for group, i in unacked:
+            target = i if self.rng.random() < 0.5 else 1 - i
+            c = self.client(target)
+            try:
+                await self.push_with_fallback(c, group, target)
+            except R3Error as e:
+                stats.errors.append(f"retry refused: {type(e).__name__}: {e}")
+                continue
+            finally:
+                await c.close()
+            stats.unacked_retried += len(group)
+            if target == i:
+                stats.retried_same_node += len(group)
+            else:
+                stats.retried_other_node += len(group)
+
+    async def repush_same_bytes(self, ro: str, rid: str, make: Callable[[int], list[Any]]) -> tuple[int, int]:
         """Push an acknowledged request again (a no-op), then with other bytes (refused);
         returns (accepted again, refused)."""
-        c = client(where[(ro, rid)])
+        from r3rdma.errors import DuplicateRequestError, R3Error
+
+        c = self.client(self.where[(ro, rid)])
         try:
             await c.push(make(0))
             try:
                 await c.push(make(1))
-                stats.errors.append(f"different bytes for {ro}/{rid} were accepted")
+                self.stats.errors.append(f"different bytes for {ro}/{rid} were accepted")
                 return 1, 0
             except DuplicateRequestError:
                 return 1, 1
         except R3Error as e:
-            stats.errors.append(f"idempotent re-push of {ro}/{rid} failed: {type(e).__name__}: {e}")
+            self.stats.errors.append(f"idempotent re-push of {ro}/{rid} failed: {type(e).__name__}: {e}")
             return 0, 0
         finally:
             await c.close()
 
-    def plain_as_acked(ro: str, rid: str) -> Callable[[int], list[Any]]:
-        """Plain request ``rid`` of ``variant``."""
-        return lambda variant: [make_record(ro, rid, variant=variant)]
-
-    def sample_as_acked(ro: str, rid: str) -> Callable[[int], list[Any]]:
+    def sample_as_acked(self, ro: str, rid: str) -> Callable[[int], list[Any]]:
         """The acknowledged form of sample ``rid`` (reference, or inline), of ``variant``."""
         parsed = parse_sample_id(rid)
         assert parsed is not None
@@ -237,78 +275,81 @@ async def _crash_cycles(
 
         def make(variant: int) -> list[Any]:
             record = make_sample(ro, source, index, prefix, variant=variant)
-            return (record.prefix_inlined() or []) if (ro, rid) in inline else [record]
+            return (record.prefix_inlined() or []) if (ro, rid) in self.inline else [record]
 
         return make
 
+    async def check_idempotence(self) -> None:
+        """Same bytes accepted again; different bytes for the same id refused (a plain request
+        and a sample, each picked at random)."""
+        stats = self.stats
+        plain = sorted(k for k in self.acked if parse_sample_id(k[1]) is None)
+        if plain:
+            ro, rid = self.rng.choice(plain)
+            again, refused = await self.repush_same_bytes(ro, rid, lambda variant: [make_record(ro, rid, variant=variant)])
+            stats.idempotent_repushes += again
+            stats.different_bytes_refused += refused
+        shared = sorted(k for k in self.acked if parse_sample_id(k[1]) is not None)
+        if shared:
+            ro, rid = self.rng.choice(shared)
+            again, refused = await self.repush_same_bytes(ro, rid, self.sample_as_acked(ro, rid))
+            stats.shared_idempotent_repushes += again
+            stats.shared_different_bytes_refused += refused
+
+    async def verify(self) -> dict[str, int]:
+        """Every acknowledged request is there, bit-exact (a sample: its source's rows 0..P-1,
+        then its own); nothing partial or foreign. Counted into the stats; the check's counts."""
+        check = await asyncio.to_thread(_verify, self.roots, self.acked, self.pushed)
+        stats = self.stats
+        stats.acked_lost += check["lost"]
+        stats.phantom += check["phantom"]
+        stats.corrupt += check["corrupt"]
+        stats.pending_visible += check["pending"]
+        stats.shared_lost += check["shared_lost"]
+        return check
+
+    async def cycle(self, cycle: int, cycles: int, log: Callable[[str], None]) -> None:
+        """One cycle: push until a node is killed, restart it, check, retry, re-push."""
+        rng, stats = self.rng, self.stats
+        victim = rng.randrange(2)
+        kill_after = rng.randint(1, 4 * self.clients)
+        jitter = rng.uniform(0, 0.03)
+        unacked = await self.push_until_killed(cycle, victim, kill_after, jitter)
+        await asyncio.to_thread(self.nodes[victim].proc.wait, 30)
+        stats.kill_cycles += 1
+        stats.acked_before_kill = len(self.acked)
+        stats.orphan_arrays_after_kill += _orphans(self.roots[victim])
+        self.nodes[victim] = spawn_node(self.roots[victim], self.token)
+        check = await self.verify()
+        await self.retry(unacked)
+        await self.check_idempotence()
+        log(
+            f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
+            f"{len(self.acked)} acked so far ({stats.shared_acked} shared samples), {len(unacked)} batches retried, "
+            f"check {check}"
+        )
+
+
+def _samples_of(group: list[Any]) -> list[Any]:
+    return [r for r in group if r.shared_prefix is not None]
+
+
+async def _crash_cycles(
+    work: Path, cycles: int, clients: int, seed: int, timeout_s: float, shared_fraction: float, log: Callable[[str], None]
+) -> dict[str, Any]:
+    run = _CrashRun(work, clients, seed, timeout_s, shared_fraction)
     try:
         for cycle in range(cycles):
-            victim = rng.randrange(2)
-            kill_after = rng.randint(1, 4 * clients)
-            jitter = rng.uniform(0, 0.03)
-            unacked = await push_until_killed(cycle, victim, kill_after, jitter)
-            await asyncio.to_thread(nodes[victim].proc.wait, 30)
-            stats.kill_cycles += 1
-            stats.acked_before_kill = len(acked)
-            stats.orphan_arrays_after_kill += _orphans(roots[victim])
-            nodes[victim] = spawn_node(roots[victim], token)
-            # Every acknowledged request is there, bit-exact (a sample: its source's rows 0..P-1,
-            # then its own); nothing partial or foreign.
-            check = await asyncio.to_thread(_verify, roots, acked, pushed)
-            stats.acked_lost += check["lost"]
-            stats.phantom += check["phantom"]
-            stats.corrupt += check["corrupt"]
-            stats.pending_visible += check["pending"]
-            stats.shared_lost += check["shared_lost"]
-            # Retry what was not acknowledged: the restarted node or the other one (which lacks
-            # the source of a sample pushed alone: refused, then pushed inline).
-            for group, i in unacked:
-                target = i if rng.random() < 0.5 else 1 - i
-                c = client(target)
-                try:
-                    await push_with_fallback(c, group, target)
-                except R3Error as e:
-                    stats.errors.append(f"retry refused: {type(e).__name__}: {e}")
-                    continue
-                finally:
-                    await c.close()
-                stats.unacked_retried += len(group)
-                if target == i:
-                    stats.retried_same_node += len(group)
-                else:
-                    stats.retried_other_node += len(group)
-            # Idempotence: same bytes accepted again; different bytes for the same id refused.
-            plain = sorted(k for k in acked if parse_sample_id(k[1]) is None)
-            if plain:
-                ro, rid = rng.choice(plain)
-                again, refused = await repush_same_bytes(ro, rid, plain_as_acked(ro, rid))
-                stats.idempotent_repushes += again
-                stats.different_bytes_refused += refused
-            shared = sorted(k for k in acked if parse_sample_id(k[1]) is not None)
-            if shared:
-                ro, rid = rng.choice(shared)
-                again, refused = await repush_same_bytes(ro, rid, sample_as_acked(ro, rid))
-                stats.shared_idempotent_repushes += again
-                stats.shared_different_bytes_refused += refused
-            log(
-                f"cycle {cycle + 1}/{cycles}: killed node {victim} after {kill_after} acks, "
-                f"{len(acked)} acked so far ({stats.shared_acked} shared samples), {len(unacked)} batches retried, "
-                f"check {check}"
-            )
-        for node in nodes:
+            await run.cycle(cycle, cycles, log)
+        for node in run.nodes:
             node.stop()
-        final = await asyncio.to_thread(_verify, roots, acked, pushed)
-        stats.acked_lost += final["lost"]
-        stats.corrupt += final["corrupt"]
-        stats.phantom += final["phantom"]
-        stats.pending_visible += final["pending"]
-        stats.shared_lost += final["shared_lost"]
-        layout = _shared_layout(roots)
-        stats.shared_by_reference, stats.shared_inline = layout["by_reference"], layout["inline"]
-        stats.acked_total = len(acked)
-        return asdict(stats)
+        await run.verify()
+        layout = _shared_layout(run.roots)
+        run.stats.shared_by_reference, run.stats.shared_inline = layout["by_reference"], layout["inline"]
+        run.stats.acked_total = len(run.acked)
+        return asdict(run.stats)
     finally:
-        for node in nodes:
+        for node in run.nodes:
             node.kill()
 
 

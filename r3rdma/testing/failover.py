@@ -1,4 +1,4 @@
-"""Failover and refusal scenarios (from issue 19): :func:`node_lost` (replicas=2, a node lost with its root),
+"""Failover and refusal scenarios: :func:`node_lost` (replicas=2, a node lost with its root),
 :func:`bad_records` (refused typed at every layer, the good ones stored), :func:`multiturn`,
 :func:`restart_same_port`, :func:`stalled_announce` (stalled senders against node RSS) and
 :func:`replicas_ingest_ratio`; :func:`failover_figures` runs them all for the bench's JSON."""
@@ -30,7 +30,7 @@ from r3rdma.testing.harness import (
     unchecked_record,
 )
 
-# -- issue 19: replicas, bad records, multi-turn, restarts, stalled senders --------------------
+# -- replicas, bad records, multi-turn, restarts, stalled senders -----------------------------
 
 
 def node_lost(work: Path, *, requests: int = 200, seed: int = 0, timeout_s: float = 3.0) -> dict[str, Any]:
@@ -96,33 +96,111 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
     over a store node) and the store itself. Each must be refused with a typed ``R3Error`` before
     any acknowledgement (nothing of it stored); the good records of the same batches are stored
     (the writer commits a refused batch again record by record)."""
-    import torch
-
-    from r3rdma.capture.capturer import RoutingCapturer
-    from r3rdma.errors import R3Error
     from r3rdma.read.reader import RoutingReader
-    from r3rdma.records import RequestRecord
-    from r3rdma.store.local_store import LocalRoutingStore
-    from r3rdma.transport import TransportLimits, configure_ucx_env
-    from r3rdma.write.push_client import StoreNodesClient
-    from r3rdma.write.writer import RoutingWriter
+    from r3rdma.transport import configure_ucx_env
 
     configure_ucx_env()
     work = Path(work)
-    tried: list[str] = []
-    refused: list[str] = []
-    accepted: list[str] = []  # bad records that got through (must stay empty)
+    offers = _Offers()
+    capturer_good = _capturer_refusals(offers)
+    _record_refusals(offers)
+    local_root, node_root = work / "bad-local", work / "bad-node"
+    _local_store_refusals(offers, local_root)
+    visible_node = _node_refusals(offers, node_root, timeout_s)
+    visible_local = _visible([local_root]).get("bad", {})
+    # Nothing of a refused record is stored anywhere; every good record is, bit-exact.
+    leaked = [
+        rid
+        for rid in list(visible_node) + list(visible_local)
+        if rid.endswith(("zero", "geo", "geo2", "crc", "crc2", "batch-good"))
+    ]
+    stored = 0
+    for root, prefix in ((local_root, "local"), (node_root, "node")):
+        mine = [g for g in offers.good if g.request_id.startswith(prefix)]
+        got = RoutingReader(str(root)).get_numpy("bad", [g.request_id for g in mine])
+        stored += sum(np.array_equal(got[g.request_id], g.ids_TLK) for g in mine)
+    dups_intact = (
+        visible_local.get("dup-local") == make_record("bad", "dup-local").crc32c
+        and visible_node.get("dup-node") == make_record("bad", "dup-node").crc32c
+    )
+    # A refusal that left something stored is no refusal.
+    return {
+        "tried": len(offers.tried),
+        "refused": len(offers.refused) - len(leaked),
+        "accepted": offers.accepted,
+        "leaked": leaked,
+        "good_total": len(offers.good) + 1,
+        "good_stored": stored + int(capturer_good),
+        "duplicates_intact": bool(dups_intact),
+    }
 
-    def offer(label: str, fn: Callable[[], Any]) -> None:
-        tried.append(label)
+
+class _Offers:
+    """What :func:`bad_records` offered: each bad record's label, refused or accepted (a bad
+    record that got through), and the good records submitted beside them."""
+
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+        self.refused: list[str] = []
+        self.accepted: list[str] = []  # must stay empty
+        self.good: list[Any] = []
+
+    def offer(self, label: str, fn: Callable[[], Any]) -> None:
+        """Call ``fn``, which hands over a bad record: refused if it raises an ``R3Error``."""
+        from r3rdma.errors import R3Error
+
+        self.tried.append(label)
         try:
             fn()
         except R3Error:
-            refused.append(label)
+            self.refused.append(label)
             return
-        accepted.append(label)
+        self.accepted.append(label)
 
-    # -- capturer: start_row past the rows, router ids the uint8 dtype cannot hold
+    def through_writer(self, store: Any, bads: list[Any], prefix: str) -> None:
+        """Submit good and bad records interleaved in one batch; check what the writer says."""
+        from r3rdma.errors import R3Error
+        from r3rdma.write.writer import RoutingWriter
+
+        writer = RoutingWriter(store, flush_bytes=1 << 30, flush_interval_s=3600)
+        try:
+            self.offer(f"{prefix} writer.submit: 0 rows", lambda: writer.submit(_zero(f"{prefix}-zero")))
+            mine = [make_record("bad", f"{prefix}-good{i}") for i in range(len(bads) + 1)]
+            for g, b in zip(mine, bads + [None]):
+                writer.submit(g)
+                if b is not None:
+                    writer.submit(b)
+            self.good.extend(mine)
+            try:
+                writer.flush(timeout=60)
+            except R3Error:
+                pass
+            failed = set(writer.failed_requests())
+        finally:
+            try:
+                writer.close(timeout=60)
+            except R3Error:
+                pass
+        for b in bads:
+            self.tried.append(f"{prefix} batch: {b.request_id}")
+            (self.refused if (b.rollout_id, b.request_id) in failed else self.accepted).append(f"{prefix} batch: {b.request_id}")
+
+
+def _zero(rid: str) -> Any:
+    return unchecked_record("bad", rid, np.zeros((0, LAYERS, TOP_K), np.uint8), start_row=50)
+
+
+def _conflicting(rid: str) -> Any:
+    return make_record("bad", rid, variant=1)
+
+
+def _capturer_refusals(offers: _Offers) -> bool:
+    """The capturer: start_row past the rows, router ids the uint8 dtype cannot hold; whether
+    the good request beside them was stored."""
+    import torch
+
+    from r3rdma.capture.capturer import RoutingCapturer
+
     class Sink:
         def __init__(self) -> None:
             self.records: list[Any] = []
@@ -146,6 +224,7 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
             cap.record(layer, torch.as_tensor(ids[:, i]))
         cap.end_step()
 
+    offer = offers.offer
     step("past", [0, 1, 2, 3])
     offer("capturer: start_row past the rows", lambda: cap.finish_request("past", prompt_len=3, generated_len=1, start_row=4))
     step("wide", [4, 5, 6], bad_id=300)  # e.g. an EPLB physical id: would wrap to 44 in uint8
@@ -154,66 +233,40 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
     offer("capturer: negative router id", lambda: cap.finish_request("neg", prompt_len=1, generated_len=1))
     step("fine", [9, 10, 11])
     cap.finish_request("fine", prompt_len=2, generated_len=1)
-    capturer_good = [r.request_id for r in sink.records] == ["fine"]
+    return [r.request_id for r in sink.records] == ["fine"]
 
-    # -- RequestRecord
+
+def _record_refusals(offers: _Offers) -> None:
+    """``RequestRecord``: no rows, ids wider than the dtype, a short layer map, a negative start."""
+    from r3rdma.records import RequestRecord
+
     lm = tuple(range(LAYERS))
-    offer("RequestRecord: 0 rows", lambda: RequestRecord("bad", "z", np.zeros((0, LAYERS, TOP_K), np.uint8), lm, EXPERTS))
-    offer(
+    offers.offer("RequestRecord: 0 rows", lambda: RequestRecord("bad", "z", np.zeros((0, LAYERS, TOP_K), np.uint8), lm, EXPERTS))
+    offers.offer(
         "RequestRecord: ids wider than the storage dtype",
         lambda: RequestRecord("bad", "w", np.full((3, LAYERS, TOP_K), 300, np.int64), lm, EXPERTS),
     )
-    offer(
+    offers.offer(
         "RequestRecord: layer_map of another length",
         lambda: RequestRecord("bad", "l", np.zeros((3, LAYERS, TOP_K), np.uint8), lm[:-1], EXPERTS),
     )
-    offer(
+    offers.offer(
         "RequestRecord: negative start_row",
         lambda: RequestRecord("bad", "s", np.zeros((3, LAYERS, TOP_K), np.uint8), lm, EXPERTS, start_row=-1),
     )
 
-    def zero(rid: str) -> Any:
-        return unchecked_record("bad", rid, np.zeros((0, LAYERS, TOP_K), np.uint8), start_row=50)
 
-    good: list[Any] = []
+def _local_store_refusals(offers: _Offers, root: Path) -> None:
+    """The store itself, and the writer over it."""
+    from r3rdma.store.local_store import LocalRoutingStore
 
-    def through_writer(store: Any, bads: list[Any], prefix: str) -> None:
-        """Submit good and bad records interleaved in one batch; check what the writer says."""
-        writer = RoutingWriter(store, flush_bytes=1 << 30, flush_interval_s=3600)
-        try:
-            offer(f"{prefix} writer.submit: 0 rows", lambda: writer.submit(zero(f"{prefix}-zero")))
-            mine = [make_record("bad", f"{prefix}-good{i}") for i in range(len(bads) + 1)]
-            for g, b in zip(mine, bads + [None]):
-                writer.submit(g)
-                if b is not None:
-                    writer.submit(b)
-            good.extend(mine)
-            try:
-                writer.flush(timeout=60)
-            except R3Error:
-                pass
-            failed = set(writer.failed_requests())
-        finally:
-            try:
-                writer.close(timeout=60)
-            except R3Error:
-                pass
-        for b in bads:
-            tried.append(f"{prefix} batch: {b.request_id}")
-            (refused if (b.rollout_id, b.request_id) in failed else accepted).append(f"{prefix} batch: {b.request_id}")
-
-    def conflicting(rid: str) -> Any:
-        return make_record("bad", rid, variant=1)
-
-    # -- the store itself, and the writer over it
-    local_root = work / "bad-local"
-    with LocalRoutingStore(local_root) as store:
+    with LocalRoutingStore(root) as store:
         store.commit([make_record("bad", "dup-local")])
-        offer(
+        offers.offer(
             "LocalRoutingStore.commit: 0 rows in a batch",
-            lambda: store.commit([make_record("bad", "local-batch-good"), zero("local-zero")]),
+            lambda: store.commit([make_record("bad", "local-batch-good"), _zero("local-zero")]),
         )
-        offer(
+        offers.offer(
             "LocalRoutingStore.commit: other geometry in a batch",
             lambda: store.commit(
                 [
@@ -222,19 +275,27 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
                 ]
             ),
         )
-        through_writer(
+        offers.through_writer(
             store,
-            [conflicting("dup-local"), unchecked_record("bad", "local-geo2", np.ones((3, LAYERS - 1, TOP_K), np.uint8))],
+            [_conflicting("dup-local"), unchecked_record("bad", "local-geo2", np.ones((3, LAYERS - 1, TOP_K), np.uint8))],
             "local",
         )
-    # -- a store node, through StoreNodesClient and a writer over it
+
+
+def _node_refusals(offers: _Offers, root: Path, timeout_s: float) -> dict[str, int]:
+    """A store node, through ``StoreNodesClient`` and a writer over it; what the node shows of rollout "bad"."""
+    from r3rdma.transport import TransportLimits
+    from r3rdma.write.push_client import StoreNodesClient
+
     token = new_token()
-    node = spawn_node(work / "bad-node", token)
+    node = spawn_node(root, token)
     try:
         with StoreNodesClient([node.push_url], secret=token, limits=TransportLimits(timeout_s=timeout_s)) as client:
             client.commit([make_record("bad", "dup-node")])
-            offer("node: 0 rows in a batch", lambda: client.commit([make_record("bad", "node-batch-good"), zero("node-zero")]))
-            offer(
+            offers.offer(
+                "node: 0 rows in a batch", lambda: client.commit([make_record("bad", "node-batch-good"), _zero("node-zero")])
+            )
+            offers.offer(
                 "node: wrong sender checksum in a batch",
                 lambda: client.commit(
                     [
@@ -244,36 +305,10 @@ def bad_records(work: Path, *, timeout_s: float = 10.0) -> dict[str, Any]:
                 ),
             )
             bad_crc = unchecked_record("bad", "node-crc2", np.ones((3, LAYERS, TOP_K), np.uint8))
-            through_writer(client, [conflicting("dup-node"), bad_crc], "node")
-        visible_node = _visible([node.root]).get("bad", {})
+            offers.through_writer(client, [_conflicting("dup-node"), bad_crc], "node")
+        return _visible([node.root]).get("bad", {})
     finally:
         node.stop()
-    visible_local = _visible([local_root]).get("bad", {})
-    # Nothing of a refused record is stored anywhere; every good record is, bit-exact.
-    leaked = [
-        rid
-        for rid in list(visible_node) + list(visible_local)
-        if rid.endswith(("zero", "geo", "geo2", "crc", "crc2", "batch-good"))
-    ]
-    stored = 0
-    for root, prefix in ((local_root, "local"), (work / "bad-node", "node")):
-        mine = [g for g in good if g.request_id.startswith(prefix)]
-        got = RoutingReader(str(root)).get_numpy("bad", [g.request_id for g in mine])
-        stored += sum(np.array_equal(got[g.request_id], g.ids_TLK) for g in mine)
-    dups_intact = (
-        visible_local.get("dup-local") == make_record("bad", "dup-local").crc32c
-        and visible_node.get("dup-node") == make_record("bad", "dup-node").crc32c
-    )
-    # A refusal that left something stored is no refusal.
-    return {
-        "tried": len(tried),
-        "refused": len(refused) - len(leaked),
-        "accepted": accepted,
-        "leaked": leaked,
-        "good_total": len(good) + 1,
-        "good_stored": stored + int(capturer_good),
-        "duplicates_intact": bool(dups_intact),
-    }
 
 
 def multiturn(work: Path, *, conversations: int = 8, turns: int = 4, seed: int = 0) -> dict[str, Any]:

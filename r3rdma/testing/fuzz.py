@@ -132,7 +132,7 @@ def gen_frame(rng: random.Random, n: int) -> FuzzFrame:
     r = rng.random()
     rollout = "fuzz"
     # Mostly ids from a small set: once stored, a re-push is an idempotent duplicate that costs
-    # no write (a durable commit costs ~40 ms of fsync here and would dominate the run).
+    # no write (a durable commit's fsync would dominate the run: BENCHMARKS.md, Reliability).
     rid = f"f{n}-{rng.randrange(1 << 30)}" if rng.random() < 0.2 else f"dup{rng.randrange(16)}"
     # -- before authentication (a new connection each) -- 30 %
     if r < 0.06:
