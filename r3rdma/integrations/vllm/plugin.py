@@ -6,20 +6,29 @@ with no vLLM source change; each wrapper does nothing unless routing replay is s
 its engine (:func:`~r3rdma.integrations.vllm.settings.routing_config`), so an installed r3rdma
 never changes an engine that did not ask for it. Methods wrapped, by process:
 
-- front end: ``InputProcessor.assign_request_id``, ``ParentRequest.get_child_info``,
-  ``OutputProcessor._finish_request`` / ``abort_requests``,
-  ``RequestState.make_request_output``, and the engine clients' ``_send_input`` (aborts) and
-  ``InprocClient.abort_requests`` (:mod:`.frontend`);
-- engine core: ``Scheduler.__init__`` / ``_free_request`` / ``schedule`` and
-  ``EngineCore.abort_requests`` (:mod:`.scheduler`);
+- front end: ``LLMEngine.__init__`` / ``AsyncLLM.__init__`` (each engine's state,
+  :class:`~.frontend.FrontendState`, held by its processors), ``InputProcessor.process_inputs``,
+  ``ParentRequest.get_child_info``, ``OutputProcessor.add_request`` / ``process_outputs`` /
+  ``_finish_request`` / ``abort_requests``, ``RequestState.make_request_output``
+  (:mod:`.frontend`); the OpenAI server's ``completion_stream_generator`` and
+  ``chat_completion_stream_generator`` and ``RequestOutput.add``, once an ``AsyncLLM`` with
+  routing replay is built (:mod:`.streaming`);
+- engine core: ``Scheduler.__init__`` / ``_free_request`` / ``schedule`` /
+  ``update_from_output`` and ``EngineCore.abort_requests`` (:mod:`.scheduler`);
 - workers: ``GPUModelRunner.load_model`` / ``initialize_kv_cache`` / ``execute_model`` /
-  ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them) and
-  ``Worker.load_model`` / ``shutdown``, plus a worker method ``r3_flush`` for
+  ``sample_tokens`` / ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them)
+  and ``Worker.load_model`` / ``shutdown``, plus a worker method ``r3_flush`` for
   ``LLM.collective_rpc`` (:mod:`.worker`); the routers' ``set_capture_fn`` (public; wrapped
   so that a capture vLLM binds later, its own ``enable_return_routed_experts``, runs beside
   r3rdma's record op instead of replacing it);
 - the engine's config: ``EngineArgs.create_engine_config``, where :mod:`.support` refuses what
   the plug-in cannot record (Model Runner V2 among them) in the user's own process.
+
+What the processes tell each other travels inside messages vLLM already sends
+(:mod:`.messages`). Every piece of state belongs to one engine and hangs off the vLLM object it
+serves (front end: the engine's processors; engine core: its ``Scheduler``; workers: the model
+runner), so engines in one process share nothing and state goes with its engine; the one
+module-level flag here says the wrappers are installed in this process.
 
 These are internals of vLLM, so the plug-in pins the releases it was checked against
 (:data:`SUPPORTED_VLLM`: 0.26.0 through 0.32.0) and, on any other, installs nothing but a check
@@ -90,16 +99,6 @@ def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
     setattr(cls, name, wrapper)
 
 
-def _wrap_static(cls: type, name: str, make: Callable[[Callable], staticmethod]) -> None:
-    original = cls.__dict__[name].__func__
-    if getattr(original, _WRAPPED_MARK, False):
-        return
-    wrapped = make(original)
-    functools.update_wrapper(wrapped.__func__, original)
-    setattr(wrapped.__func__, _WRAPPED_MARK, True)
-    setattr(cls, name, wrapped)
-
-
 def _add_method(cls: type, method: Callable) -> None:
     """Give a vLLM class a method of the plug-in's own, under the function's name (vLLM's RPCs call it by name)."""
     setattr(cls, method.__name__, method)
@@ -164,13 +163,22 @@ def _install_config_check() -> None:
 
 
 def _install_frontend() -> None:
-    from vllm.v1.engine import EngineCoreRequestType
-    from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, SyncMPClient
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.engine.output_processor import OutputProcessor, RequestState
     from vllm.v1.engine.parallel_sampling import ParentRequest
 
-    from r3rdma.integrations.vllm import frontend
+    from r3rdma.integrations.vllm import frontend, streaming
+
+    def engine(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            state = frontend.attach(self)  # one FrontendState per engine, held by its processors
+            if state is not None and isinstance(self, AsyncLLM):
+                streaming.install(_wrap)  # a server's streamed responses name their routing too
+
+        return __init__
 
     def process(original):
         def process_inputs(self, *args, **kwargs):
@@ -180,38 +188,53 @@ def _install_frontend() -> None:
 
         return process_inputs
 
-    def assign(original):
-        def assign_request_id(request):
-            original(request)
-            frontend.mark(request)
-
-        return staticmethod(assign_request_id)
-
     def child(original):
         def get_child_info(self, index):
             child_id, params = original(self, index)
-            return child_id, frontend.child_params(child_id, params, index)
+            return child_id, frontend.child_params(params, index)
 
         return get_child_info
+
+    def add(original):
+        def add_request(self, request, prompt, parent_req=None, request_index=0, *args, **kwargs):
+            state = frontend.state_of(self)
+            extra = state.admit(request, request_index) if state is not None else None
+            out = original(self, request, prompt, parent_req, request_index, *args, **kwargs)
+            if extra is not None:
+                state.mark(request.request_id, extra, self.request_states.get(request.request_id))
+            return out
+
+        return add_request
 
     def make_output(original):
         def make_request_output(
             self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None, *args, **kwargs
         ):
-            if finish_reason is not None and isinstance(stop_reason, str):
-                # A stop string matched: the detokenizer holds what the client receives (0.32
-                # trimmed surplus tokens before this call; earlier releases send them all).
-                frontend.note_stop_length(self)
-                kv_transfer_params = frontend.stop_location(self.request_id, kv_transfer_params)
             if finish_reason is not None:
-                kv_transfer_params = frontend.with_sample_locations(self, kv_transfer_params)
+                state = frontend.state_of(self)
+                if state is not None:
+                    kv_transfer_params = state.final_params(self, stop_reason, kv_transfer_params)
             return original(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *args, **kwargs)
 
         return make_request_output
 
+    def outputs(original):
+        def process_outputs(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            state = frontend.state_of(self)
+            if state is not None and out.reqs_to_abort:
+                # The engine aborts what a stop string ended; each such abort carries the tokens the
+                # client received (the engine core handles aborts ahead of anything else it queued).
+                out.reqs_to_abort = state.with_stop_lengths(out.reqs_to_abort)
+            return out
+
+        return process_outputs
+
     def finish(original):
         def _finish_request(self, req_state):
-            frontend.forget(req_state.request_id, finished=True)
+            state = frontend.state_of(self)
+            if state is not None:
+                state.forget(req_state.request_id, finished=True)
             return original(self, req_state)
 
         return _finish_request
@@ -219,38 +242,23 @@ def _install_frontend() -> None:
     def abort_states(original):
         def abort_requests(self, *args, **kwargs):
             aborted = original(self, *args, **kwargs)
-            for rid in aborted or ():
-                frontend.forget(rid, finished=False)
+            state = frontend.state_of(self)
+            if state is not None:
+                for rid in aborted or ():
+                    state.forget(rid, finished=False)
             return aborted
 
         return abort_requests
 
+    _wrap(LLMEngine, "__init__", engine)
+    _wrap(AsyncLLM, "__init__", engine)
     _wrap(InputProcessor, "process_inputs", process)
-    _wrap_static(InputProcessor, "assign_request_id", assign)
     _wrap(ParentRequest, "get_child_info", child)
+    _wrap(OutputProcessor, "add_request", add)
+    _wrap(OutputProcessor, "process_outputs", outputs)
     _wrap(RequestState, "make_request_output", make_output)
     _wrap(OutputProcessor, "_finish_request", finish)
     _wrap(OutputProcessor, "abort_requests", abort_states)
-
-    abort = EngineCoreRequestType.ABORT
-
-    def send(original):
-        def _send_input(self, request_type, request, *args, **kwargs):
-            if request_type == abort:
-                request = frontend.with_stop_lengths(request)
-            return original(self, request_type, request, *args, **kwargs)
-
-        return _send_input
-
-    def inproc_abort(original):
-        def abort_requests(self, request_ids):
-            return original(self, frontend.with_stop_lengths(request_ids))
-
-        return abort_requests
-
-    _wrap(SyncMPClient, "_send_input", send)
-    _wrap(AsyncMPClient, "_send_input", send)
-    _wrap(InprocClient, "abort_requests", inproc_abort)
 
 
 # -- engine core ---------------------------------------------------------------------------
@@ -260,6 +268,7 @@ def _install_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
+    from r3rdma.integrations.vllm.messages import FINISHED_ATTR, failures_of, split_aborts
     from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, FinishLedger
     from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
 
@@ -289,21 +298,29 @@ def _install_scheduler() -> None:
             out = original(self, *args, **kwargs)
             ledger = getattr(self, "_r3", None)
             if ledger is not None:
-                out.r3_finished = ledger.take()  # an extra attribute: pickled to the workers with the rest
+                setattr(out, FINISHED_ATTR, ledger.take())  # an extra attribute: pickled to the workers with the rest
             return out
 
         return schedule_
 
+    def update(original):
+        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+            ledger = getattr(self, "_r3", None)
+            if ledger is not None:
+                failures = failures_of(model_runner_output)
+                if failures:  # before this step's finished requests are freed (and named)
+                    ledger.note_failures(failures)
+            return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+        return update_from_output
+
     def abort(original):
         def abort_requests(self, request_ids, *args, **kwargs):
-            ids = []
-            for item in request_ids or ():
-                if isinstance(item, (list, tuple)):  # [request id, tokens the client received]
-                    ledger = getattr(self.scheduler, "_r3", None)
-                    if ledger is not None:
-                        ledger.set_stop_lengths({item[0]: item[1]}, self.scheduler.requests)
-                    item = item[0]
-                ids.append(item)
+            ids, lengths = split_aborts(request_ids or ())  # [request id, tokens the client received] items
+            if lengths:
+                ledger = getattr(self.scheduler, "_r3", None)
+                if ledger is not None:
+                    ledger.set_stop_lengths(lengths, self.scheduler.requests)
             return original(self, ids, *args, **kwargs)
 
         return abort_requests
@@ -320,6 +337,7 @@ def _install_scheduler() -> None:
     _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "_free_request", free)
     _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "update_from_output", update)
     _wrap(EngineCore, "abort_requests", abort)
     _add_method(EngineCore, r3_flush)
 
@@ -329,6 +347,7 @@ def _install_scheduler() -> None:
 
 def _install_worker() -> None:
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -392,6 +411,29 @@ def _install_worker() -> None:
 
         return make
 
+    # A step's output: a ModelRunnerOutput, or with async scheduling vLLM's wrapper of one (None
+    # from execute_model when sample_tokens makes it; intermediate tensors carry nothing).
+    step_outputs = (ModelRunnerOutput, AsyncModelRunnerOutput)
+
+    def execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            recorder = getattr(self, "_r3", None)
+            if recorder is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            recorder.lifecycle(scheduler_output)  # before _update_states and before any freed slot is rewritten
+            out = original(self, scheduler_output, *args, **kwargs)
+            return recorder.with_failures(out) if isinstance(out, step_outputs) else out
+
+        return execute_model
+
+    def sample(original):
+        def sample_tokens(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            recorder = getattr(self, "_r3", None)
+            return recorder.with_failures(out) if recorder is not None and isinstance(out, step_outputs) else out
+
+        return sample_tokens
+
     def forward(original):
         def _model_forward(self, *args, **kwargs):
             recorder = getattr(self, "_r3", None)
@@ -443,7 +485,8 @@ def _install_worker() -> None:
     _wrap(BaseRouter, "set_capture_fn", capture)
     _wrap(Worker, "load_model", worker_load)
     _wrap(GPUModelRunner, "initialize_kv_cache", init_kv)
-    _wrap(GPUModelRunner, "execute_model", before("lifecycle"))
+    _wrap(GPUModelRunner, "execute_model", execute)
+    _wrap(GPUModelRunner, "sample_tokens", sample)
     _wrap(GPUModelRunner, "_prepare_inputs", before("prepare"))
     _wrap(GPUModelRunner, "_model_forward", forward)
     _wrap(Worker, "shutdown", shutdown)

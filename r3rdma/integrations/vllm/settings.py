@@ -82,8 +82,10 @@ def routing_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> R3
     set, or ``R3_ENABLE_ROUTING_REPLAY`` true. ``enable_routing_replay: false`` in either turns
     it off again.
     """
+    from r3rdma.integrations.vllm.support import read
+
     env = os.environ if env is None else env
-    extra = getattr(vllm_config, "additional_config", None) or {}
+    extra = read(vllm_config, "additional_config", "VllmConfig") or {}  # renamed: an error, not "off"
     _refuse_near_miss(extra)
     spec: Any = None
     if isinstance(extra, Mapping) and CONFIG_KEY in extra:

@@ -27,7 +27,7 @@ from typing import Any
 
 from r3rdma.errors import ConfigError
 
-__all__ = ["check_engine", "uses_model_runner_v2"]
+__all__ = ["check_engine", "read", "uses_model_runner_v2"]
 
 V1_HINT = (
     "set VLLM_USE_V2_MODEL_RUNNER=0 in the environment that starts vLLM (the V1 model runner, which runs "
@@ -37,35 +37,56 @@ V1_HINT = (
 
 def uses_model_runner_v2(vllm_config: Any) -> bool:
     """Whether vLLM will run Model Runner V2 for this config (its own decision, not a guess)."""
-    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    return bool(read(vllm_config, "use_v2_model_runner", "VllmConfig"))
 
 
 def check_engine(vllm_config: Any) -> None:
-    """Raise :class:`ConfigError` unless the plug-in records every token this engine computes."""
+    """Raise :class:`ConfigError` unless the plug-in records every token this engine computes.
+
+    Every field it decides on is read as vLLM names it, with no default: a field a vLLM
+    release renamed or removed stops the engine with a ``ConfigError`` naming it, rather than
+    reading as "not used" and letting an engine start that the plug-in cannot record."""
     if uses_model_runner_v2(vllm_config):
         raise ConfigError(
             "routing replay is on, but this engine will run vLLM's Model Runner V2 (vLLM's default on a "
             "GPU with Triton), which r3rdma's plug-in does not hook, so nothing would be recorded: " + V1_HINT
         )
-    parallel = vllm_config.parallel_config
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+    parallel = read(vllm_config, "parallel_config", "VllmConfig")
+    pipeline = read(parallel, "pipeline_parallel_size", "ParallelConfig")
+    data = read(parallel, "data_parallel_size", "ParallelConfig")
+    if pipeline > 1:
         raise ConfigError(
             "r3rdma's vLLM plug-in does not support pipeline parallelism yet "
-            f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); each stage holds only its own "
-            "MoE layers"
+            f"(pipeline_parallel_size={pipeline}); each stage holds only its own MoE layers"
         )
-    if getattr(parallel, "data_parallel_size", 1) > 1:
+    if data > 1:
         raise ConfigError(
             "r3rdma's vLLM plug-in does not support data parallelism yet "
-            f"(data_parallel_size={parallel.data_parallel_size}): MoE layers then route the tokens of "
+            f"(data_parallel_size={data}): MoE layers then route the tokens of "
             "every data-parallel rank together; run one engine per rank instead"
         )
-    spec = vllm_config.speculative_config
-    sched = getattr(vllm_config, "scheduler_config", None)
-    if spec is not None and getattr(sched, "async_scheduling", False):
+    spec = read(vllm_config, "speculative_config", "VllmConfig")
+    async_scheduling = read(read(vllm_config, "scheduler_config", "VllmConfig"), "async_scheduling", "SchedulerConfig")
+    if spec is not None and async_scheduling:
         raise ConfigError(
-            f"r3rdma's vLLM plug-in records speculative decoding ({getattr(spec, 'method', spec)}) with synchronous "
-            "scheduling only: with async scheduling the worker learns which drafts were accepted only on the device, "
-            "so it cannot tell which position each token is. Start vLLM with async_scheduling=False "
+            f"r3rdma's vLLM plug-in records speculative decoding ({read(spec, 'method', 'SpeculativeConfig')}) with "
+            "synchronous scheduling only: with async scheduling the worker learns which drafts were accepted only on "
+            "the device, so it cannot tell which position each token is. Start vLLM with async_scheduling=False "
             "(--no-async-scheduling), or use ngram, which schedules synchronously"
         )
+
+
+def read(config: Any, field: str, owner: str) -> Any:
+    """``config.<field>`` of vLLM's ``owner`` config class, or a :class:`ConfigError` naming
+    the field if this vLLM has none by that name (renamed or removed in a release the
+    plug-in's checks were not written against)."""
+    try:
+        return getattr(config, field)
+    except AttributeError as e:
+        import vllm
+
+        raise ConfigError(
+            f"r3rdma's vLLM plug-in reads {owner}.{field} to decide whether it can record this engine, and this "
+            f"vLLM ({vllm.__version__}) has no such field ({type(config).__name__} has none): a release that renamed "
+            "or removed it needs the plug-in updated (r3rdma.integrations.vllm.support) before routing replay can run"
+        ) from e

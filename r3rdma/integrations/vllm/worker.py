@@ -48,9 +48,13 @@ request stored once". The mapping onto the capturer's calls:
   always starts where its last step ended, so the step path looks at no other request.
 - Lifecycle, from the scheduler output at the start of the next ``execute_model``, before any
   slot is rewritten: finished requests (with the totals and stored id the scheduler side of the
-  plug-in attached, :mod:`r3rdma.integrations.vllm.scheduler`) go to ``finish_request``;
+  plug-in attached, :class:`~.messages.FinishedRequest`) go to ``finish_request``;
   aborted ones to ``abort_request``; preempted ones to ``preempt_request``, which keeps the
   rows they computed (the forwards that sampled their tokens) for when they finish.
+- Requests whose routing could not be stored (a commit the store refused or that failed, rows
+  that could not be gathered) go back to the scheduler with the next step's output
+  (:meth:`RunnerRecorder.with_failures`), so a sample of the same prompt that finishes later
+  can say so in its response (:mod:`r3rdma.integrations.vllm.scheduler`).
 - The first step is checked once (one host read, at start-up): every hooked layer must have
   written its rows, or the engine stops with a ``ConfigError`` instead of storing nothing.
 """
@@ -61,7 +65,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,8 +73,9 @@ import torch
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError, R3Error
 from r3rdma.integrations.pipeline import build_writer
+from r3rdma.integrations.vllm.messages import FailedRouting, FinishedRequest, attach_failures
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
-from r3rdma.integrations.vllm.support import check_engine
+from r3rdma.integrations.vllm.support import check_engine, read
 from r3rdma.integrations.vllm.threads import threads_beside_the_model
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 
@@ -80,20 +84,10 @@ if TYPE_CHECKING:
     from r3rdma.capture.capturer import RoutingCapturer
     from r3rdma.write.writer import CommitFailure, RoutingWriter
 
+# FinishedRequest: defined in .messages (the scheduler sends it), still importable from here.
 __all__ = ["RunnerRecorder", "FinishedRequest", "with_record_op"]
 
 log = logging.getLogger(LOGGER_NAME)
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRequest:
-    """What the scheduler tells the workers about a request that left the engine (pickled into
-    vLLM's scheduler output). ``stored_id`` None: aborted, store nothing."""
-
-    stored_id: str | None
-    rollout_id: str | None = None
-    prompt_len: int = 0
-    generated_len: int = 0
 
 
 class RunnerRecorder:
@@ -461,6 +455,22 @@ class RunnerRecorder:
                 self._sink.refused(fin.rollout_id, fin.stored_id, e)
             log.error("r3rdma: routing of request %s (stored as %s/%s) not stored: %s", rid, fin.rollout_id, fin.stored_id, e)
 
+    def with_failures(self, output: Any) -> Any:
+        """A step's model runner ``output`` carrying the requests whose routing failed since the
+        last step (:func:`~.messages.attach_failures`), for the scheduler: a sample of the same
+        prompt that finishes later names them in its response. ``output`` unchanged when there
+        are none (nearly always: one integer compared per step)."""
+        sink = self._sink
+        if sink is None or output is None:
+            return output
+        failures = sink.new_failures()
+        if not failures:
+            return output
+        return attach_failures(
+            output,
+            tuple(FailedRouting(f.rollout_id, f.request_id, f.reason) for f in failures if f.rollout_id and f.request_id),
+        )
+
     # -- flush / close -----------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> dict[str, Any]:
@@ -544,6 +554,7 @@ class _ReportingSink:
     def __init__(self, writer: RoutingWriter) -> None:
         self._writer = writer
         self._refused: list[CommitFailure] = []
+        self._reported = (0, 0, 0)  # refused, the writer's failure count and list length, at new_failures' last call
 
     def submit(self, record: Any) -> None:
         """Queue ``record`` with the writer; a raised failure of earlier commits does not refuse it."""
@@ -564,6 +575,21 @@ class _ReportingSink:
         """The requests refused before the writer, then the writer's failed commits
         (:class:`~r3rdma.write.writer.CommitFailure`, each part in failure order)."""
         return self._refused + self._writer.failures()
+
+    def new_failures(self) -> list[CommitFailure]:
+        """The failures (as :meth:`failures`) not handed out by an earlier call; without any,
+        two integers compared (the writer's ``requests_failed`` counter moves with each)."""
+        seen_refused, seen_count, seen_listed = self._reported
+        refused, count = len(self._refused), self._writer.requests_failed
+        if refused == seen_refused and count == seen_count:
+            return []
+        new = self._refused[seen_refused:refused]
+        if count != seen_count:
+            listed = self._writer.failures()
+            new += listed[seen_listed:]
+            seen_listed = len(listed)
+        self._reported = (refused, count, seen_listed)
+        return new
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
@@ -598,8 +624,8 @@ def _attach_all(cap: RoutingCapturer, attaches: list[tuple[str, np.ndarray, np.n
 def _max_forward_tokens(runner: Any) -> int:
     """Tokens one forward can carry, padding included: vLLM sizes its input buffers (and so
     every CUDA-graph capture size and dummy run) from ``max_num_tokens``."""
-    sched = runner.vllm_config.scheduler_config
-    return int(max(getattr(runner, "max_num_tokens", 0) or 0, sched.max_num_batched_tokens))
+    sched = read(runner.vllm_config, "scheduler_config", "VllmConfig")
+    return int(max(read(runner, "max_num_tokens", "GPUModelRunner"), read(sched, "max_num_batched_tokens", "SchedulerConfig")))
 
 
 def _name(value: Any) -> str | None:
