@@ -273,3 +273,31 @@ def test_a_streamed_sample_keeps_its_location_when_vllm_merges_outputs():
     assert _sample_location(loc0, 0) is loc0 and _sample_location(loc0, 1) is None
     both = {**loc0, "request_id": "k.1", "index": 1, "samples": [loc0["samples"][0], {**loc0["samples"][0], "request_id": "k.1", "index": 1}]}
     assert _sample_location(both, 0) == {**loc0["samples"][0], "samples": both["samples"]}
+
+
+def test_a_preempted_speculative_request_keeps_the_positions_the_scheduler_counted():
+    """Speculative decoding: at preemption the workers' input batch still holds the count from
+    before the request's last step, which misses the drafts that step accepted (their rows then
+    came from the recompute; seen on an H200). The scheduler notes its own count as it preempts
+    (before vLLM resets it) and the workers keep exactly that many positions; without the note
+    (a preemption the plug-in's scheduler side did not see) they fall back to the batch's."""
+    from r3rdma.config import R3Config
+    from r3rdma.integrations.vllm.worker import RunnerRecorder
+
+    ledger = FinishLedger(R3Config(rollout_id="r"))
+    ledger.on_preempt(SimpleNamespace(request_id="a", num_computed_tokens=9))
+    assert ledger.take_preempted() == {"a": 9} and ledger.take_preempted() == {}
+
+    batch = SimpleNamespace(req_id_to_index={"a": 0, "b": 1}, num_computed_tokens_cpu=np.array([6, 4]))
+    runner = SimpleNamespace(input_batch=batch, vllm_config=SimpleNamespace(speculative_config=object()))
+    recorder = RunnerRecorder(runner, R3Config(rollout_id="r"))
+    kept = {}
+    cap = SimpleNamespace(preempt_request=lambda rid, computed: kept.__setitem__(rid, computed))
+    thread = SimpleNamespace(submit=lambda fn, *args, **kw: fn(*args, **kw))
+    out = SimpleNamespace(preempted_req_ids={"a", "b"}, finished_req_ids=set(), **{messages.PREEMPTED_ATTR: {"a": 9}})
+    recorder._lifecycle(cap, thread, out)
+    assert kept == {"a": 9, "b": 4}  # a: the scheduler's count (the batch said 6); b: the batch's
+
+    runner.vllm_config.speculative_config = None  # no drafts: every position it computed
+    recorder._lifecycle(cap, thread, out)
+    assert kept == {"a": None, "b": None}

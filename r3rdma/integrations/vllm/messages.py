@@ -9,7 +9,9 @@ import this module and never each other:
   string ended, inside the ABORT the front end sends (:func:`stop_abort`, unpacked by
   :func:`split_aborts`).
 - engine core -> workers: how each freed request left (:class:`FinishedRequest`), in the next
-  scheduler output (:data:`FINISHED_ATTR`, an extra attribute vLLM pickles with the rest).
+  scheduler output (:data:`FINISHED_ATTR`, an extra attribute vLLM pickles with the rest); how
+  many positions each preempted request had computed when it was preempted
+  (:data:`PREEMPTED_ATTR`, the same way).
 - workers -> engine core: requests whose routing the writer (or the capturer) could not
   store (:class:`FailedRouting`), on the step's model runner output (:data:`FAILED_ATTR`).
 - engine core -> front end and client: where a finished request's routing goes
@@ -30,6 +32,7 @@ from r3rdma.integrations.vllm.settings import INDEX_ARG, KEY_ARG, LOCATION_KEY, 
 __all__ = [
     "FAILED_ATTR",
     "FINISHED_ATTR",
+    "PREEMPTED_ATTR",
     "FAILED",
     "LOCATION_KEY",
     "SIBLINGS_FAILED",
@@ -44,6 +47,10 @@ __all__ = [
 ]
 
 FINISHED_ATTR = "r3_finished"  # on vLLM's SchedulerOutput: request id -> FinishedRequest
+# On vLLM's SchedulerOutput: request id -> positions it had computed when preempted (the
+# scheduler's count, after the last step's rejected drafts were taken back; the workers' input
+# batch is one step behind it under speculative decoding).
+PREEMPTED_ATTR = "r3_preempted"
 FAILED_ATTR = "r3_failed"  # on vLLM's ModelRunnerOutput: tuple of FailedRouting
 # In a sample's location (n > 1), from the engine core to the front end only: stored id ->
 # reason of each sibling sample whose routing the workers reported as not stored.

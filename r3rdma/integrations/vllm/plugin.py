@@ -13,8 +13,8 @@ never changes an engine that did not ask for it. Methods wrapped, by process:
   (:mod:`.frontend`); the OpenAI server's ``completion_stream_generator`` and
   ``chat_completion_stream_generator`` and ``RequestOutput.add``, once an ``AsyncLLM`` with
   routing replay is built (:mod:`.streaming`);
-- engine core: ``Scheduler.__init__`` / ``_free_request`` / ``schedule`` /
-  ``update_from_output`` and ``EngineCore.abort_requests`` (:mod:`.scheduler`);
+- engine core: ``Scheduler.__init__`` / ``_free_request`` / ``_preempt_request`` /
+  ``schedule`` / ``update_from_output`` and ``EngineCore.abort_requests`` (:mod:`.scheduler`);
 - workers: ``GPUModelRunner.load_model`` / ``initialize_kv_cache`` / ``execute_model`` /
   ``sample_tokens`` / ``_prepare_inputs`` / ``_model_forward`` (the CPU runner inherits them)
   and ``Worker.load_model`` / ``shutdown``, plus a worker method ``r3_flush`` for
@@ -268,7 +268,7 @@ def _install_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    from r3rdma.integrations.vllm.messages import FINISHED_ATTR, failures_of, split_aborts
+    from r3rdma.integrations.vllm.messages import FINISHED_ATTR, PREEMPTED_ATTR, failures_of, split_aborts
     from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, FinishLedger
     from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
 
@@ -293,12 +293,23 @@ def _install_scheduler() -> None:
 
         return _free_request
 
+    def preempt(original):
+        def _preempt_request(self, request, *args, **kwargs):
+            ledger = getattr(self, "_r3", None)
+            if ledger is not None:
+                ledger.on_preempt(request)  # before vLLM resets its computed count
+            return original(self, request, *args, **kwargs)
+
+        return _preempt_request
+
     def schedule(original):
         def schedule_(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
             ledger = getattr(self, "_r3", None)
             if ledger is not None:
                 setattr(out, FINISHED_ATTR, ledger.take())  # an extra attribute: pickled to the workers with the rest
+                if ledger.preempted:
+                    setattr(out, PREEMPTED_ATTR, ledger.take_preempted())
             return out
 
         return schedule_
@@ -336,6 +347,7 @@ def _install_scheduler() -> None:
 
     _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "_free_request", free)
+    _wrap(Scheduler, "_preempt_request", preempt)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update)
     _wrap(EngineCore, "abort_requests", abort)

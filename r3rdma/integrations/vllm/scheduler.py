@@ -7,6 +7,12 @@ there and attaches them to the next scheduler output (``r3_finished``: request i
 :class:`~.messages.FinishedRequest`), which vLLM pickles to the workers unchanged. Both sets
 drain together in ``schedule()``, so each request in ``finished_req_ids`` has its entry.
 
+Preemption: a preempted request keeps the rows it computed (the forwards that sampled its
+tokens). Under speculative decoding only the scheduler knows how many positions that is when
+it preempts (the workers' input batch is updated for the last step's accepted drafts only
+with the next step), so :meth:`FinishLedger.on_preempt` notes the count just before vLLM
+resets it, and the next scheduler output carries it (``r3_preempted``).
+
 Stop strings: vLLM matches them in the front end, which trims the output to the stop string
 and then *aborts* the request in the engine (which may have computed a few tokens more by
 then). The front end of the plug-in (:mod:`.frontend`) sends the length the client received
@@ -66,6 +72,7 @@ class FinishLedger:
         self.config = config
         self.pending: dict[str, FinishedRequest] = {}
         self.stop_lengths: dict[str, int] = {}
+        self.preempted: dict[str, int] = {}  # request id -> positions computed when preempted
         # (rollout, stored id less its ".<index>") -> stored id -> reason: the failed samples
         # of each n > 1 family, found by a sibling that finishes later.
         self._failed: OrderedDict[tuple[str, str], dict[str, str]] = OrderedDict()
@@ -114,6 +121,16 @@ class FinishLedger:
             self._failed.move_to_end(family)
         while self._failed and len(self._failed) > _KEPT_FAILURES:
             self._failed.popitem(last=False)
+
+    def on_preempt(self, request: Any) -> None:
+        """Note how many positions ``request`` had computed, as vLLM is about to preempt it
+        (its count drops to 0 then)."""
+        self.preempted[request.request_id] = int(request.num_computed_tokens)
+
+    def take_preempted(self) -> dict[str, int]:
+        """The preempted requests noted since the last take (request id -> positions computed); empties them."""
+        preempted, self.preempted = self.preempted, {}
+        return preempted
 
     def take(self) -> dict[str, FinishedRequest]:
         """The requests freed since the last take (request id -> what the workers need to finish it); empties the ledger."""

@@ -73,7 +73,7 @@ import torch
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError, R3Error
 from r3rdma.integrations.pipeline import build_writer
-from r3rdma.integrations.vllm.messages import FailedRouting, FinishedRequest, attach_failures
+from r3rdma.integrations.vllm.messages import PREEMPTED_ATTR, FailedRouting, FinishedRequest, attach_failures
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
 from r3rdma.integrations.vllm.support import check_engine, read
 from r3rdma.integrations.vllm.threads import threads_beside_the_model
@@ -407,16 +407,21 @@ class RunnerRecorder:
         preempted = scheduler_output.preempted_req_ids
         if preempted:
             # The rows a preempted request computed are kept as first computed (the forwards
-            # that sampled its tokens; vLLM's own capture returns those too). With speculative
-            # drafts only the positions accepted before its last step are known here (the input
-            # batch is not yet updated for this step); without, every position it computed.
-            batch = self.runner.input_batch
+            # that sampled its tokens; vLLM's own capture returns those too). Without drafts,
+            # every position it computed. With speculative drafts, the positions the scheduler
+            # counted when it preempted (PREEMPTED_ATTR): this input batch is not yet updated
+            # for the drafts its last step accepted, so its own count misses those, and their
+            # rows would come from the recompute (seen on an H200: 1 row of 540 differed).
             spec = self.runner.vllm_config.speculative_config is not None
+            counted = getattr(scheduler_output, PREEMPTED_ATTR, None) or {}
+            batch = self.runner.input_batch
             for rid in preempted:
                 computed = None
                 if spec:
-                    i = batch.req_id_to_index.get(rid)
-                    computed = 0 if i is None else int(batch.num_computed_tokens_cpu[i])
+                    computed = counted.get(rid)
+                    if computed is None:  # preempted where the plug-in's scheduler side did not see it
+                        i = batch.req_id_to_index.get(rid)
+                        computed = 0 if i is None else int(batch.num_computed_tokens_cpu[i])
                 thread.submit(cap.preempt_request, rid, computed=computed)
         if not scheduler_output.finished_req_ids:
             return
