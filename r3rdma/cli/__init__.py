@@ -36,6 +36,12 @@ COMMANDS = [
     ),
     ("delete", None, "r3rdma.cli.delete", "retention: delete rollouts (by id or by age) on every store node"),
     (
+        "rl-loop",
+        None,
+        "r3rdma.cli.rl_loop",
+        "GRPO on one long-lived vLLM engine: weights pushed every step, routing replayed, checked and measured",
+    ),
+    (
         "bench",
         "reliability",
         "r3rdma.bench.reliability_bench",
