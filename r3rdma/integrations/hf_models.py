@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +29,7 @@ def tiny_qwen3_moe(**overrides):
     """A 4-layer Qwen3-MoE config (16 experts, top-4, layer 1 dense, vocab 512), ``overrides`` applied."""
     from transformers import Qwen3MoeConfig
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -52,7 +52,7 @@ def tiny_deepseek_v3(**overrides):
     """A 4-layer DeepSeek-V3 config (16 routed experts in 4 groups, top-4, layer 0 dense, MLA), ``overrides`` applied."""
     from transformers import DeepseekV3Config
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -81,7 +81,7 @@ def tiny_olmoe(**overrides):
     """A 3-layer OLMoE config (8 experts, top-2, every layer MoE, vocab 512), ``overrides`` applied."""
     from transformers import OlmoeConfig
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=32,

@@ -200,7 +200,7 @@ def _install_frontend() -> None:
             state = frontend.state_of(self)
             extra = state.admit(request, request_index) if state is not None else None
             out = original(self, request, prompt, parent_req, request_index, *args, **kwargs)
-            if extra is not None:
+            if state is not None and extra is not None:
                 state.mark(request.request_id, extra, self.request_states.get(request.request_id))
             return out
 
