@@ -66,7 +66,13 @@ from r3rdma.errors import CaptureStateError, ConfigError, R3TimeoutError
 __all__ = ["CaptureThread", "InlineCapture"]
 
 _STOP = object()
-_POLL_S = 50e-6  # how often the thread looks whether a step's rows have left the device
+# How often the thread looks whether a step's rows have left the device. Each look takes the
+# GIL, and under asynchronous scheduling the engine hands a step over about one forward before
+# the GPU ran it: at 50 us the thread woke ~400 times per 18-23 ms decode step, took the GIL from
+# the engine's thread each time, and the step was ~0.8 ms longer at 256 running (measured on an
+# H200, vLLM 0.26, BENCHMARKS.md "vLLM on a GPU"). At 1 ms it wakes ~20 times; the rows are
+# scattered at most 1 ms later, off the engine's step path.
+_POLL_S = 1e-3
 _IDLE_S = 1e-3  # how often an idle thread looks for calls (a decode step takes 10-30 ms)
 
 
@@ -108,7 +114,8 @@ class CaptureThread:
         # The engine's stream on CUDA: each step's rows are copied on it, and the thread issues
         # the capturer's device work on the stream of the latest step (see step()).
         self._stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
-        self.busy_seconds = 0.0  # time the thread spent running calls (off the engine's step path)
+        self.busy_seconds = 0.0  # time the thread spent running calls (off the engine's step path), waits excluded
+        self.wait_seconds = 0.0  # time it spent waiting for steps' rows to leave the device
         self.calls = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -223,15 +230,19 @@ class CaptureThread:
         if stream is not None:
             self._stream = stream
         if isinstance(rows, StagedRows):
-            while not rows.ready():
-                # Polled, not waited on: a thread blocked in a CUDA synchronisation can hold up
-                # the engine thread's CUDA calls (as the engine's own blocking copies hold up ours).
-                time.sleep(_POLL_S)
+            if not rows.ready():
+                t0 = time.perf_counter()
+                while not rows.ready():
+                    # Polled, not waited on: a thread blocked in a CUDA synchronisation can hold up
+                    # the engine thread's CUDA calls (as the engine's own blocking copies hold up ours).
+                    time.sleep(_POLL_S)
+                self.wait_seconds += time.perf_counter() - t0
             rows = rows.host
         _capture_step(self.capturer, self._buf, request_ids, starts, counts, slots, rows, before, after)
 
     def _run(self) -> None:
         pop, clock, wake = self._queue.popleft, time.perf_counter, self._wake
+        waited_before = 0.0  # wait_seconds when the last call ended (a call's waits are not busy time)
         while True:
             try:
                 fn, args, kwargs, reply = pop()
@@ -261,7 +272,9 @@ class CaptureThread:
                 if reply is not None:
                     reply[0].extend((True, value))
             finally:
-                self.busy_seconds += clock() - t0
+                waited = self.wait_seconds
+                self.busy_seconds += clock() - t0 - (waited - waited_before)
+                waited_before = waited
                 self.calls += 1
                 if reply is not None:
                     reply[1].set()
@@ -286,6 +299,7 @@ class InlineCapture:
 
     threaded = False
     busy_seconds = 0.0  # the work runs on the caller's thread, in the caller's time
+    wait_seconds = 0.0  # and never waits for rows to leave a device
     error = None  # an error is raised to the call that made it, never held
 
     def __init__(self, capturer: RoutingCapturer) -> None:
