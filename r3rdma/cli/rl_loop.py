@@ -981,7 +981,7 @@ def run_rl_loop(
             store.close()
     from r3rdma.cli.rl_report import summarize
 
-    summary = summarize(records, options, seconds=time.perf_counter() - started)
+    summary = summarize(records, options_dict(options), seconds=time.perf_counter() - started)
     ok = all(r["ok"] for r in records)
     summary["ok"] = ok
     return RLLoopResult(records=records, summary=summary, ok=ok)

@@ -37,10 +37,9 @@ def _mean(values: list[Any]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def summarize(records: list[dict[str, Any]], options: Any, *, seconds: float) -> dict[str, Any]:
-    """The run's summary (the last JSON line of ``r3rdma rl-loop``), less its verdict."""
-    from r3rdma.cli.rl_loop import options_dict
-
+def summarize(records: list[dict[str, Any]], options: dict[str, Any], *, seconds: float) -> dict[str, Any]:
+    """The run's summary (the last JSON line of ``r3rdma rl-loop``), less its verdict;
+    ``options``: the run's options as JSON values."""
     runs: dict[str, Any] = {}
     for mode in dict.fromkeys(r["mode"] for r in records):
         rs = [r for r in records if r["mode"] == mode]
@@ -67,7 +66,7 @@ def summarize(records: list[dict[str, Any]], options: Any, *, seconds: float) ->
         "runs": runs,
         "steps": len(records),
         "kl_estimator": "k3 on sampled tokens: mean(exp(r) - 1 - r), r = logp_trainer - logp_engine (KL(engine || trainer))",
-        "options": options_dict(options),
+        "options": options,
         "machine": _machine(),
         "versions": _versions(),
         "seconds": round(seconds, 1),
