@@ -2,7 +2,7 @@
 
 What an engine and a trainer call. An engine builds its capture pipeline from one
 :class:`R3Config` (``build_capturer(R3Config.from_json(...), ...)``, from
-:mod:`r3rdma.integrations.pipeline`) or by hand from
+:mod:`r3rdma.integrations.builders`) or by hand from
 :class:`RoutingCapturer`, :class:`RoutingWriter` and a store (:class:`LocalRoutingStore` or
 :class:`StoreNodesClient`). A trainer reads with :class:`RoutingReader` (:class:`PackedRouting`
 micro-batches) and replays with :class:`RouterReplay` / :class:`ReplayBatch`.

@@ -9,7 +9,7 @@ so an existing launch line carries over; unknown keys are refused, not ignored.
 field's type strictly (a ``"false"`` string is no bool) and its range, ``Literal`` fields name
 their few values, and every refusal is a :class:`~r3rdma.errors.ConfigError` naming the field,
 what it expected and what arrived. The settings build nothing: the capture pipeline they name
-is built by :mod:`r3rdma.integrations.pipeline`::
+is built by :mod:`r3rdma.integrations.builders`::
 
     cfg = R3Config.from_json(routing_replay_config)        # or R3Config.from_env(...)
     with build_capturer(cfg, model=model, num_slots=kv_slots) as capturer:   # None when disabled
@@ -70,7 +70,7 @@ def _raising_config_errors(cls):
 @_raising_config_errors
 @dataclass(frozen=True, slots=True, kw_only=True, config=ConfigDict(strict=True, extra="forbid"))
 class R3Config:
-    """Routing capture and storage settings; :func:`r3rdma.integrations.pipeline.build_capturer`
+    """Routing capture and storage settings; :func:`r3rdma.integrations.builders.build_capturer`
     turns them into a pipeline.
 
     What a built pipeline is: a :class:`~r3rdma.capture.capturer.RoutingCapturer` (slot table,
@@ -86,7 +86,7 @@ class R3Config:
 
     Attributes:
         enable_routing_replay: capture routing at all (FastDeploy key). False:
-            :func:`~r3rdma.integrations.pipeline.build_capturer`
+            :func:`~r3rdma.integrations.builders.build_capturer`
             returns None, so an engine keeps one code path.
         routing_store_type: the store the writer commits to. ``"local"``: a
             :class:`~r3rdma.store.local_store.LocalRoutingStore` writing Zarr under
@@ -104,7 +104,7 @@ class R3Config:
             as a segment. Store nodes append only, so True with ``store_nodes`` is refused.
         rollout_id: the capturer's rollout id for finished requests whose
             ``finish_request`` names none. Left at ``"default"``,
-            :func:`~r3rdma.integrations.pipeline.build_capturer`
+            :func:`~r3rdma.integrations.builders.build_capturer`
             logs a warning (logger ``r3rdma``, once per process) naming it: readers must ask
             for that id; set one id per RL step (``R3_ROLLOUT_ID``).
         store_urls: ``store_nodes`` only: push addresses ``host:ucx_port`` of the store nodes
@@ -118,7 +118,7 @@ class R3Config:
             (``StoreNodesClient(replicas=)``, docs/DISTRIBUTED.md). 0: the client's default, 2
             with two or more nodes, else 1.
         slot_table_device: where the capturer's slot table and step buffers live, when
-            :func:`~r3rdma.integrations.pipeline.build_capturer` is given no ``device``:
+            :func:`~r3rdma.integrations.builders.build_capturer` is given no ``device``:
             ``auto`` (the model's device when built with ``model=``; else CUDA when available,
             else CPU), ``cpu``, ``cuda`` or ``cuda:<n>``. The vLLM plug-in keeps it on the host
             for a model on the GPU too when its capturer runs on a thread (``capture_thread``;

@@ -15,6 +15,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$R3_ROOT/.venv/bin/python"
+# A set-up that went through to its import check leaves a stamp: the hash of pyproject.toml and
+# of this script. While both are unchanged it is done: pip is not asked again (with everything
+# installed it still resolves every dependency and rebuilds the editable install, 1-4 minutes
+# of each scripts/test.sh and scripts/demo.sh on a busy 2-core machine).
+stamp="$R3_ROOT/.venv/.r3rdma-setup"
+want="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+if [ -z "$first" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  return 0 2>/dev/null || exit 0
+fi
 pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # torch first, pinned: an open range would pull the newest build with several GB of CUDA
 # packages on a CPU machine; with torch present, nothing is reinstalled.
@@ -36,3 +45,4 @@ if "$VPY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
 fi
 phase "checking that everything imports"
 "$VPY" -c "import r3rdma, torch, zarr, ucxx, transformers, vllm" || { echo "set-up failed: r3rdma or a dependency does not import" >&2; exit 1; }
+echo "$want" >"$stamp"

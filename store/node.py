@@ -21,8 +21,8 @@ from r3rdma.transport.auth import derive_admin_token, derive_read_token
 from .address import NodeAddress
 from .http_app import make_http_app
 from .metrics import NodeMetrics, bind_node_gauges
+from .part_retry import commit_each, retry_part_by_part
 from .read_workers import ReadWorkers, WorkerSettings, reuse_port_socket
-from .refusals import commit_each, retry_part_by_part
 
 __all__ = ["StoreNode", "NodeAddress"]
 
@@ -179,7 +179,7 @@ class StoreNode:
         """Answer a group whose commit raised ``error``: one batch refused for its data (a
         conflicting duplicate, a geometry mismatch) has the batches committed one by one, so
         each client gets its own answer; any other error (a failing disk) is every batch's
-        answer (store/refusals.py)."""
+        answer (store/part_retry.py)."""
         if retry_part_by_part(error, len(group)):
             outcomes = await asyncio.to_thread(commit_each, self.store.commit, [records for records, _ in group])
         else:

@@ -11,7 +11,7 @@ import pytest
 
 from r3rdma import RoutingCapturer, RoutingReader
 from r3rdma.bench.group_bench import rows_stored
-from r3rdma.capture.shared_rows import StoredPrefixes
+from r3rdma.capture.stored_prefixes import StoredPrefixes
 from r3rdma.store.local_store import LocalRoutingStore
 from r3rdma.write.writer import RoutingWriter
 from tests.sinks import ListSink

@@ -1,4 +1,4 @@
-"""The pipeline an R3Config names (r3rdma.integrations.pipeline): capturer -> writer -> store, closed by
+"""The pipeline an R3Config names (r3rdma.integrations.builders): capturer -> writer -> store, closed by
 what built it."""
 
 import json
@@ -12,7 +12,7 @@ import zarr
 from r3rdma import AuthenticationError, LocalRoutingStore, R3Config, RoutingCapturer, RoutingReader, RoutingWriter, StoreNodesClient
 from r3rdma.capture.transfer import DeviceRows
 from r3rdma.errors import ConfigError, DuplicateRequestError, ShapeMismatchError, StoreError
-from r3rdma.integrations.pipeline import build_capturer, build_writer
+from r3rdma.integrations.builders import build_capturer, build_writer
 from r3rdma.write.writer import DeviceRecordStore
 
 from .store_nodes import new_token, start_node

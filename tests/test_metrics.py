@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3rdma import R3Config, RoutingWriter
 from r3rdma.errors import ConfigError, StoreError
-from r3rdma.integrations.pipeline import build_capturer
+from r3rdma.integrations.builders import build_capturer
 from r3rdma.metrics import capture_registry, serve_capture_metrics
 from r3rdma.store.http_app import make_http_app
 from r3rdma.store.metrics import NodeMetrics

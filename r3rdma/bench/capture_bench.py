@@ -41,7 +41,7 @@ import statistics
 import time
 import warnings
 
-from r3rdma.bench.support import emit
+from r3rdma.bench.common import emit
 
 __all__ = ["run_capture_bench", "add_arguments", "main"]
 
@@ -193,7 +193,7 @@ class _EngineSteps:
         from r3rdma.capture.capture_thread import CaptureThread
         from r3rdma.capture.capturer import RoutingCapturer
         from r3rdma.config import R3Config
-        from r3rdma.integrations.pipeline import build_writer
+        from r3rdma.integrations.builders import build_writer
 
         self.loop, self.step_buf, self.args = loop, step_buf, args
         self.capturers = {}

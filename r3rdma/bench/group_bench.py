@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from r3rdma.bench.support import add_options, log, run_from_args, scratch_dir, stop_all, tree_bytes
+from r3rdma.bench.common import add_options, log, run_from_args, scratch_dir, stop_all, tree_bytes
 from r3rdma.bench.synthetic import routing_pool
 from r3rdma.records import RequestRecord, SharedPrefix
 

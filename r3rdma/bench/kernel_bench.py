@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from r3rdma.bench.support import run_from_args
+from r3rdma.bench.common import run_from_args
 
 __all__ = ["run_kernel_bench", "add_arguments", "main"]
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from r3rdma.bench.support import emit
+from r3rdma.bench.common import emit
 from r3rdma.store.process import new_token, spawn_node
 from r3rdma.testing.crash import crash_cycles, disk_full, load
 from r3rdma.testing.failover import failover_figures

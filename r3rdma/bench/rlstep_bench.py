@@ -86,7 +86,7 @@ from typing import Any
 
 import numpy as np
 
-from r3rdma.bench.support import (
+from r3rdma.bench.common import (
     Worker,
     add_options,
     add_preset_arguments,

@@ -2,7 +2,7 @@
 in the step): :func:`engine_main`, one TP-owner rank submitting its requests on a schedule, and
 :func:`trainer_main`, one data-parallel rank (the step's collect, the timed reads of
 :func:`worker_read`, a fresh reader's index open). Both run as
-:class:`r3rdma.bench.support.Worker` processes and speak its pipe protocol.
+:class:`r3rdma.bench.common.Worker` processes and speak its pipe protocol.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from r3rdma.bench.support import serve, wait_go
+from r3rdma.bench.common import serve, wait_go
 
 __all__ = ["engine_main", "trainer_main", "worker_read", "WARM_ROLLOUT"]
 
@@ -35,7 +35,7 @@ def engine_main(
     os.dup2(2, 1)  # the parent's stdout ends with its JSON line: anything printed here goes to stderr
     import traceback
 
-    from r3rdma.bench.support import TimedCommits, warm_connections
+    from r3rdma.bench.common import TimedCommits, warm_connections
     from r3rdma.bench.synthetic import TiledRollout
     from r3rdma.write import RoutingWriter, StoreNodesClient
 

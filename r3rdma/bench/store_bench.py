@@ -27,8 +27,8 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from r3rdma.bench.support import add_options, run_from_args, scratch_dir
-from r3rdma.bench.support import rounds_bar as _rounds
+from r3rdma.bench.common import add_options, run_from_args, scratch_dir
+from r3rdma.bench.common import rounds_bar as _rounds
 from r3rdma.bench.synthetic import synthetic_records
 from r3rdma.records import batches_by_size
 from r3rdma.store.layout import fsync_paths, tree_paths

@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from r3rdma.bench.support import (
+from r3rdma.bench.common import (
     Worker,
     add_options,
     add_preset_arguments,

@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from r3rdma.bench.support import run_from_args
+from r3rdma.bench.common import run_from_args
 
 __all__ = ["run_transport_bench", "add_arguments", "main"]
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3rdma.bench.support import emit, rounds_bar
+from r3rdma.bench.common import emit, rounds_bar
 
 if TYPE_CHECKING:  # vllm is imported where it runs: `--help` and the other benches stay light
     from vllm.inputs import TokensPrompt

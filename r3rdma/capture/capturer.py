@@ -52,9 +52,9 @@ import torch
 from r3rdma.capture.finishing import DeviceRowsSink, Finishing, RoutingSink, takes_deferred, takes_device_rows
 from r3rdma.capture.id_check import id_range_check
 from r3rdma.capture.ledger import RequestLedger, num_routing_rows
-from r3rdma.capture.shared_rows import StoredPrefixes
 from r3rdma.capture.slot_table import SlotTable, host_int64
 from r3rdma.capture.step import StepRecorder
+from r3rdma.capture.stored_prefixes import StoredPrefixes
 from r3rdma.capture.transfer import TRANSFER_MODES
 from r3rdma.errors import ConfigError, OutOfRangeError, ShapeMismatchError
 from r3rdma.ids import validate_id
@@ -126,7 +126,7 @@ class RoutingCapturer:
             is not called; ``end_step`` stores rows ``0 .. T - 1`` only, so padded rows a graph
             wrote for a larger size are never stored. Without TP only (``tp_group`` None).
         share_prefixes: store rows a request shares with a request already stored once
-            (:mod:`r3rdma.capture.shared_rows`): a finished request whose first rows the engine
+            (:mod:`r3rdma.capture.stored_prefixes`): a finished request whose first rows the engine
             reused from another stored request's KV (prefix-cache hit, fork) goes to the sink
             with its own rows and a :class:`~r3rdma.records.SharedPrefix`, which the store
             resolves into segments over the rows it holds. None (default): on for a
@@ -134,7 +134,7 @@ class RoutingCapturer:
             off for other sinks and without one, which get every record whole.
         owns_sink: :meth:`close` also closes ``sink`` (which must then have ``close()``, taking
             the timeout when :meth:`close` is given one).
-            :func:`~r3rdma.integrations.pipeline.build_capturer` sets it for
+            :func:`~r3rdma.integrations.builders.build_capturer` sets it for
             the writer (and store) it builds; a sink the caller passes in stays the caller's to
             close unless it says otherwise.
 
@@ -530,7 +530,7 @@ class RoutingCapturer:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, stop the finisher thread (if one was started), then close the sink if the
-        capturer owns it (``owns_sink``: a capturer from :func:`~r3rdma.integrations.pipeline.build_capturer`, whose writer then commits what it holds and
+        capturer owns it (``owns_sink``: a capturer from :func:`~r3rdma.integrations.builders.build_capturer`, whose writer then commits what it holds and
         closes its store). A sink the caller passed in is left open.
 
         Everything is released even when a step fails; the first error is raised. Calling it

@@ -11,7 +11,7 @@ the table lives and what the sink declares it takes:
 - CUDA with a sink, staged: an asynchronous copy into pinned host memory
   (:func:`~r3rdma.capture.transfer.stage_to_host`) wrapped as a deferred record; a
   :class:`DeferredSink` (a :class:`~r3rdma.write.writer.RoutingWriter`) resolves it on its own
-  thread, any other sink gets it through a :class:`Finisher` thread started on first use.
+  thread, any other sink gets it through a :class:`FinishThread` thread started on first use.
 
 The sink protocols live here, next to :mod:`r3rdma.capture.transfer` (how the bytes move).
 
@@ -46,7 +46,7 @@ __all__ = [
     "DeferredSink",
     "HandOverSink",
     "Finishing",
-    "Finisher",
+    "FinishThread",
     "StagedRecord",
     "make_record",
 ]
@@ -91,7 +91,7 @@ class DeferredSink(Protocol):
     """A sink whose ``submit`` also takes a :class:`~r3rdma.write.writer.DeferredRecord` (rows
     still being copied off the GPU) and resolves it on its own thread, so its ``flush`` covers
     records in flight too: a :class:`~r3rdma.write.writer.RoutingWriter`
-    (``accepts_deferred = True``). Other sinks get finished records from a :class:`Finisher`."""
+    (``accepts_deferred = True``). Other sinks get finished records from a :class:`FinishThread`."""
 
     accepts_deferred: bool
 
@@ -126,7 +126,7 @@ def make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> Request
     """The :class:`RequestRecord` of rows ``ids`` (the slot table's dtype) and ``meta`` (its other fields).
 
     ``meta["shared"] = (source id, rows)``: the first ``rows`` rows are a stored request's
-    (:mod:`r3rdma.capture.shared_rows`); the record carries the rest, and those rows only as
+    (:mod:`r3rdma.capture.stored_prefixes`); the record carries the rest, and those rows only as
     the client-side copy a store that cannot resolve the reference gets instead."""
     if storage_dtype == np.uint16:
         ids = ids.view(np.uint16)  # the table holds uint16 bit patterns as int16
@@ -167,7 +167,7 @@ class StagedRecord:
         return make_record(self._staged.wait(), self._dtype, self._meta)
 
 
-class Finisher:
+class FinishThread:
     """A thread that waits for finished requests' D2H copies and hands the records to the sink.
 
     Started on the first CUDA finish (never at import or construction). The engine thread
@@ -235,7 +235,7 @@ class Finishing:
         self.transfer_mode = transfer_mode
         self.storage_dtype = storage_dtype
         self.row_bytes = row_bytes  # one [L, K] row in the storage dtype
-        self._finisher: Finisher | None = None
+        self._finisher: FinishThread | None = None
         # The sink as a taker of device rows; the capturer chose gpu_direct only for such a sink.
         self._device_sink = sink if takes_device_rows(sink) else None
         self._uses_hand_over = isinstance(sink, HandOverSink)
@@ -268,7 +268,7 @@ class Finishing:
                 self._hand_over(deferred)
             else:
                 if self._finisher is None:
-                    self._finisher = Finisher(self.sink)
+                    self._finisher = FinishThread(self.sink)
                 self._finisher.put(deferred)
             return None
         ids = self.table.gather_host(slots)

@@ -102,10 +102,10 @@ def run_demo(
     import numpy as np
 
     from r3rdma.cli.shadow import ShadowRecorder
+    from r3rdma.integrations.builders import build_capturer
     from r3rdma.integrations.hf_capture import attach_capturer
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from r3rdma.integrations.pipeline import build_capturer
     from r3rdma.read.reader import RoutingReader
 
     started = time.perf_counter()

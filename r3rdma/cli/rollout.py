@@ -9,7 +9,7 @@ once (NCCL on GPU, gloo on CPU), so every rank holds the whole slot table, and t
 owns a request (hash of its id mod the TP size) pushes it.
 
 The capture pipeline (capturer, writer, store client) is built by
-:func:`~r3rdma.integrations.pipeline.build_capturer`, from
+:func:`~r3rdma.integrations.builders.build_capturer`, from
 ``--routing-replay-config`` when given, else from the flags (:func:`rollout_config`).
 
 With ``--shadow-dir`` the first rank of each group also writes an independent shadow record
@@ -107,10 +107,10 @@ def main(args) -> int:
     from r3rdma.cli.demo import make_requests
     from r3rdma.cli.shadow import ShadowRecorder
     from r3rdma.errors import ConfigError
+    from r3rdma.integrations.builders import build_capturer
     from r3rdma.integrations.hf_capture import attach_capturer
     from r3rdma.integrations.hf_models import build_model, tiny_qwen3_moe
     from r3rdma.integrations.hf_rollout import BlockAllocator, HFRolloutDriver
-    from r3rdma.integrations.pipeline import build_capturer
     from r3rdma.write.writer import RoutingWriter
 
     if "RANK" not in os.environ:

@@ -3,7 +3,7 @@
 Hugging Face transformers (``hf_*``: router discovery, capture hooks, rollout drivers, replay),
 Megatron-core replay (``megatron``), the vLLM plug-in (``vllm``), the verl / slime hand-off
 layouts (``rl_frameworks``), and the pipeline an :class:`~r3rdma.config.R3Config` names, built
-(``pipeline``). Importing this package loads only the Hugging Face router helpers below.
+(``builders``). Importing this package loads only the Hugging Face router helpers below.
 """
 
 from r3rdma.integrations.hf_replay import GateWeightsFn, gate_weights_fn, register_gate_weights, supported_router_classes

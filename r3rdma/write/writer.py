@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, SharedRowsMissingError, StoreError
 from r3rdma.records import RequestRecord
+from r3rdma.store.part_retry import commit_each, retry_part_by_part
 from r3rdma.store.pools import submit
-from r3rdma.store.refusals import commit_each, retry_part_by_part
 
 if TYPE_CHECKING:
     from r3rdma.capture.transfer import DeviceRows
@@ -132,7 +132,7 @@ class RoutingWriter:
         flush_interval_s: ... or once its first record waited this long.
         max_inflight_bytes: bytes queued or being committed; ``submit`` blocks beyond it.
         owns_store: :meth:`close` also closes ``store`` (which must have ``close()``); set by
-            :func:`~r3rdma.integrations.pipeline.build_writer`. A store the
+            :func:`~r3rdma.integrations.builders.build_writer`. A store the
             caller passes in stays the caller's to close unless it says otherwise.
     """
 
@@ -534,7 +534,7 @@ class RoutingWriter:
 
     def _commit(self, commit, items: list) -> list[tuple[BaseException, list]]:
         """Commit ``items``; if the data is refused, again one by one, so only the bad ones fail
-        (:mod:`r3rdma.store.refusals`). A store that made some of them durable and says which
+        (:mod:`r3rdma.store.part_retry`). A store that made some of them durable and says which
         it did not (``error.not_durable``: store nodes that could not hold every request on
         enough nodes) fails only those."""
         try:

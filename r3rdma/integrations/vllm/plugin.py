@@ -21,7 +21,7 @@ never changes an engine that did not ask for it. Methods wrapped, by process:
   ``LLM.collective_rpc`` (:mod:`.worker`); the routers' ``set_capture_fn`` (public; wrapped
   so that a capture vLLM binds later, its own ``enable_return_routed_experts``, runs beside
   r3rdma's record op instead of replacing it);
-- the engine's config: ``EngineArgs.create_engine_config``, where :mod:`.support` refuses what
+- the engine's config: ``EngineArgs.create_engine_config``, where :mod:`.engine_gate` refuses what
   the plug-in cannot record (Model Runner V2 among them) in the user's own process.
 
 What the processes tell each other travels inside messages vLLM already sends
@@ -144,8 +144,8 @@ def _install_refusal(version: str) -> None:
 def _install_config_check() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
+    from r3rdma.integrations.vllm.engine_gate import check_engine
     from r3rdma.integrations.vllm.settings import routing_config
-    from r3rdma.integrations.vllm.support import check_engine
 
     def create(original):
         def create_engine_config(self, *args, **kwargs):
@@ -269,14 +269,14 @@ def _install_scheduler() -> None:
     from vllm.v1.engine.core import EngineCore
 
     from r3rdma.integrations.vllm.messages import FINISHED_ATTR, PREEMPTED_ATTR, failures_of, split_aborts
-    from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, FinishLedger
+    from r3rdma.integrations.vllm.scheduler import LOCATION_KEY, SchedulerState
     from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
 
     def init(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             config = routing_config(self.vllm_config)
-            self._r3 = FinishLedger(config) if config is not None else None
+            self._r3 = SchedulerState(config) if config is not None else None
             if config is not None:
                 route_core_logs()
 
@@ -363,8 +363,8 @@ def _install_worker() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
+    from r3rdma.integrations.vllm.engine_gate import V1_HINT, uses_model_runner_v2
     from r3rdma.integrations.vllm.settings import route_core_logs, routing_config
-    from r3rdma.integrations.vllm.support import V1_HINT, uses_model_runner_v2
     from r3rdma.integrations.vllm.worker import RunnerRecorder, with_record_op
 
     def worker_load(original):

@@ -2,7 +2,7 @@
 
 vLLM's workers learn only *that* a request left (``SchedulerOutput.finished_req_ids``), not
 whether it finished or was aborted, nor its final length. The scheduler knows both when it
-frees the request; :class:`FinishLedger` (one per vLLM ``Scheduler``, held by it) notes them
+frees the request; :class:`SchedulerState` (one per vLLM ``Scheduler``, held by it) notes them
 there and attaches them to the next scheduler output (``r3_finished``: request id ->
 :class:`~.messages.FinishedRequest`), which vLLM pickles to the workers unchanged. Both sets
 drain together in ``schedule()``, so each request in ``finished_req_ids`` has its entry.
@@ -10,7 +10,7 @@ drain together in ``schedule()``, so each request in ``finished_req_ids`` has it
 Preemption: a preempted request keeps the rows it computed (the forwards that sampled its
 tokens). Under speculative decoding only the scheduler knows how many positions that is when
 it preempts (the workers' input batch is updated for the last step's accepted drafts only
-with the next step), so :meth:`FinishLedger.on_preempt` notes the count just before vLLM
+with the next step), so :meth:`SchedulerState.on_preempt` notes the count just before vLLM
 resets it, and the next scheduler output carries it (``r3_preempted``).
 
 Stop strings: vLLM matches them in the front end, which trims the output to the stop string
@@ -26,7 +26,7 @@ after the scheduler freed it, so when its output is made nothing is known yet of
 commit. What is known is said: a request the scheduler cannot name is ``"status": "failed"``
 (:func:`~.messages.failed_location`), and a sample of ``n > 1`` carries the sibling samples
 whose failure the workers reported before it finished (:data:`~.messages.SIBLINGS_FAILED`;
-the workers report failures with each step's output, :meth:`FinishLedger.note_failures`).
+the workers report failures with each step's output, :meth:`SchedulerState.note_failures`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from r3rdma.integrations.vllm.settings import (
     stored_request_id,
 )
 
-__all__ = ["FinishLedger", "LOCATION_KEY", "location"]
+__all__ = ["SchedulerState", "LOCATION_KEY", "location"]
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -64,7 +64,7 @@ log = logging.getLogger(LOGGER_NAME)
 _KEPT_FAILURES = 4096
 
 
-class FinishLedger:
+class SchedulerState:
     """One scheduler's plug-in state: requests freed since the last ``schedule()``, the
     stop-string lengths the front end sent, and the failures the workers reported."""
 

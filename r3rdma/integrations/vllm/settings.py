@@ -82,7 +82,7 @@ def routing_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> R3
     set, or ``R3_ENABLE_ROUTING_REPLAY`` true. ``enable_routing_replay: false`` in either turns
     it off again.
     """
-    from r3rdma.integrations.vllm.support import read
+    from r3rdma.integrations.vllm.engine_gate import read
 
     env = os.environ if env is None else env
     extra = read(vllm_config, "additional_config", "VllmConfig") or {}  # renamed: an error, not "off"

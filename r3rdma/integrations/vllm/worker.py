@@ -72,10 +72,10 @@ import torch
 
 from r3rdma.config import R3Config
 from r3rdma.errors import ConfigError, R3Error
-from r3rdma.integrations.pipeline import build_writer
+from r3rdma.integrations.builders import build_writer
+from r3rdma.integrations.vllm.engine_gate import check_engine, read
 from r3rdma.integrations.vllm.messages import PREEMPTED_ATTR, FailedRouting, FinishedRequest, attach_failures
 from r3rdma.integrations.vllm.settings import LOGGER_NAME
-from r3rdma.integrations.vllm.support import check_engine, read
 from r3rdma.integrations.vllm.threads import threads_beside_the_model
 from r3rdma.kernels.record_op import new_step_buffer, record_hook, unwritten_sentinel
 

@@ -88,5 +88,5 @@ def read(config: Any, field: str, owner: str) -> Any:
         raise ConfigError(
             f"r3rdma's vLLM plug-in reads {owner}.{field} to decide whether it can record this engine, and this "
             f"vLLM ({vllm.__version__}) has no such field ({type(config).__name__} has none): a release that renamed "
-            "or removed it needs the plug-in updated (r3rdma.integrations.vllm.support) before routing replay can run"
+            "or removed it needs the plug-in updated (r3rdma.integrations.vllm.engine_gate) before routing replay can run"
         ) from e

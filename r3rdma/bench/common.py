@@ -76,7 +76,7 @@ def worker_context():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.support", "r3rdma.bench.rlstep_workers"])
+    ctx.set_forkserver_preload(["r3rdma.read.reader", "r3rdma.bench.common", "r3rdma.bench.rlstep_workers"])
     return ctx
 
 
