@@ -49,13 +49,14 @@ from contextlib import AbstractContextManager
 import numpy as np
 import torch
 
-from r3rdma.capture.finishing import DeviceRowsSink, Finishing, RoutingSink, takes_deferred, takes_device_rows
+from r3rdma.capture.finishing import Finishing
 from r3rdma.capture.id_check import id_range_check
 from r3rdma.capture.ledger import RequestLedger, num_routing_rows
 from r3rdma.capture.slot_table import SlotTable, host_int64
 from r3rdma.capture.step import StepRecorder
 from r3rdma.capture.stored_prefixes import StoredPrefixes
 from r3rdma.capture.transfer import TRANSFER_MODES
+from r3rdma.contracts import Closable, DeviceRowsSink, RoutingSink, takes_deferred, takes_device_rows
 from r3rdma.errors import ConfigError, OutOfRangeError, ShapeMismatchError
 from r3rdma.ids import validate_id
 from r3rdma.records import RequestRecord, routing_dtype
@@ -171,7 +172,7 @@ class RoutingCapturer:
         self.num_experts = int(num_experts)
         self.num_slots = int(num_slots)
         self.storage_dtype = routing_dtype(num_experts)
-        if owns_sink and not callable(getattr(sink, "close", None)):
+        if owns_sink and not isinstance(sink, Closable):
             raise ConfigError(f"owns_sink=True needs a sink with close(), got {type(sink).__name__}")
         self.sink = sink
         self.owns_sink = bool(owns_sink)
@@ -545,10 +546,10 @@ class RoutingCapturer:
         if self.owns_sink:
             self.owns_sink = False  # closed once, even if close() is called again
             try:
-                close_sink = getattr(self.sink, "close", None)
-                if not callable(close_sink):  # refused at construction; only a hand-set owns_sink gets here
-                    raise ConfigError(f"owns_sink=True needs a sink with close(), got {type(self.sink).__name__}")
-                close_sink() if timeout is None else close_sink(timeout)
+                sink = self.sink
+                if not isinstance(sink, Closable):  # refused at construction; only a hand-set owns_sink gets here
+                    raise ConfigError(f"owns_sink=True needs a sink with close(), got {type(sink).__name__}")
+                sink.close() if timeout is None else sink.close(timeout)
             except BaseException as e:
                 errors.append(e)
         if errors:

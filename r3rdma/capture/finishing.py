@@ -13,7 +13,7 @@ the table lives and what the sink declares it takes:
   :class:`DeferredSink` (a :class:`~r3rdma.write.writer.RoutingWriter`) resolves it on its own
   thread, any other sink gets it through a :class:`FinishThread` thread started on first use.
 
-The sink protocols live here, next to :mod:`r3rdma.capture.transfer` (how the bytes move).
+The sink protocols it dispatches on live in :mod:`r3rdma.contracts`.
 
 Errors of the store never reach the engine's step path through here. A sink that takes records
 from an engine's step path (a :class:`HandOverSink`: a
@@ -30,13 +30,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
 
 from r3rdma.capture.slot_table import SlotTable
 from r3rdma.capture.transfer import DeviceRows, StagedRows, stage_to_host
+from r3rdma.contracts import (
+    DeferredSink,
+    DeviceRowsSink,
+    HandOverSink,
+    RoutingSink,
+    takes_deferred,
+    takes_device_rows,
+)
 from r3rdma.errors import ConfigError
 from r3rdma.records import RequestRecord, SharedPrefix
 
@@ -52,74 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("r3rdma")
-
-
-class RoutingSink(Protocol):
-    """Where finished requests go (a :class:`~r3rdma.write.writer.RoutingWriter`, a test list...)."""
-
-    def submit(self, record: RequestRecord) -> None:
-        """Take a finished request's record (may block for back-pressure; raises what went wrong before)."""
-        ...
-
-
-@runtime_checkable
-class DeviceRowsSink(Protocol):
-    """A sink that can take :class:`~r3rdma.capture.transfer.DeviceRows` (GPU-direct pushes) and
-    measure whether that beats staging: a :class:`~r3rdma.write.writer.RoutingWriter`.
-
-    ``accepts_device_rows`` says whether it can *now*: a writer over store nodes can, a writer
-    over the local store cannot (its store writes host bytes), so the attribute is a value, not
-    only a presence.
-    """
-
-    @property
-    def accepts_device_rows(self) -> bool:
-        """Whether :meth:`submit` takes device rows now."""
-        ...
-
-    def submit(self, record: RequestRecord | DeviceRows) -> None:
-        """Take a finished request: a host record, or its rows still on the device."""
-        ...
-
-    def probe_transfer_mode(self, device=None):
-        """Measure GPU-direct against staged pushes; return a :class:`~r3rdma.write.device_push.ProbeResult`."""
-        ...
-
-
-@runtime_checkable
-class DeferredSink(Protocol):
-    """A sink whose ``submit`` also takes a :class:`~r3rdma.write.writer.DeferredRecord` (rows
-    still being copied off the GPU) and resolves it on its own thread, so its ``flush`` covers
-    records in flight too: a :class:`~r3rdma.write.writer.RoutingWriter`
-    (``accepts_deferred = True``). Other sinks get finished records from a :class:`FinishThread`."""
-
-    accepts_deferred: bool
-
-    def submit(self, record: RequestRecord | StagedRecord) -> None:
-        """Take a finished request: a record, or one whose rows are still being copied to the host."""
-        ...
-
-
-@runtime_checkable
-class HandOverSink(Protocol):
-    """A sink with a ``hand_over`` for records finished on an engine's step path: it queues the
-    record and never raises about another request (a failed commit of an earlier one is logged,
-    counted and reported by the sink itself): a :class:`~r3rdma.write.writer.RoutingWriter`.
-    Its ``hand_over`` takes what its ``submit`` takes."""
-
-    def hand_over(self, record: Any) -> None:
-        """Queue a finished request; raise only about this record (or a sink already closed)."""
-        ...
-
-
-def takes_device_rows(sink: object) -> TypeGuard[DeviceRowsSink]:
-    """Whether ``sink`` takes device rows now (a :class:`DeviceRowsSink` that says it does)."""
-    return isinstance(sink, DeviceRowsSink) and bool(sink.accepts_device_rows)
-
-
-def takes_deferred(sink: object) -> TypeGuard[DeferredSink]:
-    """Whether ``sink`` resolves deferred records itself (a :class:`DeferredSink` that says it does)."""
-    return isinstance(sink, DeferredSink) and bool(sink.accepts_deferred)
 
 
 def make_record(ids: np.ndarray, storage_dtype: np.dtype, meta: dict) -> RequestRecord:

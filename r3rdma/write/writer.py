@@ -25,11 +25,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
+from r3rdma.contracts import Closable, DeferredRecord, DeviceRecordStore, EncodingStore, RecordStore
 from r3rdma.errors import ConfigError, R3Error, R3TimeoutError, ShapeMismatchError, SharedRowsMissingError, StoreError
 from r3rdma.records import RequestRecord
 from r3rdma.store.part_retry import commit_each, retry_part_by_part
@@ -72,48 +72,6 @@ class CommitFailure:
             half = _MAX_REASON_CHARS // 2
             reason = f"{reason[:half]} ... [{len(reason) - 2 * half} chars] ... {reason[-half:]}"
         return reason
-
-
-class RecordStore(Protocol):
-    """Where a writer commits: ``commit`` returns once ``records`` are durable
-    (:class:`~r3rdma.store.local_store.LocalRoutingStore`, :class:`~r3rdma.write.push_client.StoreNodesClient`)."""
-
-    def commit(self, records: Sequence[RequestRecord]) -> object:
-        """Make ``records`` durable; return once they are (raise if any is not)."""
-        ...
-
-
-@runtime_checkable
-class DeviceRecordStore(Protocol):
-    """A store that can also push device rows (GPU-direct: UCX reads device memory) and measure
-    whether that beats staging through pinned host memory: a
-    :class:`~r3rdma.write.push_client.StoreNodesClient`. The local store is not one."""
-
-    def commit(self, records: Sequence[RequestRecord]) -> object:
-        """Make host ``records`` durable; return once they are (raise if any is not)."""
-        ...
-
-    def commit_device(self, items: Sequence[object]) -> object:
-        """Make :class:`~r3rdma.capture.transfer.DeviceRows` durable, pushing their device buffers directly."""
-        ...
-
-    def probe_transfer_mode(self, device=None):
-        """Measure GPU-direct against staged pushes; return a :class:`~r3rdma.write.device_push.ProbeResult`."""
-        ...
-
-
-class DeferredRecord(Protocol):
-    """A record still being produced (e.g. its rows are being copied off the GPU).
-
-    ``nbytes`` is known up front (for the in-flight budget); ``result()`` blocks until the
-    record exists. The writer resolves it on its own thread, in submission order.
-    """
-
-    nbytes: int
-
-    def result(self) -> RequestRecord:
-        """Block until the record's rows exist; return the record (raises what producing it raised)."""
-        ...
 
 
 class RoutingWriter:
@@ -164,7 +122,7 @@ class RoutingWriter:
                 "need flush_bytes > 0, max_inflight_bytes > 0 and flush_interval_s >= 0, got "
                 f"{flush_bytes}, {max_inflight_bytes}, {flush_interval_s}"
             )
-        if owns_store and not callable(getattr(store, "close", None)):
+        if owns_store and not isinstance(store, Closable):
             raise ConfigError(f"owns_store=True needs a store with close(), got {type(store).__name__}")
         self.store = store
         self.owns_store = bool(owns_store)
@@ -195,8 +153,7 @@ class RoutingWriter:
         # meanwhile. Several at once: one batch's serial Python (gathering its rows, the
         # chunks' CRCs) runs while the others' chunks compress without the GIL (H100 host, 16
         # cores, 8 MB batches: 0.59-0.62 of min(disk, zstd) with two, 0.66-0.73 with three).
-        prepare = getattr(store, "prepare", None)
-        self._prepare = prepare if callable(prepare) and callable(getattr(store, "commit_async", None)) else None
+        self._prepare = store.prepare if isinstance(store, EncodingStore) else None
         self._encoder = ThreadPoolExecutor(_ENCODING, thread_name_prefix="r3rdma-writer-encode") if self._prepare else None
         self._staging = _ENCODING if self._prepare else 1  # batches taken ahead of the one written
         self._stopped: BaseException | None = None  # what ended the worker thread early (a bug, not a commit's failure)

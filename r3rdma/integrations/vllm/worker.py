@@ -598,6 +598,27 @@ class _ReportingSink:
         self._reported = (refused, count, seen_listed)
         return new
 
+    # What the capturer asks of its sink, spelled out: on Python 3.12+ ``isinstance`` against
+    # the protocols in r3rdma.contracts looks attributes up statically, past ``__getattr__``.
+    accepts_deferred = True
+
+    @property
+    def accepts_device_rows(self) -> bool:
+        """The writer's: whether it takes device rows now."""
+        return self._writer.accepts_device_rows
+
+    def probe_transfer_mode(self, device=None):
+        """The writer's transfer-mode probe."""
+        return self._writer.probe_transfer_mode(device=device)
+
+    def hand_over(self, record: Any) -> None:
+        """The writer's ``hand_over``: queue a record; a failed commit of another request is not raised here."""
+        self._writer.hand_over(record)
+
+    def close(self, *args: Any) -> None:
+        """Close the writer (every queued record made durable or failed first)."""
+        self._writer.close(*args)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
 
