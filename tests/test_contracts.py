@@ -63,7 +63,7 @@ def test_the_vllm_plug_in_sink_has_what_the_capturer_asks_of_it_statically(tmp_p
     """The plug-in's sink wraps the writer and forwards the rest through ``__getattr__``; what
     the capturer asks by protocol it spells out, or on Python 3.12 the capturer refused to own
     it (no ``close``) and skipped its ``hand_over``."""
-    pytest.importorskip("torch")
+    pytest.importorskip("vllm", reason="the vLLM plug-in's worker module imports vLLM")
     from r3rdma.integrations.vllm.worker import _ReportingSink
 
     writer = RoutingWriter(LocalRoutingStore(str(tmp_path / "store")), owns_store=True)
