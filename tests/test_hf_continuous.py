@@ -195,7 +195,7 @@ def test_dedup_repointing_is_needed(model, monkeypatch):
     import r3rdma.integrations.hf_continuous as hfc
     from r3rdma.errors import StaleSlotError
 
-    monkeypatch.setattr(hfc._Run, "_on_dedup", lambda self, rid, idx: None)
+    monkeypatch.setattr(hfc._GenerateCall, "_on_dedup", lambda self, rid, idx: None)
     shared = [int(t) for t in np.random.default_rng(1).integers(8, 512, 13)]
     prompts = _prompts([2, 5, 9, 14, 3, 20], seed=2, prefix=shared)
     prompts["req-twin"] = prompts["req-2"][:-1] + [9]

@@ -336,3 +336,24 @@ def test_streamed_prompts_each_name_their_own_routing(server, reference):
         names.add(loc["request_id"])
         _check(reference, _stored(server["store"], "srv-multi", loc["request_id"]), prompt + tokens[index])
     assert len(names) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_api_names_its_routing(server, stream):
+    """``/v1/responses`` (vLLM's Responses API) takes the same ``vllm_xargs``; the location comes
+    back in the response body's ``kv_transfer_params``, streamed in the ``response.completed``
+    event's response (vLLM builds both from the request's final output, where the plug-in puts
+    it). Its rows are the stored rows."""
+    rid = f"resp-{'s' if stream else 'w'}"
+    body = {"model": server["model"], "input": "say it plainly", "max_output_tokens": 8, "temperature": 1.0,
+            "stream": stream, "vllm_xargs": {"r3_rollout_id": "srv", "r3_request_id": rid}}
+    if stream:
+        with _post(server["url"] + "/v1/responses", body) as resp:
+            completed = [e for e in _events(resp) if e.get("type") == "response.completed"]
+        assert len(completed) == 1, completed
+        reply = completed[0]["response"]
+    else:
+        reply = json.load(_post(server["url"] + "/v1/responses", body))
+    loc = reply["kv_transfer_params"]["r3_routing"]
+    assert (loc["rollout_id"], loc["request_id"]) == ("srv", rid) and "status" not in loc, loc
+    assert _stored(server["store"], "srv", rid).shape[0] == loc["rows"]

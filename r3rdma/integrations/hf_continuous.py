@@ -155,7 +155,7 @@ class HFContinuousDriver:
                 "call model.destroy_cached_continuous_batching_manager() first"
             )
         self.stats = ContinuousStats()
-        run = _Run(self, reqs)
+        run = _GenerateCall(self, reqs)
         return run.execute()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def _check_internals(manager) -> None:
         raise ConfigError("CPU KV offloading is enabled; routing capture supports soft resets only")
 
 
-class _Run:
+class _GenerateCall:
     """One generate call: owns the manager, the wrappers and the error channel from the engine thread."""
 
     def __init__(self, driver: HFContinuousDriver, requests: list[RolloutRequest]) -> None:

@@ -31,7 +31,7 @@ from r3rdma.errors import (
     UnknownRolloutError,
 )
 from r3rdma.ids import validate_id
-from r3rdma.read.gather import gather
+from r3rdma.read.awaiting import all_or_first_error
 from r3rdma.read.merged_index import MergedIndex
 from r3rdma.read.sources import Source
 from r3rdma.store.rollout_index import (
@@ -263,7 +263,7 @@ class _SourceIndexes:
                 raise StalePartError(rollout_id, source.name, seq)
             return check_part(rollout_id, seq, index.uid, parse_attrs(raw, rollout_id, source.name), source.name)
 
-        parts = await gather(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1))
+        parts = await all_or_first_error(fetch(seq) for seq in range(index.parts + 1, entry["parts"] + 1))
         for part in parts:
             index.apply(part)
         self._kept[rollout_id] = index

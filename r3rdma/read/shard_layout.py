@@ -20,7 +20,7 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 
 from r3rdma.errors import CorruptDataError
-from r3rdma.read.gather import gather
+from r3rdma.read.awaiting import all_or_first_error
 from r3rdma.records import buffer_checksum
 from r3rdma.store.index_entries import chunk_sizes_of, is_group_major
 
@@ -162,7 +162,7 @@ async def shard_indexes(store: Any, path: str, layout: ShardLayout, cache: dict[
     """Fetch (into ``cache``) the index of every shard of the array at ``path``: a reader does
     this for all arrays of a read at once, so each array's data GET does not wait behind it."""
     shards = -(-layout.rows // layout.shard_rows)
-    await gather(shard_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards))
+    await all_or_first_error(shard_index(store, f"{path}/c/{s}/0/0", layout, s, cache, where) for s in range(shards))
 
 
 async def shard_index(

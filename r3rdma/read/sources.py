@@ -29,7 +29,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
 from r3rdma.errors import ConfigError, CorruptDataError, R3Error, StoreError, UnknownRolloutError
-from r3rdma.read.gather import gather
+from r3rdma.read.awaiting import all_or_first_error
 from r3rdma.read.http_errors import read_error
 from r3rdma.read.locations import check_local_root, check_url, http_store
 from r3rdma.read.node_http import NodeHTTPStore
@@ -254,7 +254,7 @@ class Source:
         for name in index.arrays:
             array = await self.array(rollout_id, index.uid, name)
             keys += [f"{name}/zarr.json"] + [f"{name}/{k}" for k in _shard_keys(array)]
-        sizes = await gather(self._size(rollout_id, key) for key in keys)
+        sizes = await all_or_first_error(self._size(rollout_id, key) for key in keys)
         if sizes[0] is None:
             raise UnknownRolloutError(f"rollout {rollout_id!r} is gone from {self.name} (deleted while being read?)")
         return sum(s or 0 for s in sizes)  # a shard zarr left out (all fill value) stores nothing

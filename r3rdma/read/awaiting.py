@@ -1,4 +1,4 @@
-"""``gather``: every awaitable's result, or the first failure once the rest are cancelled.
+"""``all_or_first_error``: every awaitable's result, or the first failure once the rest are cancelled.
 
 ``asyncio.gather`` raises the first failure and leaves the other awaitables running: a read
 that failed would go on sending requests to the node after the caller has its error (and a
@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 
-async def gather(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:
+async def all_or_first_error(awaitables: Iterable[Awaitable[Any]]) -> list[Any]:
     """The results in order; on the first failure, the others are cancelled and awaited, then
     that failure is raised."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
