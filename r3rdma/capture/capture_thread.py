@@ -67,11 +67,10 @@ __all__ = ["CaptureThread", "InlineCapture"]
 
 _STOP = object()
 # How often the thread looks whether a step's rows have left the device. Each look takes the
-# GIL, and under asynchronous scheduling the engine hands a step over about one forward before
-# the GPU ran it: at 50 us the thread woke ~400 times per 18-23 ms decode step, took the GIL from
-# the engine's thread each time, and the step was ~0.8 ms longer at 256 running (measured on an
-# H200, vLLM 0.26, BENCHMARKS.md "vLLM on a GPU"). At 1 ms it wakes ~20 times; the rows are
-# scattered at most 1 ms later, off the engine's step path.
+# GIL and makes a CUDA call beside the engine's thread, and under asynchronous scheduling the
+# engine hands a step over about one forward before the GPU runs it: looking every 50 us meant
+# hundreds of looks per decode step, and a longer step (BENCHMARKS.md, "vLLM on a GPU", runs C
+# and D). Every 1 ms the rows are scattered at most 1 ms later, off the engine's step path.
 _POLL_S = 1e-3
 _IDLE_S = 1e-3  # how often an idle thread looks for calls (a decode step takes 10-30 ms)
 
