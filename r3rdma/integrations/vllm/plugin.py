@@ -284,8 +284,8 @@ def _install_scheduler() -> None:
 
     def free(original):
         def _free_request(self, request, *args, **kwargs):
-            ledger = getattr(self, "_r3", None)
-            location = ledger.on_free(request) if ledger is not None else None
+            r3 = getattr(self, "_r3", None)
+            location = r3.on_free(request) if r3 is not None else None
             kv_params, ec_params = original(self, request, *args, **kwargs)
             if location is not None:
                 kv_params = {**(kv_params or {}), LOCATION_KEY: location}
@@ -295,9 +295,9 @@ def _install_scheduler() -> None:
 
     def preempt(original):
         def _preempt_request(self, request, *args, **kwargs):
-            ledger = getattr(self, "_r3", None)
-            if ledger is not None:
-                ledger.on_preempt(request)  # before vLLM resets its computed count
+            r3 = getattr(self, "_r3", None)
+            if r3 is not None:
+                r3.on_preempt(request)  # before vLLM resets its computed count
             return original(self, request, *args, **kwargs)
 
         return _preempt_request
@@ -305,22 +305,22 @@ def _install_scheduler() -> None:
     def schedule(original):
         def schedule_(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
-            ledger = getattr(self, "_r3", None)
-            if ledger is not None:
-                setattr(out, FINISHED_ATTR, ledger.take())  # an extra attribute: pickled to the workers with the rest
-                if ledger.preempted:
-                    setattr(out, PREEMPTED_ATTR, ledger.take_preempted())
+            r3 = getattr(self, "_r3", None)
+            if r3 is not None:
+                setattr(out, FINISHED_ATTR, r3.take())  # an extra attribute: pickled to the workers with the rest
+                if r3.preempted:
+                    setattr(out, PREEMPTED_ATTR, r3.take_preempted())
             return out
 
         return schedule_
 
     def update(original):
         def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
-            ledger = getattr(self, "_r3", None)
-            if ledger is not None:
+            r3 = getattr(self, "_r3", None)
+            if r3 is not None:
                 failures = failures_of(model_runner_output)
                 if failures:  # before this step's finished requests are freed (and named)
-                    ledger.note_failures(failures)
+                    r3.note_failures(failures)
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
 
         return update_from_output
@@ -329,9 +329,9 @@ def _install_scheduler() -> None:
         def abort_requests(self, request_ids, *args, **kwargs):
             ids, lengths = split_aborts(request_ids or ())  # [request id, tokens the client received] items
             if lengths:
-                ledger = getattr(self.scheduler, "_r3", None)
-                if ledger is not None:
-                    ledger.set_stop_lengths(lengths, self.scheduler.requests)
+                r3 = getattr(self.scheduler, "_r3", None)
+                if r3 is not None:
+                    r3.set_stop_lengths(lengths, self.scheduler.requests)
             return original(self, ids, *args, **kwargs)
 
         return abort_requests
@@ -341,8 +341,8 @@ def _install_scheduler() -> None:
         workers the requests freed since the last step (the scheduler would only send them with
         the next step, and an idle engine may take none), then wait until every finished
         request is durable. Returns each worker's counters."""
-        ledger = getattr(self.scheduler, "_r3", None)
-        pending = ledger.take() if ledger is not None else {}
+        r3 = getattr(self.scheduler, "_r3", None)
+        pending = r3.take() if r3 is not None else {}
         return self.model_executor.collective_rpc("r3_flush", args=(timeout, pending))
 
     _wrap(Scheduler, "__init__", init)

@@ -133,7 +133,7 @@ class SchedulerState:
         return preempted
 
     def take(self) -> dict[str, FinishedRequest]:
-        """The requests freed since the last take (request id -> what the workers need to finish it); empties the ledger."""
+        """The requests freed since the last take (request id -> what the workers need to finish it); empties them."""
         pending, self.pending = self.pending, {}
         return pending
 
