@@ -49,6 +49,7 @@ GIB_PER_WORKER = 4  # a worker's tests peak at ~2-3 GiB (torchrun ranks, store n
 _UNITS = pytest.StashKey[Path]()
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist installed knows no such hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per core this process may use, at most one per 4 GiB of memory
     (PYTEST_XDIST_AUTO_NUM_WORKERS overrides); 0 (no workers, a plain run) where that is 1."""
