@@ -1,8 +1,9 @@
 """What the routers of the trainer's Hugging Face model did, for ``r3rdma rl-loop``'s checks.
 
-- :class:`RoutingTap`: forward hooks that keep the ids each MoE router hands to its experts
-  (registered after :class:`~r3rdma.integrations.hf_router_replay.RouterReplay`'s hooks, it
-  sees the replayed ids: what the experts really got).
+- :class:`~r3rdma.integrations.hf_routers.RoutingTap` (re-exported): forward hooks that keep the
+  ids each MoE router hands to its experts (registered after
+  :class:`~r3rdma.integrations.hf_router_replay.RouterReplay`'s hooks, it sees the replayed ids:
+  what the experts really got); ``r3rdma verify`` uses the same.
 - :class:`ReferenceRouting`: the routing a plain forward of one sequence computes (no batching,
   no cache, no replay): each router's top-k set from its logits, and the smallest gap between
   the k-th and (k+1)-th logit (what batching noise would have to cross to flip a decision).
@@ -17,40 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3rdma.integrations.hf_routers import RoutingTap
+
 __all__ = ["RoutingTap", "ReferenceRouting", "sorted_ids"]
 
 
 def sorted_ids(ids_TLK: Any) -> np.ndarray:
     """Top-k ids sorted within each row (replay uses the set; engines order it their own way)."""
     return np.sort(np.asarray(ids_TLK, dtype=np.int64), axis=-1)
-
-
-class RoutingTap:
-    """Forward hooks on every MoE router of ``routers`` (``find_moe_routers``) keeping the ids
-    each hands to its experts; :meth:`take` returns them as ``[N, L, K]`` (CPU, int64)."""
-
-    def __init__(self, routers: list[Any]) -> None:
-        self._out: dict[int, torch.Tensor] = {}
-        self._n = len(routers)
-        self._handles = [r.module.register_forward_hook(self._hook(r.moe_idx)) for r in routers]
-
-    def _hook(self, i: int):
-        def hook(_module, _args, output):
-            self._out[i] = output[2].detach().to("cpu", torch.int64)
-
-        return hook
-
-    def take(self) -> torch.Tensor:
-        """The last forward's ids ``[N, L, K]``; forgets them."""
-        ids_NLK = torch.stack([self._out[i] for i in range(self._n)], dim=1)
-        self._out.clear()
-        return ids_NLK
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 class ReferenceRouting:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from r3rdma.cli.verify_report import RoutingTally, VerifyResult, report
+from r3rdma.integrations.hf_routers import RoutingTap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -188,30 +189,6 @@ def fan_in_init(model: PreTrainedModel, *, seed: int, logit_gain: float) -> None
             else:
                 std = 1.0 / math.sqrt(fan_in)
             param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
-class _RoutingTap:
-    """Forward hooks that keep the ids each router actually hands to its experts."""
-
-    def __init__(self, routers) -> None:
-        self.out: dict[int, torch.Tensor] = {}
-        self._handles = [r.module.register_forward_hook(self._hook(r.moe_idx)) for r in routers]
-        self.n = len(routers)
-
-    def _hook(self, i: int):
-        def hook(_m, _a, output):
-            self.out[i] = output[2].detach().to("cpu", torch.int64)
-
-        return hook
-
-    def take(self) -> torch.Tensor:
-        ids_NLK = torch.stack([self.out[i] for i in range(self.n)], dim=1)
-        self.out.clear()
-        return ids_NLK
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def _train_batches(outputs, order, layout: str, train_batch_size: int):
@@ -430,7 +407,7 @@ def _roll_out_hf(o: VerifyOptions, model: PreTrainedModel, requests: list, root:
 
 class _TrainForward:
     """The training model's forward, routing live or under :class:`RouterReplay`, with a
-    :class:`_RoutingTap` that sees what the experts get."""
+    :class:`RoutingTap` that sees what the experts get."""
 
     def __init__(self, model: torch.nn.Module, routers, device: str) -> None:
         from r3rdma.integrations.hf_router_replay import RouterReplay
@@ -438,7 +415,7 @@ class _TrainForward:
         self.model, self.routers, self.device = model, routers, device
         self.replay = RouterReplay(model)
         self.replay.detach()
-        self.tap = _RoutingTap(routers)  # registered after replay's hooks: sees what the experts get
+        self.tap = RoutingTap(routers)  # registered after replay's hooks: sees what the experts get
 
     def __call__(self, input_ids: torch.Tensor, kwargs: dict, replayed=None):
         """``(logits, ids the experts got [N, L, K], replay's report or None)``; with a
@@ -447,7 +424,7 @@ class _TrainForward:
             self.replay.attach()
             # Re-register the tap so it runs after the replay hook.
             self.tap.close()
-            self.tap = _RoutingTap(self.routers)
+            self.tap = RoutingTap(self.routers)
             self.replay.set_routing(replayed)
         with torch.no_grad():
             logits = self.model(

@@ -5,19 +5,21 @@ transformers 5 gives every MoE family a router module (``Qwen3MoeTopKRouter``,
 whose ``forward`` returns ``(router_logits, router_scores, router_indices)``. Capture and replay
 attach to those modules with hooks, so no model code is edited. Dense layers inside a MoE model
 (``mlp_only_layers``, ``first_k_dense_replace``, ``decoder_sparse_step``) have no router and are
-simply absent from the layer map.
+simply absent from the layer map. :class:`RoutingTap` keeps, per forward, the ids each router
+hands to its experts (what ``r3rdma verify`` and ``r3rdma rl-loop`` compare with the engine's).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from r3rdma.errors import ShapeMismatchError
 
-__all__ = ["MoeRouter", "find_moe_routers"]
+__all__ = ["MoeRouter", "RoutingTap", "find_moe_routers"]
 
 # Class names of top-k routers in transformers 5 ("TopKRouter" and DeepSeek's "TopkRouter").
 _ROUTER_CLASS = re.compile(r"Top[kK]Router$")
@@ -76,3 +78,31 @@ def find_moe_routers(model: torch.nn.Module) -> list[MoeRouter]:
     if len(top_ks) != 1:
         raise ShapeMismatchError(f"routers disagree on top_k: {sorted(top_ks)}")
     return routers
+
+
+class RoutingTap:
+    """Forward hooks on every MoE router of ``routers`` (``find_moe_routers``) keeping the ids
+    each hands to its experts; :meth:`take` returns them as ``[N, L, K]`` (CPU, int64)."""
+
+    def __init__(self, routers: list[Any]) -> None:
+        self._out: dict[int, torch.Tensor] = {}
+        self._n = len(routers)
+        self._handles = [r.module.register_forward_hook(self._hook(r.moe_idx)) for r in routers]
+
+    def _hook(self, i: int):
+        def hook(_module, _args, output):
+            self._out[i] = output[2].detach().to("cpu", torch.int64)
+
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """The last forward's ids ``[N, L, K]``; forgets them."""
+        ids_NLK = torch.stack([self._out[i] for i in range(self._n)], dim=1)
+        self._out.clear()
+        return ids_NLK
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
