@@ -56,7 +56,9 @@ def _run_inline(cap: RoutingCapturer, script):
             for rid, pos, sl in before:
                 cap.attach_cached(rid, pos, sl)
             cap.step_buffer[: rows.shape[0]].copy_(rows)
-            cap.begin_step(ids, np.asarray(starts), counts if isinstance(counts, int) else np.asarray(counts), slots, graphed=True)
+            cap.begin_step(
+                ids, np.asarray(starts), counts if isinstance(counts, int) else np.asarray(counts), slots, graphed=True
+            )
             cap.end_step()
         elif item[0] == "finish":
             cap.finish_request(item[1], **item[2])
@@ -181,13 +183,14 @@ def test_a_capturer_without_a_fixed_step_buffer_is_refused(runner):
 
 class _SlowCopy:
     """A device-to-host copy's event that completes ``delay`` seconds after it was recorded,
-    counting how often it is asked."""
+    counting how often it is asked and waited on."""
 
     def __init__(self, delay: float) -> None:
         import time
 
         self.done_at = time.perf_counter() + delay
         self.queries = 0
+        self.waits = 0
 
     def query(self) -> bool:
         import time
@@ -195,13 +198,19 @@ class _SlowCopy:
         self.queries += 1
         return time.perf_counter() >= self.done_at
 
+    def synchronize(self) -> None:
+        import time
 
-def test_rows_still_on_the_device_are_waited_for_seldom_and_not_counted_as_work():
+        self.waits += 1
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))  # as a CUDA event's: without the GIL
+
+
+def test_rows_still_on_the_device_are_waited_for_without_polling_and_not_counted_as_work():
     """A step handed over before the GPU ran it (asynchronous scheduling: about one forward
-    ahead): the thread waits for its rows' copy, asking the copy's event about once a
-    millisecond, not every 50 us (each ask took the GIL, and a CUDA call, from the engine's
-    thread ~400 times a step: measured on an H200, the step was ~0.8 ms longer). The wait is
-    ``wait_seconds``, not ``busy_seconds`` (the thread's own work, which the vLLM bench reports)."""
+    ahead): the thread waits on its rows' copy event once, instead of asking it again and again
+    (each ask took the GIL, and a CUDA call, from the engine's thread: at every 50 us, ~400 times
+    a step, measured on an H200, the step was ~0.8 ms longer). The wait is ``wait_seconds``, not
+    ``busy_seconds`` (the thread's own work, which the vLLM bench reports)."""
     from r3rdma.capture.transfer import StagedRows
 
     sink = _Sink()
@@ -211,7 +220,10 @@ def test_rows_still_on_the_device_are_waited_for_seldom_and_not_counted_as_work(
     thread.submit(thread._step, ["a", "b"], np.array([0, 0]), 1, np.array([0, 8]), StagedRows(rows, copy), None, (), ())
     thread.submit(thread.capturer.finish_request, "a", prompt_len=1, generated_len=1)
     thread.close()
-    assert copy.queries <= 0.1 / 1e-3 + 2, copy.queries  # at 50 us it asked over a thousand times
-    assert thread.wait_seconds >= 0.1 and thread.busy_seconds < thread.wait_seconds / 2, (thread.wait_seconds, thread.busy_seconds)
+    assert copy.queries <= 2 and copy.waits == 1, (copy.queries, copy.waits)  # polled at 50 us: over a thousand asks
+    assert thread.wait_seconds >= 0.1 and thread.busy_seconds < thread.wait_seconds / 2, (
+        thread.wait_seconds,
+        thread.busy_seconds,
+    )
     (record,) = sink
     np.testing.assert_array_equal(record.ids_TLK, rows[:1].numpy())

@@ -445,6 +445,7 @@ def _run_setting(
             "step_ms_rounds": [],
             "host_us_per_step_rounds": [],
             "thread_us_per_step_rounds": [],
+            "thread_cpu_us_per_step_rounds": [],
         }
         for n in prompts
     }
@@ -480,9 +481,11 @@ def _run_setting(
                 if before is not None and after is not None:
                     steps = after["steps"] - before["steps"]
                     m["host_us_per_step_rounds"].append(1e6 * (after["host_seconds"] - before["host_seconds"]) / max(steps, 1))
-                    m["thread_us_per_step_rounds"].append(
-                        1e6 * (after["capture_thread_seconds"] - before["capture_thread_seconds"]) / max(steps, 1)
-                    )
+                    for key, counter in (
+                        ("thread_us_per_step_rounds", "capture_thread_seconds"),
+                        ("thread_cpu_us_per_step_rounds", "capture_thread_cpu_seconds"),
+                    ):
+                        m[key].append(1e6 * (after[counter] - before[counter]) / max(steps, 1))
                 m["step_ms_rounds"].append(1e3 * elapsed / max(steps, 1))
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -499,6 +502,7 @@ def _run_setting(
                 {
                     "host_us_per_step": statistics.median(m["host_us_per_step_rounds"]),
                     "capture_thread_us_per_step": statistics.median(m["thread_us_per_step_rounds"]),
+                    "capture_thread_cpu_us_per_step": statistics.median(m["thread_cpu_us_per_step_rounds"]),
                 }
                 if m["host_us_per_step_rounds"]
                 else {}

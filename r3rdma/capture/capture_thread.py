@@ -66,13 +66,13 @@ from r3rdma.errors import CaptureStateError, ConfigError, R3TimeoutError
 __all__ = ["CaptureThread", "InlineCapture"]
 
 _STOP = object()
-# How often the thread looks whether a step's rows have left the device. Each look takes the
-# GIL and makes a CUDA call beside the engine's thread, and under asynchronous scheduling the
-# engine hands a step over about one forward before the GPU runs it: looking every 50 us meant
-# hundreds of looks per decode step, and a longer step (BENCHMARKS.md, "vLLM on a GPU", runs C
-# and D). Every 1 ms the rows are scattered at most 1 ms later, off the engine's step path.
-_POLL_S = 1e-3
+_POLL_S = 1e-3  # how often a hand-over held back by max_pending looks for room
 _IDLE_S = 1e-3  # how often an idle thread looks for calls (a decode step takes 10-30 ms)
+# Pinned staging buffers a thread keeps for steps' rows in flight (more in flight at once take
+# buffers from torch's caching host allocator, as every step did before). Under asynchronous
+# scheduling a step is handed over about one forward before the GPU runs it, so two or three
+# are in flight.
+_MAX_STAGING = 8
 
 
 class CaptureThread:
@@ -113,7 +113,13 @@ class CaptureThread:
         # The engine's stream on CUDA: each step's rows are copied on it, and the thread issues
         # the capturer's device work on the stream of the latest step (see step()).
         self._stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
+        # Pinned buffers (each with a blocking-sync event) that steps' rows leave the device
+        # into, handed back by the thread once it copied the rows out: the engine thread then
+        # neither allocates pinned memory nor creates an event per step (see _stage).
+        self._staging: collections.deque[tuple[torch.Tensor, torch.cuda.Event]] = collections.deque()
+        self._staging_made = 0
         self.busy_seconds = 0.0  # time the thread spent running calls (off the engine's step path), waits excluded
+        self.cpu_seconds = 0.0  # CPU time of those calls (busy_seconds well above it: the thread waited for the GIL)
         self.wait_seconds = 0.0  # time it spent waiting for steps' rows to leave the device
         self.calls = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -143,15 +149,37 @@ class CaptureThread:
         ``(request_id, positions, slots)`` to make before and after the step.
         """
         rows: torch.Tensor | np.ndarray | StagedRows
-        stream = None
+        stream = staging = None
         if isinstance(rows_TLK, np.ndarray):
             rows = rows_TLK.copy()
         elif rows_TLK.is_cuda and not self._buf.is_cuda:
-            rows = stage_to_host(rows_TLK)  # the step's rows leave the device in one copy
+            rows, staging = self._stage(rows_TLK)  # the step's rows leave the device in one copy
         else:
             rows = rows_TLK.clone()
             stream = torch.cuda.current_stream(rows.device) if rows.is_cuda else None
-        self.submit(self._step, request_ids, start_positions, num_tokens, slots_T, rows, stream, before, after)
+        self.submit(self._step, request_ids, start_positions, num_tokens, slots_T, rows, stream, before, after, staging)
+
+    def _stage(self, rows_TLK: torch.Tensor) -> tuple[StagedRows, tuple[torch.Tensor, torch.cuda.Event] | None]:
+        """Start the asynchronous copy of a step's device rows into a pinned buffer this thread
+        keeps (returned with it, for the thread to hand back), or, with ``_MAX_STAGING`` in
+        flight, into one from torch's caching host allocator."""
+        try:
+            staging = self._staging.popleft()
+        except IndexError:
+            if self._staging_made >= _MAX_STAGING:
+                return stage_to_host(rows_TLK), None
+            # Blocking sync: the thread waiting for the copy sleeps in the driver, without the
+            # GIL and without spinning on a core (see _step).
+            staging = (
+                torch.empty((self._buf.shape[0], *rows_TLK.shape[1:]), dtype=rows_TLK.dtype, pin_memory=True),
+                torch.cuda.Event(blocking=True),
+            )
+            self._staging_made += 1
+        host, event = staging
+        if host.dtype != rows_TLK.dtype or host.shape[1:] != rows_TLK.shape[1:] or rows_TLK.shape[0] > host.shape[0]:
+            self._staging.append(staging)  # rows unlike the step buffer's: let the capturer's step say so
+            return stage_to_host(rows_TLK), None
+        return stage_to_host(rows_TLK, out=host[: rows_TLK.shape[0]], event=event), staging
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run ``fn(*args, **kwargs)`` on the thread after everything handed over before; don't wait.
@@ -225,22 +253,29 @@ class CaptureThread:
         stream: Any,
         before: Sequence[tuple[str, np.ndarray, np.ndarray]],
         after: Sequence[tuple[str, np.ndarray, np.ndarray]],
+        staging: tuple[torch.Tensor, torch.cuda.Event] | None = None,
     ) -> None:
         if stream is not None:
             self._stream = stream
-        if isinstance(rows, StagedRows):
-            if not rows.ready():
-                t0 = time.perf_counter()
-                while not rows.ready():
-                    # Polled, not waited on: a thread blocked in a CUDA synchronisation can hold up
-                    # the engine thread's CUDA calls (as the engine's own blocking copies hold up ours).
-                    time.sleep(_POLL_S)
-                self.wait_seconds += time.perf_counter() - t0
-            rows = rows.host
-        _capture_step(self.capturer, self._buf, request_ids, starts, counts, slots, rows, before, after)
+        try:
+            if isinstance(rows, StagedRows):
+                if not rows.ready():
+                    # Waited on, not polled: under asynchronous scheduling a step is handed over
+                    # about one forward before the GPU runs it, and each look (every 50 us, then
+                    # every 1 ms) took the GIL from the engine's thread and made a CUDA call beside
+                    # it (BENCHMARKS.md, "vLLM on a GPU"). The event's synchronize releases the
+                    # GIL; a blocking-sync event (_stage) sleeps instead of spinning a core.
+                    t0 = time.perf_counter()
+                    rows.wait()
+                    self.wait_seconds += time.perf_counter() - t0
+                rows = rows.host
+            _capture_step(self.capturer, self._buf, request_ids, starts, counts, slots, rows, before, after)
+        finally:
+            if staging is not None:
+                self._staging.append(staging)  # its rows are in the step buffer (or the thread stopped)
 
     def _run(self) -> None:
-        pop, clock, wake = self._queue.popleft, time.perf_counter, self._wake
+        pop, clock, cpu_clock, wake = self._queue.popleft, time.perf_counter, time.thread_time, self._wake
         waited_before = 0.0  # wait_seconds when the last call ended (a call's waits are not busy time)
         while True:
             try:
@@ -251,7 +286,7 @@ class CaptureThread:
                 continue
             if fn is _STOP:
                 return
-            t0 = clock()
+            t0, c0 = clock(), cpu_clock()
             try:
                 if self._error is not None:
                     # Stopped by an earlier error: what follows would run on a capturer in an
@@ -273,6 +308,7 @@ class CaptureThread:
             finally:
                 waited = self.wait_seconds
                 self.busy_seconds += clock() - t0 - (waited - waited_before)
+                self.cpu_seconds += cpu_clock() - c0
                 waited_before = waited
                 self.calls += 1
                 if reply is not None:
@@ -298,6 +334,7 @@ class InlineCapture:
 
     threaded = False
     busy_seconds = 0.0  # the work runs on the caller's thread, in the caller's time
+    cpu_seconds = 0.0
     wait_seconds = 0.0  # and never waits for rows to leave a device
     error = None  # an error is raised to the call that made it, never held
 

@@ -56,9 +56,11 @@ class StagedRows:
         return self.host.numpy()
 
 
-def stage_to_host(rows: torch.Tensor, *, out: torch.Tensor | None = None) -> StagedRows:
+def stage_to_host(rows: torch.Tensor, *, out: torch.Tensor | None = None, event: torch.cuda.Event | None = None) -> StagedRows:
     """Start copying ``rows`` into pinned host memory on the current stream; return at once.
 
+    ``out``: the pinned buffer to copy into (else one from torch's caching host allocator);
+    ``event``: the event to record after the copy (else a new one), for callers that reuse both.
     CPU tensors are returned as they are (already host memory, no event).
     """
     if rows.device.type != "cuda":
@@ -70,7 +72,8 @@ def stage_to_host(rows: torch.Tensor, *, out: torch.Tensor | None = None) -> Sta
             f"staging buffer must be pinned {rows.dtype} {tuple(rows.shape)}, got {out.dtype} {tuple(out.shape)}"
         )
     out.copy_(rows, non_blocking=True)
-    event = torch.cuda.Event()
+    if event is None:
+        event = torch.cuda.Event()
     event.record()
     return StagedRows(out, event)
 

@@ -506,8 +506,10 @@ class RunnerRecorder:
         those as ``{"rollout_id", "request_id", "reason"}``), ``preempted``,
         ``cached_positions``, ``active``, ``steps``, ``commits`` (batches the writer handed
         to the store), ``host_seconds`` (on the engine's step
-        path), ``capture_thread_seconds`` (the capturer's own work, on its thread) and
-        ``capture_thread_wait_seconds`` (the thread waiting for steps' rows to leave the device)."""
+        path), ``capture_thread_seconds`` (the capturer's own work, on its thread),
+        ``capture_thread_cpu_seconds`` (that work's CPU time: well below it, the thread waited
+        for the GIL) and ``capture_thread_wait_seconds`` (the thread waiting for steps' rows to
+        leave the device)."""
         cap = self.capturer
         failures: list[CommitFailure] = self._sink.failures() if cap is not None and self._sink is not None else []
         return {
@@ -521,6 +523,7 @@ class RunnerRecorder:
             "commits": self._sink.commits if cap is not None and self._sink is not None else 0,
             "host_seconds": self.host_seconds,
             "capture_thread_seconds": self._thread.busy_seconds if self._thread is not None else 0.0,
+            "capture_thread_cpu_seconds": self._thread.cpu_seconds if self._thread is not None else 0.0,
             "capture_thread_wait_seconds": self._thread.wait_seconds if self._thread is not None else 0.0,
             "failures": [{"rollout_id": f.rollout_id, "request_id": f.request_id, "reason": f.reason} for f in failures],
         }
