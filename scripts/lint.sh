@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The library's static checks, run by scripts/test.sh before the tests (and alone: scripts/lint.sh):
-# ruff (lint and format, settings in pyproject.toml) and mypy on the library;
-# the tests are held to what they prove, not to a style.
+# The library's static checks (scripts/lint.sh [ruff|mypy]; both without an argument): ruff (lint
+# and format, settings in pyproject.toml, seconds) and mypy (about a minute) on the library; the
+# tests are held to what they prove, not to a style. scripts/test.sh runs ruff before the tests
+# and mypy beside them.
 # mypy resolves modules by folder, and the installed package maps transport/, store/ and kernels/
 # to r3rdma.transport, r3rdma.store and r3rdma.kernels (pyproject's package-dir), which no folder
 # on disk mirrors; a tree of links in build/typecheck/ lays the package out as it is installed,
@@ -11,8 +12,13 @@ R3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$R3_ROOT"
 # Absolute (the type check runs from build/typecheck); -s keeps the venv's python link unresolved.
 VPY="$(realpath -s "${VPY:-$R3_ROOT/.venv/bin/python}")"
-"$VPY" -m ruff check --quiet r3rdma transport kernels store
-"$VPY" -m ruff format --quiet --check r3rdma transport kernels store
+what="${1:-all}"
+case "$what" in all|ruff|mypy) ;; *) echo "usage: scripts/lint.sh [ruff|mypy]" >&2; exit 2;; esac
+if [ "$what" != mypy ]; then
+  "$VPY" -m ruff check --quiet r3rdma transport kernels store
+  "$VPY" -m ruff format --quiet --check r3rdma transport kernels store
+fi
+[ "$what" != ruff ] || exit 0
 tree="$R3_ROOT/build/typecheck"
 rm -rf "$tree" && mkdir -p "$tree/r3rdma"
 for entry in r3rdma/*; do ln -s "$R3_ROOT/$entry" "$tree/r3rdma/"; done

@@ -24,7 +24,9 @@ want="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
 if [ -z "$first" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   return 0 2>/dev/null || exit 0
 fi
-pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# --no-compile: pip byte-compiles every module it installs (torch, vLLM, transformers: tens of
+# thousands, most never imported here); Python compiles the imported ones on first import.
+pip_q() { "$VPY" -m pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # torch first, pinned: an open range would pull the newest build with several GB of CUDA
 # packages on a CPU machine; with torch present, nothing is reinstalled.
 if ! "$VPY" -c "import torch" 2>/dev/null; then

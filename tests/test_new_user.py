@@ -181,6 +181,7 @@ def test_transformers_progress_bars_only_on_a_terminal(monkeypatch):
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
+@pytest.mark.vllm_engine  # with the other engines (tests/conftest.py), not beside them
 def test_readme_vllm_snippet_runs_as_written(tmp_path):
     """The README's vLLM recipe as a new user follows it on a CPU machine: the one command that
     makes a model (train-tiny, with its tokenizer), then the offline snippet in a real vLLM

