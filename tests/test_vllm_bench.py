@@ -3,8 +3,9 @@ plug-in's counters read back from the "on" engine; pairs pooled; the A/A (``null
 without the plug-in; the GPU bench's per-setting path on the tiny shape.
 
 The CPU bench is a smoke test since the GPU bench took its goal (2026-12-02), so it starts as few
-engines as prove its paths: three (pooling over pairs and the null pair's engine arguments are
-checked without engines), where seven took six minutes of CI.
+engines as prove its paths: three, in this process (tests/vllm_in_process.py; pooling over pairs
+and the null pair's engine arguments are checked without engines), where seven took six minutes
+of CI.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ pytest.importorskip("vllm")
 
 from r3rdma.bench import vllm_bench  # noqa: E402
 from r3rdma.bench.vllm_bench import run_vllm_bench  # noqa: E402
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_vllm_runs_a_fresh_pair_and_reads_the_plug_ins_counters():
-    result = run_vllm_bench(
-        requests=4, max_new=8, running=4, rounds=1, layers=2, experts=8, top_k=2, hidden=64, modes=("eager",), pairs=1
-    )
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        result = run_vllm_bench(
+            requests=4, max_new=8, running=4, rounds=1, layers=2, experts=8, top_k=2, hidden=64, modes=("eager",), pairs=1
+        )
     json.dumps(result)  # the JSON line it prints
     assert result["pairs"] == 1 and result["rounds"] == 1 and set(result["modes"]) == {"eager"}
     m = result["modes"]["eager"]
@@ -104,16 +107,17 @@ def test_bench_vllm_settings_one_engine_per_setting(tmp_path):
     from r3rdma.bench.vllm_bench import _has_native_capture, run_vllm_settings_bench
 
     out = tmp_path / "settings.jsonl"
-    result = run_vllm_settings_bench(
-        shape="tiny",
-        settings=("r3rdma",),
-        running=(2, 4),
-        prompt_len=8,
-        max_new=4,
-        rounds=1,
-        gpu_memory_utilization=0.2,
-        out=str(out),
-    )
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        result = run_vllm_settings_bench(
+            shape="tiny",
+            settings=("r3rdma",),
+            running=(2, 4),
+            prompt_len=8,
+            max_new=4,
+            rounds=1,
+            gpu_memory_utilization=0.2,
+            out=str(out),
+        )
     json.dumps(result)
     level = result["settings"]["r3rdma"]["4"]
     assert level["tokens_per_s"] > 0 and level["host_us_per_step"] > 0 and len(level["tokens_per_s_rounds"]) == 1

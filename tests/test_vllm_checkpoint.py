@@ -13,6 +13,7 @@ import pytest
 from r3rdma.cli import main as cli_main
 from r3rdma.errors import ConfigError
 from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
+from tests.vllm_in_process import engine_in_this_process
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,9 @@ def test_vllm_generates_from_text_on_a_train_tiny_checkpoint(train_tiny_model, t
     tok = AutoTokenizer.from_pretrained(train_tiny_model)
     assert tok.decode(tok("Hello, wörld")["input_ids"]) == "Hello, wörld"
     store = tmp_path / "r3"
-    llm = LLM(model=str(train_tiny_model), gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=256, seed=0,
-              additional_config={"routing_replay": {"local_store_dir": str(store), "rollout_id": "step-0042"}})
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        llm = LLM(model=str(train_tiny_model), gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=256, seed=0,
+                  additional_config={"routing_replay": {"local_store_dir": str(store), "rollout_id": "step-0042"}})
     try:
         outs = llm.generate(["Hello"], [SamplingParams(max_tokens=4, ignore_eos=True,
                                                        extra_args={"r3_request_id": "s0"})], use_tqdm=False)

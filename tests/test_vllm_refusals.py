@@ -29,6 +29,7 @@ from r3rdma.integrations.vllm.worker import RunnerRecorder  # noqa: E402
 from r3rdma.kernels.record_op import new_step_buffer  # noqa: E402
 
 from .store_nodes import new_token, start_node  # noqa: E402
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +276,9 @@ def test_r3_arguments_on_an_engine_without_routing_replay_are_refused(tmp_path):
     from r3rdma.integrations.vllm.checkpoint import write_tiny_checkpoint
 
     model = str(write_tiny_checkpoint(tmp_path / "model", tokenizer=False))
-    llm = LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True, enforce_eager=True,
-              block_size=32, num_gpu_blocks_override=8)
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        llm = LLM(model=model, gpu_memory_utilization=0.3, max_model_len=128, skip_tokenizer_init=True, enforce_eager=True,
+                  block_size=32, num_gpu_blocks_override=8)
     try:
         with pytest.raises(ValueError, match=r"names r3_request_id, r3_rollout_id, but routing replay is off.*additional_config"):
             llm.generate([{"prompt_token_ids": [40, 41]}],

