@@ -86,7 +86,7 @@ class CaptureThread:
 
     A capturer on the host (``device="cpu"``) may take the steps of a model on the GPU: each
     step's rows then leave the device in one asynchronous copy into pinned memory, issued by
-    :meth:`step` on the engine's stream, and the thread polls that copy's event. It then makes
+    :meth:`step` on the engine's stream, and the thread waits on that copy's event. It then makes
     no other CUDA call: bookkeeping, scatters and gathers are numpy over a host table (what the
     vLLM plug-in does, :mod:`r3rdma.integrations.vllm.worker`).
     """
