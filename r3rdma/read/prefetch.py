@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from r3rdma.errors import ConfigError, CorruptDataError
 from r3rdma.read.fetching import RowFetcher
 from r3rdma.read.indexes import RolloutIndexes
@@ -52,7 +50,7 @@ class Prefetcher:
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
-        if pin_memory and not torch.cuda.is_available():
+        if pin_memory and not _cuda_available():
             raise ConfigError("pin_memory=True needs CUDA (page-locked memory is for copies to a GPU); none is available")
         self._batches = [check_ids(batch) for batch in batches]
         every = list(dict.fromkeys(rid for batch in self._batches for rid in batch))
@@ -150,3 +148,9 @@ def _reader_loop() -> asyncio.AbstractEventLoop:
     from zarr.core.sync import _get_loop
 
     return _get_loop()
+
+
+def _cuda_available() -> bool:
+    import torch  # imported where used (r3rdma.read.packed says why)
+
+    return torch.cuda.is_available()

@@ -27,10 +27,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from zarr.core.sync import sync
 
 from r3rdma.errors import ConfigError, TransportError
@@ -45,6 +44,9 @@ from r3rdma.read.prefetch import Prefetcher
 from r3rdma.read.request_ids import check_expected_rows, check_ids, expected_row_counts
 from r3rdma.read.rows import check_named, check_rows, row_spans
 from r3rdma.read.sources import Source
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (r3rdma.read.packed says why)
+    import torch
 
 __all__ = ["RoutingReader", "PackedRouting", "RolloutInfo", "Prefetcher", "to_torch", "pack"]
 
