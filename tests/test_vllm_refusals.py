@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm()  # vLLM itself is imported where a test needs it
 

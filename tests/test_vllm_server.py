@@ -29,7 +29,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm()  # vLLM itself is imported where a test needs it
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm()  # vLLM itself is imported where a test needs it
 

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm()  # vLLM itself is imported where a test needs it
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_available import require_vllm  # noqa: E402
+from tests.vllm_available import require_vllm
 
 require_vllm()  # vLLM itself is imported where a test needs it
 
