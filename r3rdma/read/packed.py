@@ -14,7 +14,7 @@ from r3rdma.read.rows import Spans, rows_wanted
 from r3rdma.store.index_entries import RequestEntry
 
 # torch is imported where a tensor is made, not with the module: the readers that stay in numpy
-# (`r3rdma inspect` and `check`, get_numpy) then start without it, 2.5 of their 3.9 s.
+# (`r3rdma inspect` and `check`, get_numpy) then start without it, most of their start-up time.
 if TYPE_CHECKING:
     import torch
 
